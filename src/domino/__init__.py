@@ -1,0 +1,1 @@
+"""domino: tensor-parallel language models whose TP communication hides behind computation."""
