@@ -1,0 +1,173 @@
+"""Model configuration: one kw-only dataclass, validated on construction.
+
+Field names follow Megatron's TransformerConfig / arguments where they exist so that users'
+settings carry over. Checks that depend on the tensor-parallel size live in
+:meth:`TransformerConfig.validate_parallel`, called when a model is built for a TP group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from domino.utils import init_method_normal, scaled_init_method_normal
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+DOMINO_OVERLAPS = ("none", "intra_layer", "cross_layer")
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """Architecture, initialisation and Domino schedule of a transformer language model."""
+
+    num_layers: int = field(metadata={"help": "Number of transformer layers (encoder)."})
+    hidden_size: int = field(metadata={"help": "Transformer hidden size."})
+    num_attention_heads: int = field(metadata={"help": "Number of attention (query) heads."})
+    vocab_size: int = field(default=0, metadata={"help": "Real vocabulary size (before padding)."})
+    ffn_hidden_size: int | None = field(
+        default=None, metadata={"help": "MLP hidden size; default 4 * hidden_size."})
+    kv_channels: int | None = field(
+        default=None, metadata={"help": "Per-head size; default hidden_size / num_attention_heads."})
+    num_query_groups: int | None = field(
+        default=None,
+        metadata={"help": "Key/value groups for grouped-query attention; default = heads (MHA)."})
+    decoder_num_layers: int | None = field(
+        default=None, metadata={"help": "Decoder layers (encoder-decoder models); default num_layers."})
+    make_vocab_size_divisible_by: int = field(
+        default=128, metadata={"help": "Pad the vocabulary to a multiple of this times TP size."})
+    max_position_embeddings: int = field(
+        default=1024, metadata={"help": "Size of the learned position table / longest sequence."})
+    seq_length: int = field(default=1024, metadata={"help": "Training sequence length."})
+    position_embedding_type: str = field(
+        default="learned_absolute", metadata={"help": "learned_absolute, rope or none."})
+    rotary_percent: float = field(
+        default=1.0, metadata={"help": "Fraction of each head's channels that RoPE rotates."})
+    rotary_base: int = field(default=10000, metadata={"help": "RoPE base period."})
+    rotary_seq_len_interpolation_factor: float | None = field(
+        default=None, metadata={"help": "Divide RoPE positions by this (position interpolation)."})
+    normalization: str = field(default="LayerNorm", metadata={"help": "LayerNorm or RMSNorm."})
+    activation: str = field(default="gelu", metadata={"help": "MLP activation: gelu or swiglu."})
+    add_bias_linear: bool = field(default=True, metadata={"help": "Bias in the linear layers."})
+    hidden_dropout: float = field(default=0.1, metadata={"help": "Dropout after attention/MLP."})
+    attention_dropout: float = field(default=0.1, metadata={"help": "Dropout on attention probs."})
+    layernorm_epsilon: float = field(default=1e-5, metadata={"help": "Norm epsilon."})
+    init_method_std: float = field(default=0.02, metadata={"help": "Std of the normal init."})
+    init_method: Callable[[torch.Tensor], torch.Tensor] | None = field(
+        default=None, metadata={"help": "Weight init (full tensor); default normal(init_method_std)."})
+    output_layer_init_method: Callable[[torch.Tensor], torch.Tensor] | None = field(
+        default=None,
+        metadata={"help": "Init of the row-parallel outputs; default std / sqrt(2 num_layers)."})
+    apply_residual_connection_post_layernorm: bool = field(
+        default=False, metadata={"help": "Residual taken after the layer norm (post-LN style)."})
+    final_layernorm: bool = field(default=True, metadata={"help": "Norm after the last layer."})
+    untie_embeddings_and_output_weights: bool = field(
+        default=False, metadata={"help": "Separate output layer instead of the word embeddings."})
+    params_dtype: torch.dtype = field(default=torch.float32, metadata={"help": "Parameter dtype."})
+    attention_softmax_in_fp32: bool = field(
+        default=True, metadata={"help": "Compute the attention softmax in fp32."})
+    domino_micro_batches: int = field(
+        default=2, metadata={"help": "Domino: split each batch into this many micro-batches."})
+    domino_overlap: str = field(
+        default="cross_layer", metadata={"help": "Domino overlap: none, intra_layer, cross_layer."})
+    domino_column_chunks: int = field(
+        default=1, metadata={"help": "Domino: split row-parallel GEMM outputs into column chunks."})
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads",
+                  "make_vocab_size_divisible_by", "max_position_embeddings", "seq_length",
+                  "domino_micro_batches", "domino_column_chunks")
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0 = no embedding).")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; choose heads that divide the hidden size "
+                "(or set kv_channels explicitly).")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.decoder_num_layers is None:
+            self.decoder_num_layers = self.num_layers
+        _positive(self, "ffn_hidden_size", "kv_channels", "num_query_groups", "decoder_num_layers")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}; pick a group count that divides the "
+                "number of heads.")
+        _choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
+        _choice(self, "normalization", NORMALIZATIONS)
+        _choice(self, "activation", ACTIVATIONS)
+        _choice(self, "domino_overlap", DOMINO_OVERLAPS)
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name}={p} must be in [0, 1).")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1].")
+        if self.position_embedding_type == "rope":
+            rot = int(self.kv_channels * self.rotary_percent)
+            if rot < 2 or rot % 2:
+                raise ValueError(
+                    f"RoPE rotates int(kv_channels * rotary_percent) = {rot} channels per head; "
+                    "it must be even and >= 2: change rotary_percent or kv_channels.")
+        if (self.rotary_seq_len_interpolation_factor is not None
+                and self.rotary_seq_len_interpolation_factor <= 0):
+            raise ValueError(
+                "rotary_seq_len_interpolation_factor="
+                f"{self.rotary_seq_len_interpolation_factor} must be > 0 (or None).")
+        if (self.position_embedding_type == "learned_absolute"
+                and self.seq_length > self.max_position_embeddings):
+            raise ValueError(
+                f"seq_length={self.seq_length} is longer than max_position_embeddings="
+                f"{self.max_position_embeddings}: the learned position table has no rows for the "
+                "extra positions; raise max_position_embeddings or shorten seq_length.")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0.")
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std={self.init_method_std} must be > 0.")
+        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
+            raise ValueError(f"params_dtype={self.params_dtype} must be a floating torch.dtype.")
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, self.num_layers)
+
+    def validate_parallel(self, tp_size: int) -> None:
+        """Raise ValueError if this model cannot be split over ``tp_size`` ranks."""
+        rules = (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.num_query_groups),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+        )
+        for name, value in rules:
+            if value % tp_size:
+                raise ValueError(
+                    f"{name}={value} is not divisible by tensor_model_parallel_size={tp_size}; "
+                    f"choose a TP size that divides {name} (or change {name}).")
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp_size."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def _positive(cfg: TransformerConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def _choice(cfg: TransformerConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}.")

@@ -1,0 +1,268 @@
+"""Turn text files, folders and JSONL into an MMIDIDX token dataset."""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import glob
+import json
+import multiprocessing as mp
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from domino.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    best_dtype,
+    data_path,
+    index_path,
+    meta_path,
+)
+from domino.data.tokenizer import Tokenizer
+
+DEFAULT_PATTERNS: tuple[str, ...] = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.json")
+JSONL_SUFFIXES = (".jsonl", ".json")
+_SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
+_BATCH_BYTES = 1 << 20  # ~1 MB of text per tokenizer call: big enough to amortise, small for RAM
+
+
+@dataclass
+class PreprocessStats:
+    """What `preprocess` wrote."""
+
+    output_prefix: str
+    files: int
+    documents: int
+    tokens: int
+    bytes: int
+    empty_skipped: int
+
+    def as_dict(self) -> dict[str, int | str]:
+        return asdict(self)
+
+
+def collect_files(
+    inputs: Sequence[str | os.PathLike], patterns: Sequence[str] | None = None
+) -> list[str]:
+    """Expand files, folders (recursive, filtered by `patterns`) and globs into a file list.
+
+    Explicit files are always kept; folder contents must match one of `patterns`
+    (default `DEFAULT_PATTERNS`). Hidden entries and `__pycache__` are skipped.
+    """
+    pats = tuple(patterns) if patterns else DEFAULT_PATTERNS
+    out: list[str] = []
+    for item in inputs:
+        path = os.fspath(item)
+        if os.path.isfile(path):
+            out.append(path)
+        elif os.path.isdir(path):
+            out.extend(_walk(path, pats))
+        elif glob.has_magic(path):
+            for hit in sorted(glob.glob(path, recursive=True)):
+                out.extend([hit] if os.path.isfile(hit) else _walk(hit, pats))
+        else:
+            raise FileNotFoundError(f"input path does not exist: {path}")
+    return list(dict.fromkeys(out))  # drop duplicates, keep order
+
+
+def _walk(root: str, patterns: Sequence[str], skip: set[str] = _SKIP_DIRS) -> list[str]:
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place stops os.walk from descending; sorting makes output deterministic.
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and any(fnmatch.fnmatch(name, p) for p in patterns):
+                found.append(os.path.join(dirpath, name))
+    return found
+
+
+def iter_documents(files: Sequence[str], json_key: str = "text") -> Iterator[tuple[str, int]]:
+    """Yield (text, bytes read) per document: one per text file, one per JSONL line."""
+    for path in files:
+        if path.lower().endswith(JSONL_SUFFIXES):
+            yield from _iter_jsonl(path, json_key)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
+            yield raw.decode("utf-8", errors="replace"), len(raw)
+
+
+def _iter_jsonl(path: str, json_key: str) -> Iterator[tuple[str, int]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line:
+                yield "", len(raw)  # blank lines are allowed (e.g. a trailing newline)
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(
+                    f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}"
+                )
+            if json_key not in obj:
+                keys = ", ".join(sorted(obj)[:10]) or "none"
+                raise ValueError(
+                    f"{path}: line {lineno}: missing key {json_key!r} (keys present: {keys}); "
+                    "pass json_key= / --json-key to pick another field"
+                )
+            value = obj[json_key]
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"{path}: line {lineno}: value of {json_key!r} must be a string, "
+                    f"got {type(value).__name__}"
+                )
+            yield value, len(raw)
+
+
+def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, int]]:
+    """Group documents into (non-empty texts, bytes, empty count) batches of ~_BATCH_BYTES."""
+    texts: list[str] = []
+    nbytes = empty = 0
+    for text, size in docs:
+        nbytes += size
+        if text:
+            texts.append(text)
+        else:
+            empty += 1
+        if nbytes >= _BATCH_BYTES or len(texts) >= 4096:
+            yield texts, nbytes, empty
+            texts, nbytes, empty = [], 0, 0
+    if texts or nbytes or empty:
+        yield texts, nbytes, empty
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _encode_in_worker(texts: list[str]) -> list[list[int]]:
+    assert _WORKER_TOKENIZER is not None
+    return _WORKER_TOKENIZER.encode_batch(texts)
+
+
+def preprocess(
+    inputs: Sequence[str | os.PathLike],
+    output_prefix: str | os.PathLike,
+    tokenizer: Tokenizer,
+    json_key: str = "text",
+    append_eod: bool = True,
+    workers: int = 1,
+    progress: bool = True,
+    patterns: Sequence[str] | None = None,
+) -> PreprocessStats:
+    """Tokenize `inputs` into `output_prefix.{bin,idx,json}`; one document per file/JSONL line.
+
+    Writes to temporary files first so a failed run never clobbers an existing dataset.
+    """
+    files = collect_files(inputs, patterns)
+    if not files:
+        shown = ", ".join(map(os.fspath, inputs)) or "(nothing)"
+        pats = ", ".join(patterns or DEFAULT_PATTERNS)
+        raise ValueError(f"no input files found in {shown} (folder patterns: {pats})")
+    prefix = os.fspath(output_prefix)
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    builder = IndexedDatasetBuilder(tmp, best_dtype(tokenizer.vocab_size))
+    docs = tokens = nbytes = empty = 0
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
+    )
+    pool = None
+    try:
+        batches = _batches(iter_documents(files, json_key))
+        if workers > 1:
+            # spawn: safe with threaded parents (torch, tokenizers' rayon pool) on every OS.
+            pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+            encoded = _ordered_parallel(pool, batches, 2 * workers)
+        else:
+            encoded = ((tokenizer.encode_batch(t), b, e) for t, b, e in batches)
+        for ids_list, size, n_empty in encoded:
+            for ids in ids_list:
+                if append_eod:
+                    ids = [*ids, tokenizer.eod]
+                if not ids:
+                    n_empty += 1
+                    continue
+                builder.add_document(np.asarray(ids, dtype=np.int64))
+                docs += 1
+                tokens += len(ids)
+            nbytes += size
+            empty += n_empty
+            bar.update(size)
+            bar.set_postfix(docs=docs, tokens=tokens, refresh=False)
+        if docs == 0:
+            raise ValueError(
+                f"all {empty} documents in {len(files)} input file(s) are empty; nothing to write"
+            )
+        builder.finalize(
+            metadata={
+                "format": "MMIDIDX",
+                "tokenizer": tokenizer.describe(),
+                "documents": docs,
+                "tokens": tokens,
+                "append_eod": append_eod,
+            }
+        )
+        for path_of in (data_path, index_path, meta_path):
+            os.replace(path_of(tmp), path_of(prefix))
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+        builder.__exit__()
+        for path_of in (data_path, index_path, meta_path):
+            if os.path.exists(path_of(tmp)):
+                os.remove(path_of(tmp))
+    return PreprocessStats(prefix, len(files), docs, tokens, nbytes, empty)
+
+
+def _ordered_parallel(
+    pool: mp.pool.Pool, batches: Iterator[tuple[list[str], int, int]], max_pending: int
+) -> Iterator[tuple[list[list[int]], int, int]]:
+    """Encode batches in `pool`, yielding in input order with bounded memory.
+
+    The input iterator is consumed here, in the caller's thread, so malformed-input
+    errors surface directly instead of from inside the pool.
+    """
+    pending: collections.deque = collections.deque()
+    for texts, size, empty in batches:
+        pending.append((pool.apply_async(_encode_in_worker, (texts,)), size, empty))
+        if len(pending) >= max_pending:
+            res, s, e = pending.popleft()
+            yield res.get(), s, e
+    while pending:
+        res, s, e = pending.popleft()
+        yield res.get(), s, e
+
+
+def stdlib_corpus_files(limit_bytes: int | None = None) -> list[str]:
+    """The Python standard library's own .py files: a corpus present on every machine.
+
+    Skips site-packages, test folders and `__pycache__`; sorted for determinism. With
+    `limit_bytes`, keeps the longest sorted prefix whose total size fits the limit.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    files = _walk(root, ("*.py",), skip=_SKIP_DIRS | {"test", "tests", "idle_test"})
+    files.sort(key=lambda p: os.path.relpath(p, root))
+    if limit_bytes is None:
+        return files
+    out: list[str] = []
+    total = 0
+    for path in files:
+        size = os.path.getsize(path)
+        if total + size > limit_bytes:
+            break
+        out.append(path)
+        total += size
+    return out

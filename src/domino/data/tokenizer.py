@@ -1,0 +1,245 @@
+"""Tokenizers: a byte-level fallback and byte-level BPE (GPT-2 style) via HF `tokenizers`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+EOD_TOKEN = "<|endoftext|>"
+VOCAB_FILE = "vocab.json"
+MERGES_FILE = "merges.txt"
+
+
+class Tokenizer(ABC):
+    """What the data layer needs from a tokenizer."""
+
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids (including special tokens)."""
+
+    @property
+    @abstractmethod
+    def eod(self) -> int:
+        """End-of-document token id."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Text to token ids (no EOD appended)."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids to text; special tokens are dropped."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts; subclasses may parallelise."""
+        return [self.encode(t) for t in texts]
+
+    @abstractmethod
+    def vocab_hash(self) -> str:
+        """Content hash of the vocabulary (and merges), stable across processes."""
+
+    def describe(self) -> dict[str, Any]:
+        """Small JSON-able identity record, stored next to datasets made with this tokenizer."""
+        return {
+            "kind": self.name,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "vocab_hash": self.vocab_hash(),
+        }
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255 plus EOD=256; needs no files, so it works everywhere."""
+
+    name = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 257
+
+    @property
+    def eod(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def vocab_hash(self) -> str:
+        return _sha256(b"byte-tokenizer:" + bytes(range(256)) + b":eod=256")
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 compatible vocab.json + merges.txt) backed by HF `tokenizers`."""
+
+    name = "bpe"
+
+    def __init__(self, tokenizer: Any, eod_token: str = EOD_TOKEN) -> None:
+        self._tok = tokenizer
+        self.eod_token = eod_token
+        eod = tokenizer.token_to_id(eod_token)
+        if eod is None:
+            # Some vocabularies lack the marker; append it so every document can still end.
+            tokenizer.add_special_tokens([eod_token])
+            eod = tokenizer.token_to_id(eod_token)
+        self._eod = int(eod)
+
+    @staticmethod
+    def _empty(vocab: str | dict | None = None, merges: str | list | None = None) -> Any:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        if isinstance(vocab, str):
+            model = models.BPE.from_file(vocab, merges)
+        elif vocab is not None:
+            model = models.BPE(vocab, merges)
+        else:
+            model = models.BPE()
+        tok = HFTokenizer(model)
+        # GPT-2 convention: no prefix space, so encode/decode round-trips exactly.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    @classmethod
+    def train(
+        cls,
+        files_or_iterator: Iterable[str] | str | os.PathLike,
+        vocab_size: int,
+        min_frequency: int = 2,
+        eod_token: str = EOD_TOKEN,
+        show_progress: bool = False,
+    ) -> BPETokenizer:
+        """Train byte-level BPE on files (list of paths) or an iterator of texts."""
+        from tokenizers import pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise ValueError(f"BPE vocab_size must be >= 257 (256 bytes + EOD), got {vocab_size}")
+        tok = cls._empty()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=[eod_token],
+            # Seed all 256 byte symbols so any input stays encodable.
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=show_progress,
+        )
+        items: Any = files_or_iterator
+        if isinstance(items, str | os.PathLike):
+            items = [items]  # a lone string is a path, never a one-text corpus
+            if not os.path.isfile(items[0]):
+                raise FileNotFoundError(f"BPE training file not found: {os.fspath(items[0])}")
+        # A list of existing paths (or Path objects) means files; anything else is texts.
+        if (
+            isinstance(items, list | tuple)
+            and items
+            and all(
+                isinstance(p, os.PathLike) or (isinstance(p, str) and os.path.isfile(p))
+                for p in items
+            )
+        ):
+            missing = [p for p in items if not os.path.isfile(p)]
+            if missing:
+                raise FileNotFoundError(f"BPE training file not found: {os.fspath(missing[0])}")
+            tok.train([os.fspath(p) for p in items], trainer)
+        else:
+            tok.train_from_iterator(items, trainer)
+        return cls(tok, eod_token)
+
+    @classmethod
+    def from_files(
+        cls,
+        vocab_json: str | os.PathLike,
+        merges_txt: str | os.PathLike,
+        eod_token: str = EOD_TOKEN,
+    ) -> BPETokenizer:
+        """Load a GPT-2 style byte-level vocab.json + merges.txt."""
+        for path, what in ((vocab_json, "vocab_file"), (merges_txt, "merges_file")):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"BPE {what} not found: {path}; pass an existing GPT-2 style {what} "
+                    "(or train one with BPETokenizer.train)"
+                )
+        return cls(cls._empty(os.fspath(vocab_json), os.fspath(merges_txt)), eod_token)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, eod_token: str = EOD_TOKEN) -> BPETokenizer:
+        """Load what `save` wrote."""
+        d = Path(directory)
+        return cls.from_files(d / VOCAB_FILE, d / MERGES_FILE, eod_token)
+
+    def save(self, directory: str | os.PathLike) -> list[str]:
+        """Write vocab.json + merges.txt (GPT-2 layout) into `directory`; returns the paths."""
+        os.makedirs(directory, exist_ok=True)
+        return list(self._tok.model.save(os.fspath(directory)))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [list(e.ids) for e in encs]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def vocab_hash(self) -> str:
+        state = json.loads(self._tok.to_str())
+        # Merges serialise as "a b" strings or [a, b] pairs depending on the library version.
+        merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+        vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        payload = json.dumps({"vocab": vocab, "merges": merges}, ensure_ascii=False)
+        return _sha256(payload.encode("utf-8"))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def build_tokenizer(
+    kind: str,
+    *,
+    vocab_file: str | os.PathLike | None = None,
+    merges_file: str | os.PathLike | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Tokenizer:
+    """Make a tokenizer: "byte" (no files) or "bpe" (vocab_file+merges_file, or tokenizer_dir)."""
+    kind = kind.lower()
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        if tokenizer_dir is not None:
+            vocab_file = vocab_file or Path(tokenizer_dir) / VOCAB_FILE
+            merges_file = merges_file or Path(tokenizer_dir) / MERGES_FILE
+        if vocab_file is None or merges_file is None:
+            raise ValueError(
+                "tokenizer kind 'bpe' needs vocab_file= and merges_file= (GPT-2 style "
+                "vocab.json + merges.txt) or tokenizer_dir= holding both"
+            )
+        for path, what in ((vocab_file, "vocab_file"), (merges_file, "merges_file")):
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"tokenizer kind 'bpe': {what} {os.fspath(path)!r} does not exist; "
+                    f"pass {what}= pointing at an existing file"
+                )
+        return BPETokenizer.from_files(vocab_file, merges_file)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of: 'byte', 'bpe'")

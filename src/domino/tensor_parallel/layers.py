@@ -1,0 +1,179 @@
+"""Tier 3: tensor-parallel layers (Megatron-style) over a CommGroup.
+
+Initialisation is TP-invariant: every rank draws the *full* weight from the default generator
+(on CPU, so the device does not change the numbers) and keeps its slice, so a given seed yields
+the same full model at any TP size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from domino.utils import divide
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def shard_of_full(full: torch.Tensor, dim: int, group: CommGroup, stride: int = 1) -> torch.Tensor:
+    """This rank's part of ``full`` along ``dim``.
+
+    With ``stride`` s the dimension is viewed as s equal blocks and the rank takes its slice of
+    each (e.g. SwiGLU's [gate; up] weight: stride 2 gives every rank matching gate and up rows).
+    """
+    if group.size == 1:
+        return full
+    blocks = full.chunk(stride, dim=dim)
+    parts = [b.chunk(group.size, dim=dim)[group.rank] for b in blocks]
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def init_sharded(full_shape: tuple[int, ...], init_method: InitMethod, dim: int,
+                 group: CommGroup, dtype: torch.dtype, device: torch.device | None,
+                 stride: int = 1, valid_rows: int | None = None) -> torch.Tensor:
+    """Draw the full tensor with ``init_method`` and return this rank's shard.
+
+    ``valid_rows`` (vocabulary padding): only the first rows are drawn, the rest are zero, so the
+    random stream - and thus every real row - does not depend on how much padding TP needs.
+    """
+    rows = full_shape[0] if valid_rows is None else valid_rows
+    full = torch.zeros(full_shape, dtype=torch.float32)
+    with torch.no_grad():
+        drawn = torch.empty((rows, *full_shape[1:]), dtype=torch.float32)
+        init_method(drawn)
+        full[:rows] = drawn
+    shard = shard_of_full(full, dim, group, stride)
+    return shard.to(device=device, dtype=dtype)
+
+
+class _LinearWithAsyncGradReduce(torch.autograd.Function):
+    """y = x W^T + b whose backward all-reduces dL/dx asynchronously under the dW GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight)
+        handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # runs while dx is reduced
+        grad_bias = g2.sum(0) if ctx.has_bias else None
+        handle.wait()
+        return grad_input, grad_weight, grad_bias, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (output columns) over the TP group.
+
+    Returns ``(output, bias)``; ``bias`` is not None only with ``skip_bias_add`` (the caller fuses
+    it later). ``gather_output`` concatenates the shards; otherwise each rank keeps ``out/tp``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, group: CommGroup,
+                 bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
+                 init_method: InitMethod, stride: int = 1,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        self.group, self.gather_output, self.skip_bias_add = group, gather_output, skip_bias_add
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, group.size)
+        self.weight = nn.Parameter(init_sharded((output_size, input_size), init_method, 0, group,
+                                                params_dtype, device, stride))
+        self.bias = (nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
+                                              device=device)) if bias else None)
+        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, reduce_input_grad: bool = True):
+        """``reduce_input_grad=False`` leaves dL/dx partial: a Domino schedule reduces it."""
+        bias = None if self.skip_bias_add else self.bias
+        if reduce_input_grad and self.group.size > 1 and torch.is_grad_enabled():
+            out = _LinearWithAsyncGradReduce.apply(x, self.weight, bias, self.group)
+        else:
+            out = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (input rows); partial sums are all-reduced.
+
+    Returns ``(output, bias)`` like :class:`ColumnParallelLinear`. The bias is replicated and
+    added after the reduction (once, not once per rank).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, group: CommGroup,
+                 bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
+                 init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, group.size)
+        self.weight = nn.Parameter(init_sharded((output_size, input_size), init_method, 1, group,
+                                                params_dtype, device))
+        self.bias = (nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+                     if bias else None)
+        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+    def partial(self, x: torch.Tensor, columns: slice | None = None) -> torch.Tensor:
+        """This rank's partial sum X_r A_r^T (optionally only some output columns), no bias."""
+        weight = self.weight if columns is None else self.weight[columns]
+        return F.linear(x, weight)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        out = reduce_from_tensor_model_parallel_region(self.partial(x), self.group)
+        if self.skip_bias_add or self.bias is None:
+            return out, self.bias
+        return out + self.bias, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose (padded) vocabulary is split over the TP group.
+
+    Each rank looks up the ids in its vocabulary range and the partial results are all-reduced.
+    Rows past ``real_num_embeddings`` are padding: zero, never looked up.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: CommGroup,
+                 init_method: InitMethod, real_num_embeddings: int | None = None,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        self.group = group
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.real_num_embeddings = real_num_embeddings or num_embeddings
+        self.per_partition = divide(num_embeddings, group.size)
+        self.vocab_start = group.rank * self.per_partition
+        self.vocab_end = self.vocab_start + self.per_partition
+        self.weight = nn.Parameter(init_sharded((num_embeddings, embedding_dim), init_method, 0,
+                                                group, params_dtype, device,
+                                                valid_rows=self.real_num_embeddings))
+        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.group)
+

@@ -1,0 +1,82 @@
+"""Tier 2: autograd-aware moves of tensors into and out of the tensor-parallel region.
+
+Each Function's backward is the adjoint of its forward, so gradients are right whatever the
+caller does with the result. ``group`` is a :class:`~domino.tensor_parallel.comm.CommGroup`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from domino.tensor_parallel.comm import CommGroup
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Forward identity; backward all-reduce (the input fans out to every rank's shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        ctx.group.all_reduce(grad)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Forward all-reduce (sum of partial results); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        group.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Forward: keep this rank's slice of the last dim; backward: gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.split_last_dim(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather_last_dim(grad.contiguous()), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Forward: concatenate every rank's slice of the last dim; backward: split."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_gather_last_dim(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.split_last_dim(grad), None
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group) if group.size > 1 else x
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group) if group.size > 1 else x
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    return _ScatterToRegion.apply(x, group) if group.size > 1 else x
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    return _GatherFromRegion.apply(x, group) if group.size > 1 else x

@@ -1,0 +1,70 @@
+"""Dropout RNG streams for tensor parallelism.
+
+Two streams, each a ``torch.Generator`` owned by the parallel state (no global RNG forking):
+
+* ``replicated``: identical on every TP rank - dropout on activations that all TP ranks hold
+  (hidden dropout after the row-parallel reduction), so the replicas stay equal.
+* ``model_parallel``: different per TP rank - dropout inside the TP region (attention
+  probabilities of a rank's own heads), so shards do not share masks.
+
+Unless :meth:`RNGTracker.seed` is called, both derive from ``torch.initial_seed()`` at first use,
+so ``torch.manual_seed(s)`` on every rank is enough.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Offset that separates the TP-distinct stream from the replicated one.
+_MODEL_PARALLEL_OFFSET = 2718
+
+
+class RNGTracker:
+    """Per-device generators for the replicated and the TP-distinct dropout streams."""
+
+    def __init__(self, seed: int | None = None, tp_rank: int = 0) -> None:
+        self._seed = seed
+        self.tp_rank = tp_rank
+        self._generators: dict[tuple[str, str], torch.Generator] = {}
+
+    def seed(self, seed: int) -> None:
+        """Reset both streams from ``seed``."""
+        self._seed = int(seed)
+        self._generators.clear()
+
+    def _get(self, kind: str, device: torch.device) -> torch.Generator:
+        key = (kind, str(device))
+        gen = self._generators.get(key)
+        if gen is None:
+            base = self._seed if self._seed is not None else torch.initial_seed()
+            if kind == "model_parallel":
+                base = base + _MODEL_PARALLEL_OFFSET + self.tp_rank
+            gen = torch.Generator(device=device)
+            gen.manual_seed(base % (2**63))
+            self._generators[key] = gen
+        return gen
+
+    def replicated(self, device: torch.device) -> torch.Generator:
+        return self._get("replicated", device)
+
+    def model_parallel(self, device: torch.device) -> torch.Generator:
+        return self._get("model_parallel", device)
+
+    def state_dict(self) -> dict:
+        return {"seed": self._seed,
+                "states": {f"{k[0]}|{k[1]}": g.get_state() for k, g in self._generators.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seed = state["seed"]
+        self._generators.clear()
+        for key, value in state["states"].items():
+            kind, device = key.split("|")
+            self._get(kind, torch.device(device)).set_state(value)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator) -> torch.Tensor:
+    """Inverted dropout whose mask comes from ``generator`` (a stream of an RNGTracker)."""
+    if not training or p == 0.0:
+        return x
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
+    return x * keep * (1.0 / (1.0 - p))

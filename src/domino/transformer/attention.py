@@ -1,0 +1,206 @@
+"""Self and cross attention, tensor-parallel over heads, with GQA, RoPE, masks and a KV cache.
+
+Each module exposes ``core(x, mb) -> context`` (everything from the column-parallel entry to the
+input of the row-parallel ``dense``) so that a schedule can run ``dense`` in column chunks and
+own the all-reduce. Heads are split over TP ranks; the fused QKV weight is laid out per query
+group as ``[q heads of the group | k | v]`` so that a contiguous TP shard holds whole groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from domino.config import TransformerConfig
+from domino.parallel_state import ParallelState
+from domino.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    dropout,
+)
+from domino.transformer.rope import apply_rotary
+from domino.utils import divide
+
+
+@dataclass
+class InferenceParams:
+    """KV cache for incremental decoding (Megatron's name and fields)."""
+
+    max_batch_size: int
+    max_sequence_length: int
+    sequence_len_offset: int = 0
+    batch_size_offset: int = 0
+    key_value_memory_dict: dict = field(default_factory=dict)
+
+
+@dataclass
+class MicroBatch:
+    """What the pieces of one micro-batch need besides their input tensor."""
+
+    index: int = 0
+    batch_start: int = 0  # first sample of this micro-batch in the full batch
+    batch_size: int = 0  # samples in this micro-batch
+    self_mask: torch.Tensor | None = None  # bool, True = masked, broadcastable [b, 1, sq, sk]
+    causal: bool = False
+    cross_mask: torch.Tensor | None = None
+    rotary: torch.Tensor | None = None  # [s, b, 1, rot_dim]
+    memory: torch.Tensor | None = None  # encoder output [s_enc, b, h] for cross attention
+    inference_params: InferenceParams | None = None
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   p: float, training: bool, generator: torch.Generator,
+                   softmax_fp32: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n, d] -> [sq, b, n*d].
+
+    Masked scores take the dtype's minimum rather than -inf: a row whose keys are all masked
+    (e.g. a padding query) then stays finite instead of turning into NaN.
+    """
+    sq, b, n, d = q.shape
+    qh = q.permute(1, 2, 0, 3)  # [b, n, sq, d]
+    kh = k.permute(1, 2, 3, 0)  # [b, n, d, sk]
+    scores = torch.matmul(qh, kh) * (1.0 / math.sqrt(d))
+    if softmax_fp32:
+        scores = scores.float()
+    if mask is not None:
+        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = dropout(probs, p, training, generator)
+    ctx = torch.matmul(probs, v.permute(1, 2, 0, 3))  # [b, n, sq, d]
+    return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+
+
+def causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """[sq, sk] bool, True where key j lies after query i (queries are the last sq positions)."""
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    return torch.arange(sk, device=device).unsqueeze(0) > q_pos
+
+
+def _merge_masks(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
+                 device: torch.device) -> torch.Tensor | None:
+    if not causal:
+        return mask
+    c = causal_mask(sq, sk, device)
+    return c if mask is None else (mask | c)
+
+
+def _mb_slice(mask: torch.Tensor | None, mb: MicroBatch, b: int) -> torch.Tensor | None:
+    """The micro-batch's rows of a mask whose batch dim is the full batch (or broadcast)."""
+    if mask is None or mask.dim() < 4 or mask.shape[0] == 1:
+        return mask
+    return mask[mb.batch_start:mb.batch_start + b]
+
+
+class _AttentionBase(nn.Module):
+    def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        tp = state.tp
+        self.layer_number = layer_number
+        self.rng = state.rng
+        self.head_dim = config.kv_channels
+        self.heads = divide(config.num_attention_heads, tp.size)  # per rank
+        self.groups = divide(config.num_query_groups, tp.size)  # per rank
+        self.q_per_group = divide(config.num_attention_heads, config.num_query_groups)
+        self.dropout_p = config.attention_dropout
+        self.softmax_fp32 = config.attention_softmax_in_fp32
+        self.dense = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, group=tp,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
+            device=device)
+
+    def _attend(self, q, k, v, mask):
+        k = k.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else k
+        v = v.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else v
+        gen = self.rng.model_parallel(q.device)  # heads differ per rank: TP-distinct masks
+        return core_attention(q, k, v, mask, self.dropout_p, self.training, gen,
+                              self.softmax_fp32)
+
+    def forward(self, x: torch.Tensor, mb: MicroBatch | None = None):
+        """Plain (unscheduled) use: returns ``(output, bias)`` with the all-reduce done."""
+        mb = mb or MicroBatch()
+        group = self.dense.group
+        if mb.memory is not None:
+            mb = dataclasses.replace(
+                mb, memory=copy_to_tensor_model_parallel_region(mb.memory, group))
+        ctx = self.core(copy_to_tensor_model_parallel_region(x, group), mb)
+        return self.dense(ctx)
+
+
+class SelfAttention(_AttentionBase):
+    """Multi-head / grouped-query self attention; heads split over TP ranks."""
+
+    def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
+                 device: torch.device | None = None) -> None:
+        super().__init__(config, state, layer_number, device)
+        width = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
+            init_method=config.init_method, params_dtype=config.params_dtype, device=device)
+
+    def core(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        sq, b, _ = x.shape
+        qkv, _ = self.query_key_value(x, reduce_input_grad=False)
+        qkv = qkv.view(sq, b, self.groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.q_per_group].reshape(sq, b, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, groups, d]
+        if mb.rotary is not None:
+            q, k = apply_rotary(q, mb.rotary), apply_rotary(k, mb.rotary)
+        k, v = self._cache(k, v, mb)
+        mask = _merge_masks(_mb_slice(mb.self_mask, mb, b), mb.causal, sq, k.shape[0], x.device)
+        return self._attend(q, k, v, mask)
+
+    def _cache(self, k: torch.Tensor, v: torch.Tensor, mb: MicroBatch):
+        params = mb.inference_params
+        if params is None:
+            return k, v
+        cache = params.key_value_memory_dict.get(self.layer_number)
+        if cache is None:
+            shape = (params.max_sequence_length, params.max_batch_size, *k.shape[2:])
+            cache = (k.new_zeros(shape), v.new_zeros(shape))
+            params.key_value_memory_dict[self.layer_number] = cache
+        s0 = params.sequence_len_offset
+        s1 = s0 + k.shape[0]
+        if s1 > params.max_sequence_length:
+            raise ValueError(f"inference step reaches position {s1}, past max_sequence_length="
+                             f"{params.max_sequence_length} of the InferenceParams.")
+        b0 = params.batch_size_offset + mb.batch_start
+        b1 = b0 + k.shape[1]
+        cache[0][s0:s1, b0:b1] = k
+        cache[1][s0:s1, b0:b1] = v
+        return cache[0][:s1, b0:b1], cache[1][:s1, b0:b1]
+
+
+class CrossAttention(_AttentionBase):
+    """Queries from the decoder, keys/values from the encoder output (``mb.memory``)."""
+
+    def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
+                 device: torch.device | None = None) -> None:
+        super().__init__(config, state, layer_number, device)
+        self.query = ColumnParallelLinear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, group=state.tp,
+            bias=config.add_bias_linear, init_method=config.init_method,
+            params_dtype=config.params_dtype, device=device)
+        self.key_value = ColumnParallelLinear(
+            config.hidden_size, 2 * config.num_query_groups * self.head_dim, group=state.tp,
+            bias=config.add_bias_linear, init_method=config.init_method,
+            params_dtype=config.params_dtype, device=device)
+
+    def core(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        if mb.memory is None:
+            raise ValueError("cross attention needs the encoder output (enc_hidden_states or an "
+                             "encoder in the model).")
+        sq, b, _ = x.shape
+        sk = mb.memory.shape[0]
+        q, _ = self.query(x, reduce_input_grad=False)
+        kv, _ = self.key_value(mb.memory, reduce_input_grad=False)
+        q = q.view(sq, b, self.heads, self.head_dim)
+        kv = kv.view(sk, b, self.groups, 2, self.head_dim)
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+        return self._attend(q, k, v, _mb_slice(mb.cross_mask, mb, b))

@@ -1,0 +1,108 @@
+"""A transformer layer, cut at its communication points into blocks a schedule can drive.
+
+A block is one residual branch::
+
+    enter:    h -> norm -> (ln, residual)                  local, replicated on TP ranks
+    partials: ln -> column-parallel ... row-parallel GEMM  TP region; yields partial sums,
+              (one per column chunk)                       each needing an all-reduce
+    exit:     (reduced, residual) -> residual + dropout(reduced + bias)   local
+
+The layer itself holds the modules under Megatron's names; :meth:`TransformerLayer.blocks`
+returns its branches in order (self attention, [cross attention], MLP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from domino.config import TransformerConfig
+from domino.enums import LayerType
+from domino.parallel_state import ParallelState
+from domino.tensor_parallel import dropout
+from domino.tensor_parallel.random import RNGTracker
+from domino.transformer.attention import CrossAttention, MicroBatch, SelfAttention
+from domino.transformer.mlp import MLP
+from domino.transformer.norms import build_norm
+
+
+@dataclass(eq=False)
+class Block:
+    """One residual branch of a layer (see module docstring)."""
+
+    layer: int
+    kind: str  # "self_attn" | "cross_attn" | "mlp"
+    norm: nn.Module
+    op: nn.Module  # has .core(ln, mb) and .dense (RowParallelLinear)
+    hidden_dropout: float
+    residual_post_norm: bool
+    rng: RNGTracker
+
+    def enter(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ln = self.norm(h)
+        return ln, (ln if self.residual_post_norm else h)
+
+    def partials(self, ln: torch.Tensor, mb: MicroBatch, chunks: int) -> Iterator[torch.Tensor]:
+        """Row-parallel partial sums [s, b, h_c], one per column chunk, produced lazily so the
+        caller can launch chunk c's all-reduce before chunk c+1's GEMM runs."""
+        core = self.op.core(ln, mb)  # [s, b, width/tp]
+        dense = self.op.dense
+        if chunks == 1:
+            yield dense.partial(core)
+            return
+        for cols in column_chunks(dense.output_size, chunks):
+            yield dense.partial(core, cols)
+
+    def exit(self, reduced: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        bias = self.op.dense.bias
+        out = reduced if bias is None else reduced + bias
+        # All TP ranks hold the same reduced tensor: the mask must match -> replicated stream.
+        out = dropout(out, self.hidden_dropout, self.op.training, self.rng.replicated(out.device))
+        return residual + out
+
+
+def column_chunks(width: int, chunks: int) -> list[slice]:
+    """``chunks`` contiguous slices covering ``range(width)``, sizes differing by at most one."""
+    base, extra = divmod(width, chunks)
+    out, start = [], 0
+    for c in range(chunks):
+        stop = start + base + (1 if c < extra else 0)
+        out.append(slice(start, stop))
+        start = stop
+    return out
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer: self attention, cross attention (decoder), MLP."""
+
+    def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
+                 layer_type: LayerType = LayerType.encoder,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.layer_number, self.layer_type = layer_number, layer_type
+        self.config, self.rng = config, state.rng
+        self.input_layernorm = build_norm(config, device)
+        self.self_attention = SelfAttention(config, state, layer_number, device)
+        self.post_attention_layernorm = build_norm(config, device)
+        if layer_type == LayerType.decoder:
+            self.inter_attention = CrossAttention(config, state, layer_number, device)
+            self.post_inter_attention_layernorm = build_norm(config, device)
+        self.mlp = MLP(config, state, device)
+
+    def blocks(self) -> list[Block]:
+        cfg = self.config
+
+        def block(kind: str, norm: nn.Module, op: nn.Module) -> Block:
+            return Block(self.layer_number, kind, norm, op, cfg.hidden_dropout,
+                         cfg.apply_residual_connection_post_layernorm, self.rng)
+
+        out = [block("self_attn", self.input_layernorm, self.self_attention)]
+        if self.layer_type == LayerType.decoder:
+            out.append(block("cross_attn", self.post_attention_layernorm, self.inter_attention))
+            out.append(block("mlp", self.post_inter_attention_layernorm, self.mlp))
+        else:
+            out.append(block("mlp", self.post_attention_layernorm, self.mlp))
+        return out

@@ -1,0 +1,51 @@
+"""The feed-forward block: column-parallel fc1, GELU or SwiGLU, row-parallel fc2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.config import TransformerConfig
+from domino.parallel_state import ParallelState
+from domino.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+)
+
+
+class MLP(nn.Module):
+    """h -> ffn (column) -> act -> h (row). SwiGLU's fc1 holds [gate; up], sharded with stride 2
+    so every rank gets the gate and up rows of the same ffn channels."""
+
+    def __init__(self, config: TransformerConfig, state: ParallelState,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        width = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
+            init_method=config.init_method, stride=2 if self.swiglu else 1,
+            params_dtype=config.params_dtype, device=device)
+        self.dense_4h_to_h = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, group=state.tp,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
+            device=device)
+
+    @property
+    def dense(self) -> RowParallelLinear:
+        """The row-parallel exit, under the name every block uses."""
+        return self.dense_4h_to_h
+
+    def core(self, x: torch.Tensor, mb=None) -> torch.Tensor:
+        h, _ = self.dense_h_to_4h(x, reduce_input_grad=False)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h)
+
+    def forward(self, x: torch.Tensor):
+        """Plain (unscheduled) use: returns ``(output, bias)`` with the all-reduce done."""
+        return self.dense(self.core(copy_to_tensor_model_parallel_region(x, self.dense.group)))

@@ -1,0 +1,232 @@
+"""Domino schedules: the order of (piece, micro-batch) steps and where the waits go.
+
+A stack of B blocks (see ``layer.py``) has, per micro-batch m, pieces
+
+    local(0, m), par(0, m), local(1, m), par(1, m), ..., par(B-1, m), local(B, m)
+
+where ``par(j)`` runs block j from its column-parallel entry to its row-parallel partial sums and
+``local(j)`` runs exit(j-1) + enter(j) (local(B) ends with the final norm). The all-reduce of
+par(j, m)'s output is consumed by local(j+1, m). In backward the input-gradient all-reduce of
+par(j, m) is consumed by local(j, m)'s backward.
+
+Forward runs, for each j, ``local(j, m), par(j, m)`` for every m: micro-batch m's all-reduce is
+in flight while micro-batches m+1.. compute. The waits:
+
+* ``none``: right after each launch (micro-batching without overlap; sync TP when m = 1),
+* ``intra_layer``: lazily, but all of a layer's all-reduces finish before the next layer starts,
+* ``cross_layer``: lazily only, so the last micro-batch's MLP all-reduce runs under the next
+  layer's first attention piece.
+
+Backward is the mirror image (units ``local^T(j+1, m), par^T(j, m)``), driven explicitly here:
+PyTorch's autograd engine runs ready nodes in reverse creation order, which would make every
+micro-batch wait for its own gradient all-reduce at once; running each piece's backward
+ourselves lets other micro-batches' backward run under it. The whole stack is therefore one
+autograd Function whose backward runs this schedule (like reentrant checkpointing, parameter
+gradients accumulate into ``.grad`` directly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.transformer.attention import MicroBatch
+from domino.transformer.layer import Block
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule: micro-batch count, overlap kind and column chunks."""
+
+    micro_batches: int = 1
+    overlap: str = "none"
+    column_chunks: int = 1
+
+
+def split_batch(batch: int, micro_batches: int) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch along the batch dim; sizes differ by at most one."""
+    if micro_batches > batch:
+        raise ValueError(
+            f"domino_micro_batches={micro_batches} is larger than the batch size {batch}: each "
+            "micro-batch needs at least one sample; lower domino_micro_batches or use a larger "
+            "batch.")
+    base, extra = divmod(batch, micro_batches)
+    out, start = [], 0
+    for m in range(micro_batches):
+        stop = start + base + (1 if m < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+@dataclass(eq=False)
+class _Pending:
+    """An all-reduce in flight: its buffers (one per column chunk) and handles."""
+
+    buffers: list[torch.Tensor]
+    handles: list[Handle]
+
+    def wait(self) -> torch.Tensor:
+        for h in self.handles:
+            h.wait()
+        return self.buffers[0] if len(self.buffers) == 1 else torch.cat(self.buffers, dim=-1)
+
+
+@dataclass(eq=False)
+class _Local:
+    """A local piece's graph outputs and the leaves that feed the next pieces."""
+
+    ln: torch.Tensor
+    res: torch.Tensor | None  # None when the residual is the norm output itself
+    ln_leaf: torch.Tensor
+    res_leaf: torch.Tensor
+
+
+@dataclass(eq=False)
+class _Record:
+    """Graph state kept from forward to backward (training only)."""
+
+    mbs: list[MicroBatch]
+    x_leaves: list[torch.Tensor] = field(default_factory=list)
+    mem_leaves: list[torch.Tensor | None] = field(default_factory=list)
+    local: dict = field(default_factory=dict)  # (j, m) -> _Local, or final output for j = B
+    par: dict = field(default_factory=dict)  # (j, m) -> list of partial sums
+    reduced: dict = field(default_factory=dict)  # (j, m) -> leaf holding the reduced partials
+
+
+class Executor:
+    """Runs a stack of blocks under a :class:`Plan` (forward, and backward when training)."""
+
+    def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None, group: CommGroup,
+                 plan: Plan) -> None:
+        self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
+
+    def _span(self, name: str, m: int):
+        tl = self.group.timeline
+        return contextlib.nullcontext() if tl is None else tl.span(name, "compute", mb=m)
+
+    def _syncs_before(self, j: int) -> bool:
+        """intra_layer: every all-reduce of the previous layer finishes before block j runs."""
+        return (self.plan.overlap == "intra_layer" and 0 < j < len(self.blocks)
+                and self.blocks[j].layer != self.blocks[j - 1].layer)
+
+    def _launch(self, tensors, j: int, m: int, direction: str) -> _Pending:
+        """All-reduce each tensor as soon as ``tensors`` (possibly a generator) yields it."""
+        bufs, handles = [], []
+        for c, t in enumerate(tensors):
+            buf = t.detach()  # reduced in place: no autograd node saved these outputs
+            bufs.append(buf)
+            handles.append(self.group.all_reduce(buf, async_op=True, name=f"{direction} b{j}",
+                                                 trace={"mb": m, "block": j, "chunk": c}))
+        pending = _Pending(bufs, handles)
+        if self.plan.overlap == "none":
+            pending.wait()
+        return pending
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, mbs: list[MicroBatch], graph: bool):
+        """Run the stack on x [s, b, h]; returns (y, record if ``graph`` else None)."""
+        B, M = len(self.blocks), len(mbs)
+        rec = _Record(mbs)
+        for mb in mbs:
+            xm = x[:, mb.batch_start:mb.batch_start + mb.batch_size]  # [s, b/m, h]
+            if graph:
+                xm = xm.detach().requires_grad_()
+                if mb.memory is not None:
+                    mb.memory = mb.memory.detach().requires_grad_()
+            rec.x_leaves.append(xm)
+            rec.mem_leaves.append(mb.memory)
+        pending: dict[tuple[int, int], _Pending] = {}
+        residual: list[torch.Tensor] = list(rec.x_leaves)
+        outs: list[torch.Tensor] = []
+        for j in range(B + 1):
+            if self._syncs_before(j) or (self.plan.overlap == "intra_layer" and j == B):
+                for m in range(M):
+                    pending[(j - 1, m)].wait()
+            for m in range(M):
+                with self._span(f"fwd local {j}", m):
+                    h = residual[m]
+                    if j > 0:
+                        reduced = pending.pop((j - 1, m)).wait()
+                        if graph:
+                            rec.reduced[(j - 1, m)] = reduced.requires_grad_()
+                        h = self.blocks[j - 1].exit(reduced, h)
+                    if j == B:
+                        out = self.final_norm(h) if self.final_norm is not None else h
+                        outs.append(out)
+                        rec.local[(j, m)] = out
+                        continue
+                    ln, res = self.blocks[j].enter(h)
+                    if graph:
+                        piece = _Local(ln, None if res is ln else res, ln.detach().requires_grad_(),
+                                       res.detach().requires_grad_())
+                        rec.local[(j, m)] = piece
+                        ln, res = piece.ln_leaf, piece.res_leaf
+                    residual[m] = res
+                with self._span(f"fwd par {j}", m):
+                    parts: list[torch.Tensor] = []
+                    gen = self.blocks[j].partials(ln, mbs[m], self.plan.column_chunks)
+                    pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
+                    if graph:
+                        rec.par[(j, m)] = parts
+        y = outs[0] if M == 1 else torch.cat(outs, dim=1)
+        return y, (rec if graph else None)
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, rec: _Record, grad_y: torch.Tensor):
+        """Backward of :meth:`forward`; returns (grad_x, grad_memory or None)."""
+        B, M = len(self.blocks), len(rec.mbs)
+        pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
+        for j in range(B - 1, -2, -1):
+            if self._syncs_before(j + 1):
+                for m in range(M):
+                    pending[(j + 1, m)].wait()
+            for m in range(M):
+                with self._span(f"bwd local {j + 1}", m):
+                    if j + 1 == B:
+                        mb = rec.mbs[m]
+                        g = grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
+                        torch.autograd.backward([rec.local.pop((B, m))], [g])
+                    else:
+                        self._local_backward(rec.local.pop((j + 1, m)),
+                                             pending.pop((j + 1, m)).wait())
+                if j < 0:
+                    continue
+                with self._span(f"bwd par {j}", m):
+                    parts = rec.par.pop((j, m))
+                    g = rec.reduced.pop((j, m)).grad
+                    grads = ([g] if len(parts) == 1
+                             else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
+                    torch.autograd.backward(parts, grads)
+                    ln_leaf = rec.local[(j, m)].ln_leaf
+                    pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
+        grad_x = _cat_grads(rec.x_leaves)
+        grad_mem = None
+        if rec.mem_leaves[0] is not None:
+            grad_mem = _cat_grads(rec.mem_leaves)
+            self.group.all_reduce(grad_mem)  # sum of every cross attention's K/V input gradient
+        return grad_x, grad_mem
+
+    @staticmethod
+    def _local_backward(piece: _Local, ln_grad: torch.Tensor) -> None:
+        res_grad = piece.res_leaf.grad
+        if piece.res is None:  # the residual is the norm output: both gradients meet there
+            torch.autograd.backward([piece.ln], [ln_grad + res_grad])
+        else:
+            torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
+
+
+def _collect(gen, parts: list):
+    """Pass through a generator, remembering what it yielded."""
+    for t in gen:
+        parts.append(t)
+        yield t
+
+
+def _cat_grads(leaves: list[torch.Tensor]) -> torch.Tensor:
+    if len(leaves) == 1:
+        return leaves[0].grad.clone()
+    return torch.cat([leaf.grad for leaf in leaves], dim=1)

@@ -1,0 +1,131 @@
+"""DominoTransformer: a stack of layers run by a Domino schedule."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from domino.config import TransformerConfig
+from domino.enums import AttnMaskType, LayerType
+from domino.parallel_state import ParallelState, resolve
+from domino.transformer.attention import InferenceParams, MicroBatch
+from domino.transformer.layer import TransformerLayer
+from domino.transformer.norms import build_norm
+from domino.transformer.schedule import Executor, Plan, split_batch
+
+
+class _ScheduledStack(torch.autograd.Function):
+    """The stack as one autograd node whose backward is the schedule's explicit backward.
+
+    Parameters are inputs only so that the output requires grad whenever they do; their
+    gradients are accumulated into ``.grad`` by the schedule itself.
+    """
+
+    @staticmethod
+    def forward(ctx, executor, mbs, x, memory, *params):
+        with torch.enable_grad():
+            y, record = executor.forward(x, mbs, graph=True)
+        ctx.executor, ctx.record, ctx.num_params = executor, record, len(params)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        if ctx.record is None:
+            raise RuntimeError("DominoTransformer: backward through the same forward twice is "
+                               "not supported (the schedule frees its graph as it goes).")
+        with torch.enable_grad():
+            grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous())
+        ctx.record = None
+        return (None, None, grad_x, grad_mem) + (None,) * ctx.num_params
+
+
+class DominoTransformer(nn.Module):
+    """Transformer stack whose TP all-reduces overlap with computation (the Domino schedule).
+
+    The schedule comes from ``config.domino_micro_batches``, ``domino_overlap`` and
+    ``domino_column_chunks``; :attr:`plan` can be replaced at any time (same weights, another
+    schedule). Input and output are [s, b, h].
+    """
+
+    def __init__(self, config: TransformerConfig, parallel_state: ParallelState | None = None,
+                 layer_type: LayerType = LayerType.encoder,
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.padding,
+                 pre_process: bool = True, post_process: bool = True,
+                 num_layers: int | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        state = resolve(parallel_state)
+        config.validate_parallel(state.tp.size)
+        device = torch.device(device) if device is not None else state.device
+        self.config, self.state = config, state
+        self.layer_type, self.self_attn_mask_type = layer_type, self_attn_mask_type
+        self.pre_process, self.post_process = pre_process, post_process
+        n = num_layers if num_layers is not None else (
+            config.decoder_num_layers if layer_type == LayerType.decoder else config.num_layers)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, state, i + 1, layer_type, device) for i in range(n))
+        self.final_layernorm = (build_norm(config, device)
+                                if post_process and config.final_layernorm else None)
+        self.plan = Plan(config.domino_micro_batches, config.domino_overlap,
+                         config.domino_column_chunks)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """Pipeline stages without pre-processing receive their input here."""
+        self.input_tensor = input_tensor
+
+    def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
+                       inference_params, rotary_pos_emb) -> list[MicroBatch]:
+        count = self.plan.micro_batches
+        if inference_params is not None:
+            count = min(count, batch)  # decoding small batches: never fewer than one sample each
+        mbs = []
+        for m, (b0, b1) in enumerate(split_batch(batch, count)):
+            rot = rotary_pos_emb
+            if rot is not None and rot.shape[1] > 1:
+                rot = rot[:, b0:b1]
+            mbs.append(MicroBatch(
+                index=m, batch_start=b0, batch_size=b1 - b0, self_mask=attention_mask,
+                causal=self.self_attn_mask_type == AttnMaskType.causal,
+                cross_mask=enc_dec_attn_mask,
+                rotary=rot, memory=None if encoder_output is None else encoder_output[:, b0:b1],
+                inference_params=inference_params))
+        return mbs
+
+    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                encoder_output: torch.Tensor | None = None,
+                enc_dec_attn_mask: torch.Tensor | None = None,
+                inference_params: InferenceParams | None = None,
+                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        if hidden_states is None:
+            raise ValueError("DominoTransformer got no input: pass hidden_states, or call "
+                             "set_input_tensor() on a stage built with pre_process=False.")
+        s, b, _ = hidden_states.shape
+        check_mask(attention_mask, b, "attention_mask")
+        check_mask(enc_dec_attn_mask, b, "enc_dec_attn_mask")
+        if self.layer_type == LayerType.decoder and encoder_output is None:
+            raise ValueError("a decoder needs encoder_output for its cross attention.")
+        mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
+                                  inference_params, rotary_pos_emb)
+        blocks = [blk for layer in self.layers for blk in layer.blocks()]
+        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.plan)
+        params = [p for p in self.parameters() if p.requires_grad]
+        needs_graph = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or bool(params)
+            or (encoder_output is not None and encoder_output.requires_grad))
+        if not needs_graph:
+            return executor.forward(hidden_states, mbs, graph=False)[0]
+        return _ScheduledStack.apply(executor, mbs, hidden_states, encoder_output, *params)
+
+
+def check_mask(mask: torch.Tensor | None, batch: int, name: str) -> None:
+    """Masks are bool, True = masked out, broadcastable to [b, 1, s_q, s_k]."""
+    if mask is None:
+        return
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} has dtype {mask.dtype}; it must be torch.bool with True = "
+                         "masked out (convert with `mask < 0.5` for a 1 = keep mask).")
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1:
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; it must broadcast to "
+                         f"[b={batch}, 1, s_q, s_k] with a batch dim of 1 or {batch}.")

@@ -1,0 +1,28 @@
+"""Small helpers shared across the package."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init that fills a tensor from N(0, std)."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init for layers that write into the residual stream: N(0, std / sqrt(2 num_layers))."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Exact integer division; an uneven split is a bug upstream (configs validate first)."""
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
