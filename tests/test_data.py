@@ -132,7 +132,11 @@ def test_builder_rejects_out_of_range_ids(tmp_path) -> None:
 
 def test_reads_independently_written_files(tmp_path) -> None:
     # Written with raw struct/numpy, following the MMIDIDX layout only.
-    seqs = [np.array([10, 11, 12], np.int32), np.array([70000], np.int32), np.array([5, 6], np.int32)]
+    seqs = [
+        np.array([10, 11, 12], np.int32),
+        np.array([70000], np.int32),
+        np.array([5, 6], np.int32),
+    ]
     prefix = tmp_path / "raw"
     (tmp_path / "raw.bin").write_bytes(b"".join(s.astype("<i4").tobytes() for s in seqs))
     sizes = [3, 1, 2]
@@ -218,8 +222,9 @@ def test_preprocess_folder(tmp_path) -> None:
     assert stats.tokens == ds.num_tokens == len("first doc ü".encode()) + 1 + 12 + 1
     assert ds.tokenizer_info == tok.describe()
     assert sorted(os.listdir(tmp_path)) == ["out.bin", "out.idx", "out.json", "src"]
-    only_py = preprocess([src], tmp_path / "py", tok, patterns=["*.py"], append_eod=False,
-                         progress=False)  # fmt: skip
+    only_py = preprocess(
+        [src], tmp_path / "py", tok, patterns=["*.py"], append_eod=False, progress=False
+    )
     assert only_py.documents == 1 and IndexedDataset(tmp_path / "py")[0][-1] != tok.eod
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import numpy as np
@@ -178,3 +179,15 @@ def test_index_build_is_fast(tmp_path) -> None:
     g = GPTDataset(ds, 1024, epochs=3, eod_token=EOD)
     assert time.perf_counter() - t0 < 1.0
     assert len(g) > 10_000 and len(g[len(g) - 1]["tokens"]) == 1024
+
+
+def test_pickle_reopens_instead_of_copying(tmp_path) -> None:
+    ds = _make(tmp_path, [50] * 200)
+    g = GPTDataset(ds, 32, 20, eod_token=EOD, split=np.arange(0, 200, 2))
+    blob = pickle.dumps(g)
+    assert len(blob) < ds.num_tokens * 4  # the .bin is not inside the pickle
+    g2 = pickle.loads(blob)
+    assert all(torch.equal(g[i]["tokens"], g2[i]["tokens"]) for i in range(len(g)))
+    assert {t // 1000 for i in range(len(g)) for t in g[i]["tokens"].tolist()} <= set(
+        range(0, 200, 2)
+    )

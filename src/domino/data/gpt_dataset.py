@@ -57,6 +57,8 @@ class GPTDataset(Dataset):
     stream tokens [i*s, (i+1)*s] so consecutive samples share one boundary token, as in
     Megatron. Sample order is then shuffled by the seed. Nothing depends on data-parallel
     rank or size: shard by global sample index.
+
+    `split` is a (start_doc, end_doc) tuple, an array of document indices, or None (all).
     """
 
     def __init__(
@@ -96,7 +98,9 @@ class GPTDataset(Dataset):
                 raise ValueError(f"split ({start}, {end}) outside the dataset's {n_docs} documents")
             documents = np.arange(start, end, dtype=np.int64)
         else:
-            documents = np.asarray(split, dtype=np.int64)
+            documents = np.asarray(split, dtype=np.int64).reshape(-1)
+            if documents.size and (documents.min() < 0 or documents.max() >= n_docs):
+                raise ValueError(f"document indices must lie in [0, {n_docs})")
         self.documents = documents
 
         doc_idx = np.asarray(indexed_dataset.doc_idx, dtype=np.int64)

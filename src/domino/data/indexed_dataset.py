@@ -211,6 +211,13 @@ class IndexedDataset:
             with open(meta_path(self.prefix), encoding="utf-8") as f:
                 self._meta = json.load(f)
 
+    def __getstate__(self) -> dict[str, str]:
+        # Reopen by path in the receiving process: pickling a memmap would copy the whole file.
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["prefix"])  # type: ignore[misc]
+
     def __len__(self) -> int:
         return len(self._sizes)
 

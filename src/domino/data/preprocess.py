@@ -143,6 +143,8 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(tokenizer: Tokenizer) -> None:
     global _WORKER_TOKENIZER
+    # Processes already give the parallelism; a Rust thread pool per worker would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = tokenizer
 
 

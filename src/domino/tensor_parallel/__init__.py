@@ -6,7 +6,10 @@ from domino.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gather_full,
     init_sharded,
+    is_partitioned,
+    mark_partitioned,
     shard_of_full,
 )
 from domino.tensor_parallel.mappings import (
@@ -19,7 +22,7 @@ from domino.tensor_parallel.random import RNGTracker, dropout
 
 __all__ = [
     "CommGroup", "Handle", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "init_sharded", "shard_of_full", "vocab_parallel_cross_entropy", "mask_padded_logits",
+    "init_sharded", "shard_of_full", "gather_full", "is_partitioned", "mark_partitioned", "vocab_parallel_cross_entropy", "mask_padded_logits",
     "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "RNGTracker", "dropout",

@@ -55,6 +55,31 @@ def init_sharded(full_shape: tuple[int, ...], init_method: InitMethod, dim: int,
     return shard.to(device=device, dtype=dtype)
 
 
+def mark_partitioned(param: torch.Tensor, dim: int, stride: int = 1) -> None:
+    """Tag a TP-sharded parameter with how it was cut (see :func:`gather_full`)."""
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = dim  # type: ignore[attr-defined]
+    param.partition_stride = stride  # type: ignore[attr-defined]
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def gather_full(tensor: torch.Tensor, like: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Reassemble the full tensor from every rank's shard ``tensor`` of parameter ``like``
+    (the inverse of :func:`shard_of_full`); replicated parameters are returned as they are."""
+    if group.size == 1 or not is_partitioned(like):
+        return tensor
+    dim, stride = like.partition_dim, like.partition_stride
+    moved = tensor.movedim(dim, -1).contiguous()
+    full = group.all_gather_last_dim(moved)  # [..., size * shard]
+    per_rank = full.chunk(group.size, dim=-1)
+    blocks = [torch.cat([r.chunk(stride, dim=-1)[i] for r in per_rank], dim=-1)
+              for i in range(stride)]
+    return torch.cat(blocks, dim=-1).movedim(-1, dim)
+
+
 class _LinearWithAsyncGradReduce(torch.autograd.Function):
     """y = x W^T + b whose backward all-reduces dL/dx asynchronously under the dW GEMM."""
 
@@ -95,9 +120,9 @@ class ColumnParallelLinear(nn.Module):
                                                 params_dtype, device, stride))
         self.bias = (nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
                                               device=device)) if bias else None)
-        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        mark_partitioned(self.weight, 0, stride)
         if self.bias is not None:
-            self.bias.tensor_model_parallel = True  # type: ignore[attr-defined]
+            mark_partitioned(self.bias, 0, stride)
 
     def forward(self, x: torch.Tensor, reduce_input_grad: bool = True):
         """``reduce_input_grad=False`` leaves dL/dx partial: a Domino schedule reduces it."""
@@ -131,7 +156,7 @@ class RowParallelLinear(nn.Module):
                                                 params_dtype, device))
         self.bias = (nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
                      if bias else None)
-        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        mark_partitioned(self.weight, 1)
 
     def partial(self, x: torch.Tensor, columns: slice | None = None) -> torch.Tensor:
         """This rank's partial sum X_r A_r^T (optionally only some output columns), no bias."""
@@ -167,7 +192,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(init_sharded((num_embeddings, embedding_dim), init_method, 0,
                                                 group, params_dtype, device,
                                                 valid_rows=self.real_num_embeddings))
-        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        mark_partitioned(self.weight, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
