@@ -15,15 +15,30 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass
+class CommStats:
+    """Running totals of one group's collectives: how many, how many bytes, and the time this
+    rank spent blocked waiting for them (the communication that was *not* hidden)."""
+
+    count: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+
+    def reset(self) -> None:
+        self.count, self.bytes, self.wait_s = 0, 0, 0.0
+
+
 class Handle:
     """An in-flight (or finished) collective. ``wait()`` is idempotent."""
 
-    __slots__ = ("_work", "_done", "_trace", "_launch")
+    __slots__ = ("_work", "_done", "_trace", "_launch", "_stats")
 
-    def __init__(self, work: Any = None, trace: tuple | None = None) -> None:
+    def __init__(self, work: Any = None, trace: tuple | None = None,
+                 stats: CommStats | None = None) -> None:
         self._work = work
         self._done = work is None
         self._trace = trace  # (timeline, name, args) of a traced collective
+        self._stats = stats
         self._launch = time.perf_counter() if trace is not None else 0.0
 
     def wait(self) -> None:
@@ -32,6 +47,8 @@ class Handle:
         t0 = time.perf_counter()
         self._work.wait()
         self._done = True
+        if self._stats is not None:
+            self._stats.wait_s += time.perf_counter() - t0
         if self._trace is not None:
             timeline, name, args = self._trace
             t1 = time.perf_counter()
@@ -60,17 +77,21 @@ class CommGroup:
     rank: int = 0
     enabled: bool = True
     timeline: Any = field(default=None, repr=False)  # set by the benchmark to trace collectives
+    stats: CommStats = field(default_factory=CommStats, repr=False)
 
     @property
     def active(self) -> bool:
         return self.size > 1 and self.enabled
 
     def _handle(self, work: Any, name: str, tensor: torch.Tensor, trace: dict | None) -> Handle:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.count += 1
+        self.stats.bytes += nbytes
         if self.timeline is None:
-            return Handle(work)
+            return Handle(work, stats=self.stats)
         args = dict(trace or {})
-        args["bytes"] = tensor.numel() * tensor.element_size()
-        return Handle(work, (self.timeline, name, args))
+        args["bytes"] = nbytes
+        return Handle(work, (self.timeline, name, args), self.stats)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
                    op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = "all_reduce",

@@ -1,0 +1,417 @@
+"""``domino bench``: sync TP vs Domino schedules vs the no-comm ideal on one model and batch.
+
+The parent validates the arguments, starts one worker process per TP rank (each in its own
+network namespace with ``--emulate-link``), waits for them (stopping all when one fails), then
+turns rank 0's raw measurements into figures, a JSON report, timeline pictures and a table.
+See ``worker.py`` for what a rank measures and ``modes.py`` for the mode grammar.
+
+Figures per mode (medians over rounds; a round's time is its slowest rank's):
+exposed comm = T_mode - T_nocomm, comm hidden = 1 - exposed(mode) / exposed(sync),
+speedup = T_sync / T_mode, tokens/s = micro_batch_size * seq_length / T_mode (per TP group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from domino.bench.modes import DEFAULT_MODES, GRAMMAR, Mode, parse_modes
+from domino.bench.netem import (
+    EmulatedLink,
+    check_can_emulate,
+    cleanup_stale,
+    parse_rate,
+    rate_bits_per_s,
+)
+from domino.bench.worker import DTYPES, build_config
+from domino.transformer import Plan
+
+__all__ = ["add_arguments", "best_plan", "compute_results", "main", "parse_modes", "run"]
+
+TIMING_METHOD = (
+    "per round, every mode once in an order rotated by one each round; per step: barrier, "
+    "perf_counter around zero_grad + forward + backward (CUDA synchronised); a round's step "
+    "time is the max over ranks; step_time_s is the median over measured rounds"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``domino bench`` flags to ``parser``."""
+    a = parser.add_argument
+    a("--model", choices=("stack", "gpt"), default="stack",
+      help="stack: the transformer stack on random [s, b, h] input; gpt: the full GPT model")
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=512)
+    a("--num-attention-heads", type=int, default=8)
+    a("--seq-length", type=int, default=256)
+    a("--micro-batch-size", type=int, default=8, help="batch per TP group and step")
+    a("--vocab-size", type=int, default=32000, help="vocabulary (--model gpt only)")
+    a("--tensor-model-parallel-size", type=int, default=2, help="TP size = number of ranks")
+    a("--modes", default=DEFAULT_MODES, help=f"comma-separated modes: {GRAMMAR}")
+    a("--steps", type=int, default=10, help="measured rounds (steps per mode)")
+    a("--warmup", type=int, default=2, help="unmeasured rounds first")
+    a("--threads-per-rank", type=int, default=1, help="torch / OpenMP threads per rank")
+    a("--dtype", choices=tuple(DTYPES), default="fp32")
+    a("--seed", type=int, default=1234)
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto",
+      help="auto: cuda when it has a GPU per rank, else cpu")
+    a("--emulate-link", metavar="RATE", default=None,
+      help="run each rank in its own network namespace over a veth shaped to RATE "
+           "(e.g. 1gbit, 100mbit); root only")
+    a("--timeout", type=float, default=300.0,
+      help="seconds a collective may wait for a peer before the ranks give up")
+    a("--json", metavar="PATH", default=None, help="write the report here")
+    a("--out-dir", metavar="DIR", default=None,
+      help="write a PNG timeline and a Chrome trace per traced mode here")
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+
+def _check_modes(modes: list[Mode], args: argparse.Namespace) -> None:
+    for mode in modes:
+        if mode.plan.micro_batches > args.micro_batch_size:
+            raise ValueError(
+                f"mode {mode.name}: {mode.plan.micro_batches} micro-batches need a batch of at "
+                f"least that many samples, but --micro-batch-size is {args.micro_batch_size}; "
+                "lower m<N> or raise --micro-batch-size")
+        if mode.plan.column_chunks > args.hidden_size:
+            raise ValueError(
+                f"mode {mode.name}: {mode.plan.column_chunks} column chunks exceed "
+                f"--hidden-size {args.hidden_size}; lower c<K>")
+
+
+def _resolve_device(choice: str, world: int) -> str:
+    have = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if choice == "cuda" and not have:
+        raise ValueError(f"--device cuda needs {world} visible CUDA devices (one per rank); "
+                         "use --device cpu")
+    return "cuda" if choice == "cuda" or (choice == "auto" and have) else "cpu"
+
+
+def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
+    """Check everything that can be checked before processes start; return the worker spec."""
+    modes = parse_modes(args.modes)
+    for name in ("steps", "threads_per_rank", "tensor_model_parallel_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0")
+    if args.model == "gpt" and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
+    tp = args.tensor_model_parallel_size
+    spec: dict[str, Any] = {
+        k: getattr(args, k) for k in (
+            "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+            "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
+            "threads_per_rank", "dtype", "seed", "timeout")}
+    build_config(spec).validate_parallel(tp)
+    _check_modes(modes, args)
+    spec["modes"] = [m.name for m in modes]
+    spec["device"] = _resolve_device(args.device, tp)
+    spec["trace"] = args.out_dir is not None
+    if args.emulate_link is not None:
+        spec["link"] = parse_rate(args.emulate_link)
+        if tp < 2:
+            raise ValueError("--emulate-link needs --tensor-model-parallel-size >= 2 "
+                             "(one emulated host per rank)")
+        if spec["device"] != "cpu":
+            raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
+        try:
+            check_can_emulate()
+        except RuntimeError as err:
+            raise ValueError(str(err)) from err  # a set-up problem: report it like bad flags
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--json {args.json}: directory {parent} does not exist")
+    return spec, modes
+
+
+# ---- launching ranks --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the parent dies, so no orphaned rank keeps running."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], straggler_s: float) -> None:
+    """Return when every rank exited 0; raise as soon as one fails (the rest are stopped)."""
+    first_done: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            _stop(procs)
+            raise RuntimeError(f"benchmark rank {rank} exited with code {code} (see its output "
+                               "above); the other ranks were stopped")
+        if all(c == 0 for c in codes):
+            return
+        if any(c == 0 for c in codes):
+            first_done = first_done or time.monotonic()
+            if time.monotonic() - first_done > straggler_s:
+                _stop(procs)
+                raise RuntimeError(f"benchmark ranks {[r for r, c in enumerate(codes) if c is None]}"
+                                   f" still running {straggler_s:.0f} s after another finished")
+        time.sleep(0.05)
+
+
+def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None) -> None:
+    world = spec["tensor_model_parallel_size"]
+    # A fresh namespace has every port free; on loopback pick one that is free now.
+    port = 29500 if link is not None else _free_port()
+    threads = str(spec["threads_per_rank"])
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       MASTER_PORT=str(port), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+            argv = [sys.executable, "-m", "domino.bench.worker", spec_path]
+            if link is not None:
+                env.update(link.env_for(rank, port))
+                argv = link.wrap(rank, argv)
+            else:
+                env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+            preexec = _die_with_parent if sys.platform == "linux" else None
+            procs.append(subprocess.Popen(argv, env=env, preexec_fn=preexec))
+        _wait_all(procs, straggler_s=spec["timeout"])
+    finally:
+        _stop(procs)
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
+    """The comm-free run with the same split (same overlap preferred; it is moot without comm)."""
+    same = [m for m in modes if not m.comm and m.split == mode.split]
+    exact = [m for m in same if m.plan == mode.plan]
+    return (exact or same or [None])[0]
+
+
+def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list[dict[str, Any]]:
+    """One figures dict per mode from the workers' raw measurements."""
+    med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
+    t_sync, t_nocomm = med.get("sync"), med.get("nocomm")
+    exposed_sync = t_sync - t_nocomm if t_sync is not None and t_nocomm is not None else None
+    rows = []
+    for mode in modes:
+        t = med[mode.name]
+        base = t - t_nocomm if t_nocomm is not None else None
+        exposed = base if mode.comm else None
+        split = _split_nocomm(mode, modes) if mode.is_domino else None
+        hidden = None
+        if mode.is_domino and exposed is not None and exposed_sync is not None and exposed_sync > 0:
+            hidden = 1.0 - exposed / exposed_sync
+        peaks = raw["peak_bytes"][mode.name]
+        known = [p for p in peaks if p is not None]
+        rows.append({
+            "mode": mode.name,
+            "comm_enabled": mode.comm,
+            "micro_batches": mode.plan.micro_batches,
+            "overlap": mode.plan.overlap,
+            "column_chunks": mode.plan.column_chunks,
+            "step_time_s": t,
+            "step_times_s": raw["step_times_s"][mode.name],
+            "step_times_s_per_rank": raw["per_rank_step_times_s"][mode.name],
+            "tokens_per_s": tokens / t,
+            "exposed_comm_s": exposed,
+            "exposed_comm_vs_split_nocomm_s": t - med[split.name] if split is not None else None,
+            # For comm-free split runs: what splitting alone costs over unsplit compute.
+            "split_cost_s": base if not mode.comm else None,
+            "comm_hidden": hidden,
+            "speedup_vs_sync": t_sync / t if t_sync is not None else None,
+            "peak_mem_bytes": max(known) if known else None,
+            "peak_mem_bytes_per_rank": peaks,
+            "peak_rss_bytes_per_rank": raw["peak_rss_bytes"][mode.name],
+            "timeline_png": None,
+            "chrome_trace": None,
+        })
+    return rows
+
+
+def best_plan(results: list[dict[str, Any]] | dict[str, Any]) -> Plan:
+    """The Plan of the comm-enabled Domino mode with the lowest median step time.
+
+    Takes the ``results`` list of a report (or the whole report dict).
+    """
+    rows = results["results"] if isinstance(results, dict) else results
+    domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
+    if not domino:
+        raise ValueError("no Domino mode (domino:...) among the results; run one to pick a plan")
+    best = min(domino, key=lambda r: r["step_time_s"])
+    return Plan(best["micro_batches"], best["overlap"], best["column_chunks"])
+
+
+def _render(raw: dict[str, Any], rows: list[dict[str, Any]], out_dir: str, link: str) -> None:
+    from domino.bench.timeline import Timeline, render_png, to_chrome_trace
+
+    for row in rows:
+        dicts = raw["traces"].get(row["mode"])
+        if not dicts:
+            continue
+        tls = [Timeline.from_dict(d) for d in dicts]
+        slug = row["mode"].replace(":", "_")
+        png = os.path.join(out_dir, f"timeline_{slug}.png")
+        trace = os.path.join(out_dir, f"trace_{slug}.json")
+        to_chrome_trace(tls, trace)
+        title = (f"{row['mode']}: one traced fwd+bwd step (median {row['step_time_s'] * 1e3:.0f} "
+                 f"ms untraced), TP={len(tls)}, link {link}")
+        render_png(tls, png, title=title)
+        row["timeline_png"], row["chrome_trace"] = png, trace
+
+
+def _fmt(value: float | None, scale: float = 1.0, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value * scale:{spec}}{suffix}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as an aligned text table plus a line naming the best Domino mode."""
+    c = report["config"]
+    ar = c.get("allreduce_8mib_s")
+    lines = [
+        f"domino bench: {c['model']}, {c['num_layers']} layers, hidden {c['hidden_size']}, "
+        f"{c['num_attention_heads']} heads, seq {c['seq_length']}, batch {c['micro_batch_size']}, "
+        f"TP={c['tensor_model_parallel_size']}, {c['dtype']}, {c['device']}, "
+        f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
+        + (f" (8 MiB all-reduce {ar * 1e3:.1f} ms)" if ar is not None else "")
+        + f", {c['steps']} steps after {c['warmup']} warm-up",
+    ]
+    head = ("mode", "step ms", "min ms", "tokens/s", "exposed ms", "vs split ms", "hidden",
+            "speedup", "peak MiB")
+    body = []
+    for r in report["results"]:
+        exposed = r["exposed_comm_s"] if r["comm_enabled"] else r["split_cost_s"]
+        body.append((
+            r["mode"], _fmt(r["step_time_s"], 1e3), _fmt(min(r["step_times_s"]), 1e3),
+            _fmt(r["tokens_per_s"], 1.0, ".0f"),
+            _fmt(exposed, 1e3) + ("" if r["comm_enabled"] or exposed is None else " (split)"),
+            _fmt(r["exposed_comm_vs_split_nocomm_s"], 1e3), _fmt(r["comm_hidden"], 100, ".0f", "%"),
+            _fmt(r["speedup_vs_sync"], 1.0, ".2f", "x"),
+            _fmt(r["peak_mem_bytes"], 1 / 2**20, ".1f")))
+    widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
+    for row in (head, *body):
+        cells = [row[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    best = report.get("best_domino_mode")
+    if best is not None:
+        r = next(x for x in report["results"] if x["mode"] == best)
+        lines.append(f"best Domino mode: {best} ({r['step_time_s'] * 1e3:.1f} ms"
+                     + (f", {r['speedup_vs_sync']:.2f}x vs sync" if r["speedup_vs_sync"] else "")
+                     + (f", hides {r['comm_hidden'] * 100:.0f}% of sync's exposed comm"
+                        if r["comm_hidden"] is not None else "") + ")")
+    return "\n".join(lines)
+
+
+# ---- entry points -----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by ``args``; print the table and return the report."""
+    spec, modes = _validate(args)
+    if args.out_dir is not None:
+        os.makedirs(args.out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="domino-bench-") as tmp:
+        spec["result_path"] = os.path.join(tmp, "raw.json")
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        if "link" in spec:
+            cleanup_stale()  # namespaces left by runs that were killed
+            with EmulatedLink(num_hosts=spec["tensor_model_parallel_size"],
+                              rate=spec["link"]) as link:
+                _launch(spec_path, spec, link)
+        else:
+            _launch(spec_path, spec, None)
+        with open(spec["result_path"]) as f:
+            raw = json.load(f)
+    link = spec.get("link", "loopback")
+    flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "modes"}
+    config = {
+        **flags,
+        "modes": spec["modes"],
+        "device": raw["device"],
+        "link": link,
+        "link_rate_bits_per_s": rate_bits_per_s(link) if link != "loopback" else None,
+        "allreduce_8mib_s": raw["allreduce_8mib_s"],
+        "param_bytes_per_rank": raw["param_bytes"],
+        "tokens_per_step": args.micro_batch_size * args.seq_length,
+        "timing_method": TIMING_METHOD,
+        "memory_method": raw["memory_method"],
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    rows = compute_results(raw, modes, config["tokens_per_step"])
+    if args.out_dir is not None:
+        _render(raw, rows, args.out_dir, link)
+    domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
+    best = min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
+    report = {"config": config, "results": rows, "best_domino_mode": best}
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print(format_table(report), flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m domino.bench.runner [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m domino.bench.runner", description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except ValueError as err:
+        print(f"domino bench: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""One benchmark rank: ``python -m domino.bench.worker SPEC.json`` (started by the runner).
+
+Every rank builds the same model from the same seed, then times one fwd+bwd step per mode per
+round (mode order rotated each round, a barrier before each step), measures each mode's peak
+memory in one extra step, and traces one more step per traced mode. Rank 0 writes the raw
+measurements (step times already reduced to the max over ranks) to ``spec["result_path"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from domino.bench.modes import Mode, parse_mode
+from domino.bench.timeline import Timeline
+from domino.config import TransformerConfig
+from domino.enums import AttnMaskType
+from domino.parallel_state import ParallelState, init_distributed
+
+__all__ = ["DTYPES", "build_config", "main"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+CPU_MEMORY_METHOD = (
+    "CPU: torch profiler memory events (profile_memory=True) over one extra fwd+bwd step with "
+    "gradients freed beforehand; peak_mem_bytes = peak bytes of tensors allocated in the step and "
+    "alive at once (activations, gradients, temporaries, comm buffers), excluding the weights and "
+    "inputs that live across steps. peak_rss_bytes = the process's VmHWM during that step after "
+    "resetting it via /proc/self/clear_refs (whole process, includes allocator caching)."
+)
+CUDA_MEMORY_METHOD = (
+    "CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() before one extra fwd+bwd "
+    "step with gradients freed beforehand (weights and inputs excluded)."
+)
+
+
+def build_config(spec: dict[str, Any]) -> TransformerConfig:
+    """The model config a spec describes (raises ValueError for a bad combination)."""
+    return TransformerConfig(
+        num_layers=spec["num_layers"],
+        hidden_size=spec["hidden_size"],
+        num_attention_heads=spec["num_attention_heads"],
+        seq_length=spec["seq_length"],
+        max_position_embeddings=spec["seq_length"],
+        vocab_size=spec["vocab_size"] if spec["model"] == "gpt" else 0,
+        # No dropout: its masks would only add noise that differs between modes.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=DTYPES[spec["dtype"]],
+    )
+
+
+class _Bench:
+    """The model, its fixed inputs and a one-step function that runs any mode."""
+
+    def __init__(self, spec: dict[str, Any], state: ParallelState) -> None:
+        config = build_config(spec)
+        self.state = state
+        s, b, h = spec["seq_length"], spec["micro_batch_size"], spec["hidden_size"]
+        device, dtype = state.device, config.params_dtype
+        torch.manual_seed(spec["seed"])
+        state.rng.seed(spec["seed"])
+        # Inputs come from their own generator so every rank draws identical (replicated) data.
+        gen = torch.Generator().manual_seed(spec["seed"] + 1)
+        if spec["model"] == "stack":
+            from domino.transformer import DominoTransformer
+
+            stack = DominoTransformer(config, state, self_attn_mask_type=AttnMaskType.causal)
+            self.model: torch.nn.Module = stack
+            x = torch.randn(s, b, h, generator=gen).to(device, dtype)  # [s, b, h]
+            w = torch.randn(s, b, h, generator=gen).to(device, dtype)
+            self._loss: Callable[[], torch.Tensor] = lambda: (stack(x, None) * w).float().sum()
+        else:
+            from domino.gpt_model import GPTModel
+
+            gpt = GPTModel(config, parallel_state=state)
+            self.model = gpt
+            stack = gpt.language_model.encoder
+            ids = torch.randint(0, spec["vocab_size"], (b, s + 1), generator=gen).to(device)
+            tokens, labels = ids[:, :-1], ids[:, 1:]  # [b, s]
+            pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+            self._loss = lambda: gpt(tokens, pos, None, labels=labels).float().mean()
+        self.stack = stack
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def step(self, mode: Mode) -> None:
+        """Zero grads, forward, backward under ``mode``."""
+        self.stack.plan = mode.plan
+        self.state.tp.enabled = mode.comm
+        try:
+            self.model.zero_grad(set_to_none=True)
+            self._loss().backward()
+        finally:
+            self.state.tp.enabled = True
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> dict[str, list]:
+    """Per mode, this rank's time of each measured round."""
+    device = bench.state.device
+    times: dict[str, list[float]] = {m.name: [] for m in modes}
+    gc.collect()
+    gc.disable()  # a collection inside a timed step would land on whichever mode is unlucky
+    try:
+        for r in range(warmup + steps):
+            k = r % len(modes)
+            for mode in modes[k:] + modes[:k]:
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                bench.step(mode)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if r >= warmup:
+                    times[mode.name].append(dt)
+            gc.collect()
+    finally:
+        gc.enable()
+    return times
+
+
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence fd 2 (the profiler's native log lines would garble the runner's output)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak RSS (VmHWM) of this process
+        return True
+    except OSError:
+        return False
+
+
+def _read_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _measure_memory(bench: _Bench, mode: Mode) -> dict[str, int | None]:
+    device = bench.state.device
+    bench.model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        bench.step(mode)
+        torch.cuda.synchronize(device)
+        return {"peak_bytes": torch.cuda.max_memory_allocated(device) - base,
+                "peak_rss_bytes": None}
+    from torch.profiler import ProfilerActivity, profile
+
+    hwm_ok = _reset_hwm()
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        bench.step(mode)
+    rss = _read_hwm() if hwm_ok else None
+    # Memory events carry +bytes on allocation and -bytes on free; their running sum peaks at
+    # the step's peak (frees of tensors allocated before profiling are not reported).
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return {"peak_bytes": peak, "peak_rss_bytes": rss}
+
+
+def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20, iters: int = 3) -> float | None:
+    """Median over ``iters`` of the slowest rank's all-reduce time of ``nbytes`` fp32."""
+    if state.tp.size < 2:
+        return None
+    x = torch.ones(nbytes // 4, device=state.device)
+    state.tp.all_reduce(torch.ones(1024, device=state.device))  # connect before timing
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(state.device)
+        t0 = time.perf_counter()
+        state.tp.all_reduce(x)
+        _sync(state.device)
+        times.append(torch.tensor([time.perf_counter() - t0], dtype=torch.float64))
+    # One MAX reduction over ranks for all iterations at once.
+    t = torch.cat(times).to(state.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(statistics.median(t.tolist()))
+
+
+def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
+    """Run the whole measurement on this rank; rank 0 returns the raw results."""
+    state = ParallelState.build(spec["tensor_model_parallel_size"], device=device)
+    modes = [parse_mode(name) for name in spec["modes"]]
+    bench = _Bench(spec, state)
+    allreduce_s = _measure_allreduce(state)
+    times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
+    memory = {m.name: _measure_memory(bench, m) for m in modes}
+    traces: dict[str, dict[str, Any]] = {}
+    if spec["trace"]:
+        for mode in modes:
+            if not mode.comm:
+                continue  # comm-free runs have nothing to overlap: not worth a picture
+            tl = Timeline(dist.get_rank())
+            dist.barrier()
+            state.tp.timeline = tl
+            try:
+                bench.step(mode)
+            finally:
+                state.tp.timeline = None
+            traces[mode.name] = tl.to_dict()
+    mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return None
+    names = [m.name for m in modes]
+    return {
+        "device": str(device),
+        "allreduce_8mib_s": allreduce_s,
+        "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
+        "param_bytes": [g["param_bytes"] for g in gathered],
+        # The step time of a round is its slowest rank's: the TP group moves at that pace.
+        "step_times_s": {n: [max(vals) for vals in zip(*(g["times"][n] for g in gathered), strict=True)]
+                         for n in names},
+        "per_rank_step_times_s": {n: [g["times"][n] for g in gathered] for n in names},
+        "peak_bytes": {n: [g["memory"][n]["peak_bytes"] for g in gathered] for n in names},
+        "peak_rss_bytes": {n: [g["memory"][n]["peak_rss_bytes"] for g in gathered] for n in names},
+        "traces": {n: [g["traces"][n] for g in gathered] for n in traces},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m domino.bench.worker SPEC.json (started by domino.bench.runner)",
+              file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    torch.set_num_threads(spec["threads_per_rank"])
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed(device, timeout_s=spec["timeout"])
+    try:
+        raw = measure(spec, device)
+        if raw is not None:
+            tmp = spec["result_path"] + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(raw, f)
+            os.replace(tmp, spec["result_path"])
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
