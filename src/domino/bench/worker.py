@@ -167,33 +167,50 @@ def _read_hwm() -> int | None:
     return None
 
 
-def _measure_memory(bench: _Bench, mode: Mode) -> dict[str, int | None]:
+def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int | None]]:
+    """Per mode, this rank's peak step memory (see CPU/CUDA_MEMORY_METHOD)."""
     device = bench.state.device
-    bench.model.zero_grad(set_to_none=True)
-    gc.collect()
+    out: dict[str, dict[str, int | None]] = {}
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        bench.step(mode)
-        torch.cuda.synchronize(device)
-        return {"peak_bytes": torch.cuda.max_memory_allocated(device) - base,
-                "peak_rss_bytes": None}
-    from torch.profiler import ProfilerActivity, profile
+        for mode in modes:
+            bench.model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            bench.step(mode)
+            torch.cuda.synchronize(device)
+            out[mode.name] = {"peak_bytes": torch.cuda.max_memory_allocated(device) - base,
+                              "peak_rss_bytes": None}
+        return out
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    hwm_ok = _reset_hwm()
+    rss: dict[str, int | None] = {}
+    # One profiler session for all modes (starting one costs about a second); each mode's step
+    # is a labelled range whose memory events are summed separately.
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        bench.step(mode)
-    rss = _read_hwm() if hwm_ok else None
-    # Memory events carry +bytes on allocation and -bytes on free; their running sum peaks at
-    # the step's peak (frees of tensors allocated before profiling are not reported).
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return {"peak_bytes": peak, "peak_rss_bytes": rss}
+        for mode in modes:
+            # Free the gradients outside the range: frees of memory allocated before a range
+            # would otherwise offset its allocations.
+            bench.model.zero_grad(set_to_none=True)
+            gc.collect()
+            hwm_ok = _reset_hwm()
+            with record_function(f"domino-bench-mem:{mode.name}"):
+                bench.step(mode)
+            rss[mode.name] = _read_hwm() if hwm_ok else None
+    events = list(prof.profiler.kineto_results.events())
+    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    for mode in modes:
+        rng = next(e for e in events if e.name() == f"domino-bench-mem:{mode.name}")
+        t0, t1 = rng.start_ns(), rng.start_ns() + rng.duration_ns()
+        # Memory events carry +bytes on allocation and -bytes on free: the running sum over
+        # the range peaks at the step's peak.
+        cur = peak = 0
+        for e in mem:
+            if t0 <= e.start_ns() <= t1:
+                cur += e.nbytes()
+                peak = max(peak, cur)
+        out[mode.name] = {"peak_bytes": peak, "peak_rss_bytes": rss[mode.name]}
+    return out
 
 
 def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20, iters: int = 3) -> float | None:
@@ -223,7 +240,7 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
     bench = _Bench(spec, state)
     allreduce_s = _measure_allreduce(state)
     times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
-    memory = {m.name: _measure_memory(bench, m) for m in modes}
+    memory = _measure_memory(bench, modes)
     traces: dict[str, dict[str, Any]] = {}
     if spec["trace"]:
         for mode in modes:

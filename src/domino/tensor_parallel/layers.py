@@ -80,25 +80,64 @@ def gather_full(tensor: torch.Tensor, like: torch.Tensor, group: CommGroup) -> t
     return torch.cat(blocks, dim=-1).movedim(-1, dim)
 
 
-class _LinearWithAsyncGradReduce(torch.autograd.Function):
-    """y = x W^T + b whose backward all-reduces dL/dx asynchronously under the dW GEMM."""
+class WgradStash(list):
+    """Weight-gradient GEMMs deferred by :class:`ColumnParallelLinear` for a schedule to run
+    later (under an all-reduce), as ``(weight, bias, grad_output, input)`` items."""
+
+    def run(self) -> None:
+        """Compute and accumulate every deferred weight/bias gradient, then empty the stash."""
+        for weight, bias, grad, x in self:
+            _accumulate(weight, _wgrad(grad, x, weight.dtype))
+            if bias is not None:
+                _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
+        self.clear()
+
+
+def _wgrad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    g2 = grad.reshape(-1, grad.shape[-1])
+    return g2.t().matmul(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(dtype)
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _ColumnEntryLinear(torch.autograd.Function):
+    """y = x W^T + b at the entry of a TP region, with a backward that either
+
+    * all-reduces dL/dx asynchronously while it computes dL/dW (``group`` given), or
+    * leaves dL/dx partial and defers dL/dW to a :class:`WgradStash` (``stash`` given): a Domino
+      schedule then launches the all-reduce itself and runs the stash under it.
+
+    Computations use the dtype of the incoming gradient, so it composes with autocast.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, stash):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.stash, ctx.bias = group, stash, bias
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight)
-        handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # runs while dx is reduced
-        grad_bias = g2.sum(0) if ctx.has_bias else None
-        handle.wait()
-        return grad_input, grad_weight, grad_bias, None
+        grad_input = grad.matmul(weight.to(grad.dtype))
+        if ctx.stash is not None:
+            ctx.stash.append((weight, ctx.bias, grad, x))
+            return grad_input, None, None, None, None
+        handle = None
+        if ctx.group is not None:
+            handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
+        grad_weight = _wgrad(grad, x, weight.dtype)  # runs while dL/dx is being reduced
+        grad_bias = None
+        if ctx.bias is not None:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -124,11 +163,16 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             mark_partitioned(self.bias, 0, stride)
 
-    def forward(self, x: torch.Tensor, reduce_input_grad: bool = True):
-        """``reduce_input_grad=False`` leaves dL/dx partial: a Domino schedule reduces it."""
+    def forward(self, x: torch.Tensor, reduce_input_grad: bool = True,
+                wgrad_stash: WgradStash | None = None):
+        """``reduce_input_grad=False`` leaves dL/dx partial: a Domino schedule reduces it (and
+        may pass ``wgrad_stash`` to run the weight-gradient GEMM under that all-reduce)."""
         bias = None if self.skip_bias_add else self.bias
-        if reduce_input_grad and self.group.size > 1 and torch.is_grad_enabled():
-            out = _LinearWithAsyncGradReduce.apply(x, self.weight, bias, self.group)
+        grad_on = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if grad_on and wgrad_stash is not None:
+            out = _ColumnEntryLinear.apply(x, self.weight, bias, None, wgrad_stash)
+        elif grad_on and reduce_input_grad and self.group.size > 1:
+            out = _ColumnEntryLinear.apply(x, self.weight, bias, self.group, None)
         else:
             out = F.linear(x, self.weight, bias)
         if self.gather_output:

@@ -51,6 +51,7 @@ class MicroBatch:
     rotary: torch.Tensor | None = None  # [s, b, 1, rot_dim]
     memory: torch.Tensor | None = None  # encoder output [s_enc, b, h] for cross attention
     inference_params: InferenceParams | None = None
+    wgrad_stash: list | None = None  # set by a schedule per piece: deferred entry dW GEMMs
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -146,7 +147,7 @@ class SelfAttention(_AttentionBase):
 
     def core(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         sq, b, _ = x.shape
-        qkv, _ = self.query_key_value(x, reduce_input_grad=False)
+        qkv, _ = self.query_key_value(x, reduce_input_grad=False, wgrad_stash=mb.wgrad_stash)
         qkv = qkv.view(sq, b, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.q_per_group].reshape(sq, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, groups, d]
@@ -198,8 +199,9 @@ class CrossAttention(_AttentionBase):
                              "encoder in the model).")
         sq, b, _ = x.shape
         sk = mb.memory.shape[0]
-        q, _ = self.query(x, reduce_input_grad=False)
-        kv, _ = self.key_value(mb.memory, reduce_input_grad=False)
+        q, _ = self.query(x, reduce_input_grad=False, wgrad_stash=mb.wgrad_stash)
+        kv, _ = self.key_value(mb.memory, reduce_input_grad=False,
+                                wgrad_stash=mb.wgrad_stash)
         q = q.view(sq, b, self.heads, self.head_dim)
         kv = kv.view(sk, b, self.groups, 2, self.head_dim)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]

@@ -40,7 +40,8 @@ class MLP(nn.Module):
         return self.dense_4h_to_h
 
     def core(self, x: torch.Tensor, mb=None) -> torch.Tensor:
-        h, _ = self.dense_h_to_4h(x, reduce_input_grad=False)
+        stash = mb.wgrad_stash if mb is not None else None
+        h, _ = self.dense_h_to_4h(x, reduce_input_grad=False, wgrad_stash=stash)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.attention import MicroBatch
 from domino.transformer.layer import Block
 
@@ -93,7 +94,7 @@ class _Record:
     x_leaves: list[torch.Tensor] = field(default_factory=list)
     mem_leaves: list[torch.Tensor | None] = field(default_factory=list)
     local: dict = field(default_factory=dict)  # (j, m) -> _Local, or final output for j = B
-    par: dict = field(default_factory=dict)  # (j, m) -> list of partial sums
+    par: dict = field(default_factory=dict)  # (j, m) -> (partial sums, deferred dW GEMMs)
     reduced: dict = field(default_factory=dict)  # (j, m) -> leaf holding the reduced partials
 
 
@@ -168,10 +169,13 @@ class Executor:
                     residual[m] = res
                 with self._span(f"fwd par {j}", m):
                     parts: list[torch.Tensor] = []
+                    stash = WgradStash() if graph else None
+                    mbs[m].wgrad_stash = stash
                     gen = self.blocks[j].partials(ln, mbs[m], self.plan.column_chunks)
                     pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
+                    mbs[m].wgrad_stash = None
                     if graph:
-                        rec.par[(j, m)] = parts
+                        rec.par[(j, m)] = (parts, stash)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)
         return y, (rec if graph else None)
 
@@ -196,13 +200,14 @@ class Executor:
                 if j < 0:
                     continue
                 with self._span(f"bwd par {j}", m):
-                    parts = rec.par.pop((j, m))
+                    parts, stash = rec.par.pop((j, m))
                     g = rec.reduced.pop((j, m)).grad
                     grads = ([g] if len(parts) == 1
                              else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
-                    torch.autograd.backward(parts, grads)
+                    torch.autograd.backward(parts, grads)  # entry dW GEMMs land in the stash
                     ln_leaf = rec.local[(j, m)].ln_leaf
                     pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
+                    stash.run()  # the entry weight gradients, under that all-reduce
         grad_x = _cat_grads(rec.x_leaves)
         grad_mem = None
         if rec.mem_leaves[0] is not None:
