@@ -259,7 +259,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "exposed_comm_s": exposed,
             "exposed_comm_vs_split_nocomm_s": t - med[split.name] if split is not None else None,
             # For comm-free split runs: what splitting alone costs over unsplit compute.
-            "split_cost_s": base if not mode.comm else None,
+            "split_cost_s": base if not mode.comm and mode.split != (1, 1) else None,
             "comm_hidden": hidden,
             "speedup_vs_sync": t_sync / t if t_sync is not None else None,
             "peak_mem_bytes": max(known) if known else None,
