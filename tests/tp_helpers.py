@@ -7,6 +7,7 @@ with the library's own helpers, so that a sharding bug in the library shows up a
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -17,6 +18,82 @@ from domino.tensor_parallel import CommGroup
 
 TOL = 1e-5  # fp32: relative to the largest magnitude of the expected tensor
 FLOOR = 1e-3  # below this scale the error is absolute: TOL * FLOOR = 1e-8
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run in-process model code on one thread: on a busy 2-core machine, OpenMP threads that
+    spin against other processes make tiny models tens of times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- one spawn per TP size for the whole session ------------------------------------------------
+#
+# Starting gloo ranks costs seconds (much more on a busy machine), so every test module
+# registers its rank checks per TP size at import; the first test that needs a TP size runs all
+# registered checks of that size in one spawn, each on a fresh ParallelState, and caches what
+# each returned. A check that raises is reported to its own module's tests only; checks after it
+# in that spawn are retried in a new spawn.
+
+_REGISTRY: dict[int, list] = {}
+_DONE: dict[int, dict] = {}
+
+
+def _key(fn) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def register(world: int, fn) -> None:
+    """Run ``fn(state)`` (module level) on ``world`` TP ranks in the session's shared spawn."""
+    fns = _REGISTRY.setdefault(world, [])
+    if _key(fn) not in {_key(f) for f in fns}:
+        fns.append(fn)
+
+
+def _suite_rank(rank: int, world: int, fns: list) -> dict:
+    import traceback
+
+    from domino import ParallelState
+
+    out = {}
+    for fn in fns:
+        try:
+            out[_key(fn)] = ("ok", fn(ParallelState.build(world)))
+        except Exception:  # noqa: BLE001 - reported to the check's own tests
+            out[_key(fn)] = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+            break  # the other ranks may now be out of step: stop this spawn here
+    return out
+
+
+def tp_results(world: int, fn) -> list:
+    """What ``fn`` returned on each of ``world`` ranks (rank order)."""
+    from dist import run_distributed
+
+    register(world, fn)
+    done = _DONE.setdefault(world, {})
+    while _key(fn) not in done:
+        pending = [f for f in _REGISTRY[world] if _key(f) not in done]
+        try:
+            per_rank = run_distributed(_suite_rank, world, pending)
+        except Exception as exc:  # noqa: BLE001 - a rank died outright: blame the asker only
+            done[_key(fn)] = ("error", f"the TP={world} spawn failed: {exc!r}")
+            break
+        for f in pending:
+            entries = [r.get(_key(f)) for r in per_rank]
+            errors = [e[1] for e in entries if e is not None and e[0] == "error"]
+            if errors:
+                done[_key(f)] = ("error", "\n".join(errors))
+            elif all(e is not None for e in entries):
+                done[_key(f)] = ("ok", [e[1] for e in entries])
+    kind, value = done[_key(fn)]
+    if kind == "error":
+        raise RuntimeError(f"{_key(fn)} failed at TP={world}:\n{value}")
+    return value
 
 
 def config(**overrides) -> TransformerConfig:
@@ -109,6 +186,44 @@ def weight_errors(model: nn.Module, ref: nn.Module, group: CommGroup, vocab: int
     ref_params = dict(ref.named_parameters())
     return {name: rel_err(p, expected_local(name, ref_params[name], p, group, vocab))
             for name, p in model.named_parameters()}
+
+
+class TinyOptimizer:
+    """SGD with momentum, or AdamW, written out (``torch.optim`` imports ``torch._dynamo``,
+    seconds per process). Element-wise, so a sharded and an unsharded model given the same
+    gradients take the same steps. Adam's ``eps`` is large on purpose: a gradient that is
+    mathematically zero (e.g. the key bias) is rounding noise that Adam would blow up to a
+    full-size step of random sign."""
+
+    def __init__(self, params, kind: str, lr: float, momentum: float = 0.9,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-4,
+                 weight_decay: float = 0.01) -> None:
+        self.params, self.kind, self.lr = list(params), kind, lr
+        self.momentum, self.betas, self.eps, self.weight_decay = momentum, betas, eps, weight_decay
+        self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in self.params]
+        self.steps = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        b1, b2 = self.betas
+        for p, (m, v) in zip(self.params, self.state, strict=True):
+            if p.grad is None:
+                continue
+            g = p.grad
+            if self.kind == "sgd":
+                m.mul_(self.momentum).add_(g)
+                p.sub_(self.lr * m)
+                continue
+            p.mul_(1.0 - self.lr * self.weight_decay)
+            m.mul_(b1).add_((1 - b1) * g)
+            v.mul_(b2).add_((1 - b2) * g * g)
+            m_hat, v_hat = m / (1 - b1 ** self.steps), v / (1 - b2 ** self.steps)
+            p.sub_(self.lr * m_hat / (v_hat.sqrt() + self.eps))
 
 
 def snapshot_grads(model: nn.Module) -> dict:

@@ -197,7 +197,9 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], straggler_s: float) -> None:
         time.sleep(0.05)
 
 
-def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None) -> None:
+def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
+            worker: tuple[str, ...] = (sys.executable, "-m", "domino.bench.worker")) -> None:
+    """Run ``worker + (spec_path,)`` once per rank; raise if any rank fails."""
     world = spec["tensor_model_parallel_size"]
     # A fresh namespace has every port free; on loopback pick one that is free now.
     port = 29500 if link is not None else _free_port()
@@ -207,9 +209,11 @@ def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None) -> 
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                        MASTER_PORT=str(port), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-            argv = [sys.executable, "-m", "domino.bench.worker", spec_path]
+            argv = [*worker, spec_path]
             if link is not None:
                 env.update(link.env_for(rank, port))
+                # c10d warns that it cannot resolve peer hostnames in a bare namespace: noise.
+                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
                 argv = link.wrap(rank, argv)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")

@@ -1,0 +1,111 @@
+"""`domino preprocess`: text files, folders or JSONL -> a Megatron .bin/.idx token dataset."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+from pathlib import Path
+
+from domino.data.preprocess import DEFAULT_PATTERNS, collect_files, preprocess
+from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
+
+EPILOG = """examples:
+  domino preprocess --input notes/ --output-prefix data/notes
+  domino preprocess --input corpus.jsonl --json-keys text --output-prefix data/corpus \\
+      --tokenizer-type bpe --train-bpe-vocab-size 8192
+  domino preprocess --input corpus.jsonl --output-prefix data/gpt2 --tokenizer-type bpe \\
+      --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --workers 4
+
+With one JSON key the dataset is written to exactly PREFIX.{bin,idx,json}; with several keys,
+one dataset per key at PREFIX_<key>_document (Megatron's naming).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="Text files, folders (searched recursively) or .jsonl/.json files.")
+    parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                        help="Write PREFIX.bin, PREFIX.idx and the PREFIX.json sidecar.")
+    parser.add_argument("--tokenizer-type", default="byte", choices=("byte", "bpe"),
+                        help="byte: UTF-8 bytes + EOD (no files); bpe: byte-level BPE. "
+                        "[default: byte]")
+    parser.add_argument("--vocab-file", metavar="FILE", help="BPE vocab.json (GPT-2 style).")
+    parser.add_argument("--merge-file", metavar="FILE", help="BPE merges.txt (GPT-2 style).")
+    parser.add_argument("--tokenizer-dir", metavar="DIR",
+                        help="Folder with vocab.json + merges.txt (with --train-bpe-vocab-size: "
+                        "where the trained tokenizer is saved; default PREFIX_tokenizer).")
+    parser.add_argument("--train-bpe-vocab-size", type=int, metavar="N",
+                        help="Train a byte-level BPE of N tokens on the inputs first.")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                        help="JSONL field(s) holding the text. [default: text]")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                        help="End every document with the EOD token. [default: on]")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="Tokenizer processes. [default: 1]")
+    parser.add_argument("--patterns", default=",".join(DEFAULT_PATTERNS),
+                        help="Comma-separated file-name patterns searched in folders. "
+                        f"[default: {','.join(DEFAULT_PATTERNS)}]")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="Show a progress bar. [default: on]")
+
+
+def _tokenizer(args: argparse.Namespace, files: list[str]) -> tuple[Tokenizer, list[str]]:
+    """The tokenizer, plus the `domino train` flags that select it."""
+    if args.tokenizer_type == "byte":
+        if args.vocab_file or args.merge_file or args.train_bpe_vocab_size:
+            raise ValueError("--vocab-file/--merge-file/--train-bpe-vocab-size need "
+                             "--tokenizer-type bpe")
+        return build_tokenizer("byte"), ["--tokenizer-type", "byte"]
+    if args.train_bpe_vocab_size is not None:
+        if args.vocab_file or args.merge_file:
+            raise ValueError("pass either --train-bpe-vocab-size or --vocab-file/--merge-file")
+        out = Path(args.tokenizer_dir or f"{args.output_prefix}_tokenizer")
+        print(f"training a {args.train_bpe_vocab_size}-token BPE on {len(files)} file(s)...")
+        t0 = time.perf_counter()
+        tok = BPETokenizer.train(files, args.train_bpe_vocab_size, show_progress=args.progress)
+        tok.save(out)
+        print(f"saved the tokenizer to {out}/ ({time.perf_counter() - t0:.1f} s)")
+        return tok, ["--tokenizer-type", "bpe", "--tokenizer-dir", str(out)]
+    if bool(args.vocab_file) != bool(args.merge_file) and not args.tokenizer_dir:
+        raise ValueError("--tokenizer-type bpe needs both --vocab-file and --merge-file")
+    tok = build_tokenizer("bpe", vocab_file=args.vocab_file, merges_file=args.merge_file,
+                          tokenizer_dir=args.tokenizer_dir)
+    flags = ["--tokenizer-type", "bpe"]
+    if args.tokenizer_dir and not args.vocab_file:
+        flags += ["--tokenizer-dir", args.tokenizer_dir]
+    else:
+        flags += ["--vocab-file", args.vocab_file, "--merge-file", args.merge_file]
+    return tok, flags
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise ValueError(f"--workers={args.workers} must be >= 1")
+    if args.train_bpe_vocab_size is not None and args.train_bpe_vocab_size < 257:
+        raise ValueError(f"--train-bpe-vocab-size={args.train_bpe_vocab_size} must be >= 257 "
+                         "(256 bytes + EOD)")
+    patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
+    files = collect_files(args.input, patterns)
+    if not files:
+        raise ValueError(f"no input files found in {' '.join(args.input)} "
+                         f"(folder patterns: {', '.join(patterns)})")
+    tokenizer, train_flags = _tokenizer(args, files)
+    keys = list(dict.fromkeys(args.json_keys))
+    parent = Path(args.output_prefix).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for key in keys:
+        prefix = args.output_prefix if len(keys) == 1 else f"{args.output_prefix}_{key}_document"
+        t0 = time.perf_counter()
+        stats = preprocess(files, prefix, tokenizer, json_key=key, append_eod=args.append_eod,
+                           workers=args.workers, progress=args.progress, patterns=patterns)
+        dt = time.perf_counter() - t0
+        print(f"wrote {prefix}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens "
+              f"from {stats.files} file(s), {stats.bytes / 1e6:.1f} MB in {dt:.1f} s "
+              f"({stats.empty_skipped} empty skipped)")
+        cmd = ["domino", "train", "--data-path", os.fspath(prefix), *train_flags]
+        print(f"train on it with: {shlex.join(cmd)}")
+    return 0

@@ -1,0 +1,253 @@
+"""`domino train` settings: one flat dataclass, its command-line flags and TOML layering.
+
+Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. Flags follow
+Megatron's names; a flag whose field exists in :class:`TransformerConfig` takes that field's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from domino.config import (
+    DOMINO_OVERLAPS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
+    TransformerConfig,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+_MODEL_HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TransformerConfig)}
+
+
+def _f(default: Any, help: str | None = None, group: str = "training",
+       choices: tuple[str, ...] | None = None) -> Any:
+    """A field; ``help=None`` takes the help of the TransformerConfig field of the same name."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
+@dataclass(kw_only=True)
+class TrainArgs:
+    """Everything a `domino train` run needs (model, parallelism, optimisation, data, output)."""
+
+    # model (help text from TransformerConfig)
+    num_layers: int = _f(4, group="model")
+    hidden_size: int = _f(256, group="model")
+    num_attention_heads: int = _f(4, group="model")
+    ffn_hidden_size: int | None = _f(None, group="model")
+    num_query_groups: int | None = _f(None, group="model")
+    seq_length: int = _f(128, group="model")
+    max_position_embeddings: int | None = _f(
+        None, "Size of the learned position table; default = seq_length.", "model")
+    position_embedding_type: str = _f("learned_absolute", group="model",
+                                      choices=POSITION_EMBEDDING_TYPES)
+    normalization: str = _f("LayerNorm", group="model", choices=NORMALIZATIONS)
+    swiglu: bool = _f(False, "Use the SwiGLU activation in the MLP instead of GeLU.", "model")
+    untie_embeddings_and_output_weights: bool = _f(False, group="model")
+    hidden_dropout: float = _f(0.0, group="model")
+    attention_dropout: float = _f(0.0, group="model")
+    init_method_std: float = _f(0.02, group="model")
+    make_vocab_size_divisible_by: int = _f(128, group="model")
+    domino_micro_batches: int = _f(2, group="model")
+    domino_overlap: str = _f("cross_layer", group="model", choices=DOMINO_OVERLAPS)
+    domino_column_chunks: int = _f(1, group="model")
+    # parallelism and launch
+    tensor_model_parallel_size: int = _f(2, "Tensor-parallel size (TP); DP = world size / TP.",
+                                         "parallel")
+    nproc: int | None = _f(None, "Local processes to start when not under torchrun; default = "
+                           "the TP size.", "parallel")
+    device: str | None = _f(None, "cpu or cuda; default cuda when available.", "parallel",
+                            ("cpu", "cuda"))
+    distributed_timeout_minutes: float = _f(
+        5.0, "Process-group timeout: a rank blocked this long on a dead peer fails.", "parallel")
+    # optimisation
+    micro_batch_size: int = _f(8, "Samples per forward/backward on each DP rank.")
+    global_batch_size: int | None = _f(
+        None, "Samples per optimizer step (micro_batch x DP x accumulation); default micro x DP.")
+    train_iters: int = _f(300, "Optimizer steps.")
+    lr: float = _f(2e-3, "Peak learning rate.")
+    min_lr: float = _f(2e-4, "Learning rate at the end of the decay.")
+    lr_warmup_iters: int = _f(30, "Linear warm-up steps from 0 to --lr.")
+    lr_decay_style: str = _f("cosine", "Decay after warm-up.", choices=("cosine", "linear",
+                                                                        "constant"))
+    lr_decay_iters: int | None = _f(None, "Steps until --min-lr; default --train-iters.")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on biases and norm weights).")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.95, "AdamW beta2.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 = off).")
+    seed: int = _f(1234, "Seed for weights, data order, dropout and sampling.")
+    bf16: bool = _f(False, "bf16 autocast with fp32 master weights (CPU or GPU).")
+    fp16: bool = _f(False, "fp16 autocast with dynamic loss scaling (GPU only).")
+    initial_loss_scale: float = _f(2.0 ** 16, "fp16: initial dynamic loss scale.")
+    loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles.")
+    # data
+    data_path: str | None = _f(None, "Dataset prefix (PREFIX.bin/.idx from `domino preprocess`); "
+                               "default: the Python standard library's .py files.", "data")
+    split: str = _f("98,2,0", "Train/valid/test document weights.", "data")
+    tokenizer_type: str = _f("byte", "Tokenizer the data was made with.", "data", ("byte", "bpe"))
+    vocab_file: str | None = _f(None, "BPE vocab.json (GPT-2 style).", "data")
+    merge_file: str | None = _f(None, "BPE merges.txt (GPT-2 style).", "data")
+    tokenizer_dir: str | None = _f(None, "Folder holding vocab.json + merges.txt.", "data")
+    reset_position_ids: bool = _f(False, "Restart position ids after each EOD.", "data")
+    reset_attention_mask: bool = _f(False, "Do not attend across EOD boundaries.", "data")
+    eod_mask_loss: bool = _f(False, "No loss on EOD input tokens.", "data")
+    # evaluation, output, sampling
+    log_interval: int = _f(10, "Steps per log line / metrics.jsonl record.", "output")
+    eval_interval: int = _f(100, "Steps between validation runs (0 = only at the end).", "output")
+    eval_iters: int = _f(5, "Global batches per validation run (0 = no validation).", "output")
+    save: str | None = _f(None, "Run folder (config, metrics, plots, checkpoint); default "
+                          "runs/<timestamp>.", "output")
+    load: str | None = _f(None, "Run or checkpoint folder to resume from.", "output")
+    save_interval: int = _f(0, "Also checkpoint every this many steps (0 = only at the end).",
+                            "output")
+    exit_interval: int = _f(0, "Checkpoint and stop once the step is a multiple of this (0 = "
+                            "off); resume later with --load.", "output")
+    tensorboard: bool = _f(True, "Write TensorBoard events when tensorboard is installed.",
+                           "output")
+    sample_tokens: int = _f(200, "Tokens to generate at the end (0 = no sample).", "output")
+    sample_prompt: str = _f("def ", "Prompt of the final sample.", "output")
+    top_k: int = _f(5, "Sample from the k most likely tokens (1 = greedy).", "output")
+    temperature: float = _f(0.8, "Sampling temperature.", "output")
+
+    def __post_init__(self) -> None:
+        for name, kind in _field_types().items():
+            value = getattr(self, name)
+            if value is None:
+                if not _optional(name):
+                    raise ValueError(f"--{flag(name)} needs a value.")
+                continue
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+                setattr(self, name, value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"--{flag(name)}={value!r} must be a {kind.__name__}.")
+            choices = _meta(name).get("choices")
+            if choices and value not in choices:
+                raise ValueError(f"--{flag(name)}={value!r} is not one of {', '.join(choices)}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _meta(name: str) -> dict:
+    return _FIELDS[name].metadata
+
+
+def _field_types() -> dict[str, type]:
+    return {name: _base_type(hint) for name, hint in _HINTS.items()}
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _optional(name: str) -> bool:
+    hint = _HINTS[name]
+    return (typing.get_origin(hint) in (typing.Union, types.UnionType)
+            and type(None) in typing.get_args(hint))
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
+_HINTS = typing.get_type_hints(TrainArgs)
+_GROUPS = {"model": "model (TransformerConfig)", "parallel": "parallelism and launch",
+           "training": "optimisation", "data": "data", "output": "evaluation, output, sampling"}
+
+
+def help_text(name: str) -> str:
+    meta = _meta(name)
+    return meta["help"] if meta["help"] is not None else _MODEL_HELP.get(name, "")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per TrainArgs field (plus --config). Flags left out stay unset, so that
+    the layering defaults < TOML < command line can tell what was given."""
+    parser.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
+                        help="TOML file of settings (keys = flag names, '-' or '_'); flags win.")
+    groups = {key: parser.add_argument_group(title) for key, title in _GROUPS.items()}
+    for name, kind in _field_types().items():
+        default = _FIELDS[name].default
+        text = help_text(name) + f" [default: {default}]"
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": text}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
+            kw["metavar"] = "|".join(_meta(name)["choices"] or ()) or name.split("_")[-1].upper()
+        groups[_meta(name)["group"]].add_argument(f"--{flag(name)}", **kw)
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a settings file: flat keys, or keys inside tables (tables are only for grouping)."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--config {os.fspath(path)}: file not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"--config {os.fspath(path)}: invalid TOML ({err})") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            name = k.replace("-", "_")
+            if name not in _FIELDS:
+                close = difflib.get_close_matches(name, list(_FIELDS), n=1)
+                hint = f" (did you mean {flag(close[0])}?)" if close else ""
+                raise ValueError(f"--config {os.fspath(path)}: unknown setting {k!r}{hint}")
+            flat[name] = v
+    return flat
+
+
+def resolve_args(ns: argparse.Namespace | dict[str, Any]) -> TrainArgs:
+    """Layer built-in defaults < TOML (``config`` key) < explicitly given flags."""
+    given = dict(vars(ns)) if isinstance(ns, argparse.Namespace) else dict(ns)
+    values: dict[str, Any] = {}
+    config = given.pop("config", None)
+    if config:
+        values.update(load_toml(config))
+    values.update({k: v for k, v in given.items() if k in _FIELDS})
+    return TrainArgs(**values)
+
+
+def to_toml(args: TrainArgs) -> str:
+    """The settings as a TOML file that ``--config`` reads back (unset values commented out)."""
+    lines = ["# domino train: effective configuration"]
+    for key, title in _GROUPS.items():
+        lines.append(f"\n# -- {title}")
+        for name in _FIELDS:
+            if _meta(name)["group"] != key:
+                continue
+            value = getattr(args, name)
+            if value is None:
+                lines.append(f"# {name} =  # unset")
+            else:
+                lines.append(f"{name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # repr keeps the float round-trippable (1e-08, 65536.0, inf)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string

@@ -1,0 +1,149 @@
+"""Validate a run completely before any process starts, and fill in derived settings."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from domino.config import TransformerConfig
+from domino.parallel_state import check_sizes
+from domino.training.arguments import TrainArgs
+from domino.training.data import (
+    build_datasets,
+    check_tokenizer,
+    eod_of,
+    make_tokenizer,
+    normalize_prefix,
+    open_dataset,
+    prepare_default_corpus,
+)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def model_config(args: TrainArgs, vocab_size: int) -> TransformerConfig:
+    """The TransformerConfig of a run (raises ValueError with the field's message)."""
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, vocab_size=vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
+        normalization=args.normalization, activation="swiglu" if args.swiglu else "gelu",
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        domino_micro_batches=args.domino_micro_batches, domino_overlap=args.domino_overlap,
+        domino_column_chunks=args.domino_column_chunks)
+
+
+def default_run_dir() -> Path:
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    return path
+
+
+def _positive(args: TrainArgs, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be {bound}.")
+
+
+def _check_scalars(args: TrainArgs) -> None:
+    _positive(args, "micro_batch_size", "train_iters", "log_interval", "lr", "seq_length",
+              "distributed_timeout_minutes")
+    _positive(args, "eval_interval", "eval_iters", "min_lr", "lr_warmup_iters", "weight_decay",
+              "clip_grad", "save_interval", "exit_interval", "sample_tokens", allow_zero=True)
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr={args.min_lr} is larger than --lr={args.lr}.")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k={args.top_k} must be >= 1 (1 = greedy).")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature={args.temperature} must be > 0.")
+    if args.lr_decay_iters is not None and args.lr_decay_iters < 1:
+        raise ValueError(f"--lr-decay-iters={args.lr_decay_iters} must be >= 1.")
+
+
+def _check_device(args: TrainArgs, local_procs: int) -> None:
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are exclusive; pick one.")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available; use --device cpu.")
+        if local_procs > torch.cuda.device_count():
+            raise ValueError(f"{local_procs} local processes but only "
+                             f"{torch.cuda.device_count()} CUDA devices; lower --nproc.")
+    elif args.fp16:
+        raise ValueError("--fp16 needs a CUDA device (fp16 autocast with dynamic loss scaling is "
+                         "GPU only); use --bf16 on CPU.")
+
+
+def _check_batches(args: TrainArgs, dp: int) -> None:
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size < 1 or args.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size={args.global_batch_size} is not a positive multiple of "
+            f"--micro-batch-size={args.micro_batch_size} x data-parallel size {dp} = {per_step}; "
+            "gradient accumulation needs a whole number of micro-batches per rank.")
+    if args.domino_micro_batches > args.micro_batch_size:
+        raise ValueError(
+            f"--domino-micro-batches={args.domino_micro_batches} is larger than "
+            f"--micro-batch-size={args.micro_batch_size}: every Domino micro-batch needs at least "
+            "one sample; raise --micro-batch-size or lower --domino-micro-batches.")
+
+
+def _check_load(args: TrainArgs) -> None:
+    if args.load is None:
+        return
+    from domino.training.checkpoint import find_checkpoint
+
+    find_checkpoint(args.load, args.tensor_model_parallel_size)  # raises ValueError
+
+
+def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool = True,
+                run_dir: Path | None = None) -> tuple[TrainArgs, TransformerConfig]:
+    """Check everything that can be checked without starting processes; fills in nproc, device,
+    save, data_path, global_batch_size and max_position_embeddings. Raises ValueError."""
+    _check_scalars(args)
+    tp = args.tensor_model_parallel_size
+    if world_size is None:
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or tp)
+    if not under_torchrun():
+        args.nproc = world_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    _check_device(args, local if under_torchrun() else world_size)
+    check_sizes(world_size, tp)
+    if args.save is None and run_dir is not None:
+        args.save = str(run_dir)
+    if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
+        args.max_position_embeddings = args.seq_length
+
+    # Data first: the vocabulary size comes from the tokenizer.
+    if args.data_path is None:
+        scratch = Path(args.save) if args.save else default_run_dir()
+        args.data_path = prepare_default_corpus(args, scratch, progress)
+    args.data_path = normalize_prefix(args.data_path)
+    tokenizer = make_tokenizer(args)
+    ds = open_dataset(args.data_path)
+    check_tokenizer(ds, tokenizer)
+
+    config = model_config(args, tokenizer.vocab_size)
+    config.validate_parallel(tp)
+    _check_batches(args, world_size // tp)
+    build_datasets(args, ds, eod_of(ds, tokenizer))  # split, size and sample checks
+    _check_load(args)
+    return args, config

@@ -1,0 +1,169 @@
+"""Training data: the built-in corpus, tokenizer/dataset checks, and per-rank batches."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from domino.data.indexed_dataset import IndexedDataset, data_path, index_path
+from domino.data.preprocess import preprocess, stdlib_corpus_files
+from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
+from domino.training.arguments import TrainArgs
+
+DEFAULT_BPE_VOCAB = 2048
+
+
+def cache_root() -> Path:
+    """Where derived data (the tokenized stdlib corpus) is cached: $DOMINO_CACHE_DIR or
+    ~/.cache/domino."""
+    env = os.environ.get("DOMINO_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "domino"
+
+
+def _writable_dir(preferred: Path, fallback: Path) -> Path:
+    for folder in (preferred, fallback):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            continue
+    raise ValueError(f"cannot write the corpus cache to {preferred} or {fallback}")
+
+
+def _content_hash(files: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for path in files:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+# Generated tables and prose, not code: codec maps and pydoc's topic texts would otherwise be
+# ~20% of the corpus and teach the model to recite "LATIN CAPITAL LETTER ..." lines.
+_NOT_CODE = {"encodings", "pydoc_data"}
+
+
+def default_corpus_files() -> list[str]:
+    """The standard library's .py files, minus generated tables."""
+    root = sysconfig.get_paths()["stdlib"]
+    return [f for f in stdlib_corpus_files()
+            if Path(os.path.relpath(f, root)).parts[0] not in _NOT_CODE]
+
+
+def prepare_default_corpus(args: TrainArgs, run_dir: Path, progress: bool) -> str:
+    """Tokenize the standard library's .py files once; returns the dataset prefix.
+
+    Cached by content hash (of the files and the tokenizer) so later runs start at once.
+    """
+    files = default_corpus_files()
+    if not files:
+        raise ValueError("no Python standard library .py files found for the built-in corpus; "
+                         "pass --data-path")
+    corpus = _content_hash(files)
+    folder = _writable_dir(cache_root() / f"stdlib-{corpus}", run_dir / "data")
+    if args.tokenizer_type == "bpe" and not (args.vocab_file or args.tokenizer_dir):
+        tok_dir = folder / f"bpe-{DEFAULT_BPE_VOCAB}"
+        if not (tok_dir / "vocab.json").is_file():
+            BPETokenizer.train(files, DEFAULT_BPE_VOCAB).save(tok_dir)
+        args.tokenizer_dir = str(tok_dir)
+    tokenizer = make_tokenizer(args)
+    prefix = folder / f"stdlib_{tokenizer.name}_{tokenizer.vocab_hash()}"
+    if not (Path(data_path(prefix)).is_file() and Path(index_path(prefix)).is_file()):
+        preprocess(files, prefix, tokenizer, append_eod=True, progress=progress)
+    return str(prefix)
+
+
+def make_tokenizer(args: TrainArgs) -> Tokenizer:
+    if args.tokenizer_type == "bpe" and not (args.vocab_file or args.tokenizer_dir):
+        raise ValueError("--tokenizer-type bpe needs --vocab-file and --merge-file (or "
+                         "--tokenizer-dir) with the vocabulary the data was made with")
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                           merges_file=args.merge_file, tokenizer_dir=args.tokenizer_dir)
+
+
+def normalize_prefix(path: str) -> str:
+    """Accept PREFIX, PREFIX.bin or PREFIX.idx."""
+    for suffix in (".bin", ".idx"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return path
+
+
+def open_dataset(prefix: str) -> IndexedDataset:
+    """Open the dataset with errors that name the flag."""
+    missing = [p for p in (data_path(prefix), index_path(prefix)) if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; create the "
+                         f"dataset with `domino preprocess --output-prefix {prefix} ...`")
+    ds = IndexedDataset(prefix)
+    if ds.num_tokens == 0 or ds.num_documents == 0:
+        raise ValueError(f"--data-path {prefix}: the dataset is empty (0 tokens); preprocess "
+                         "some non-empty text into it")
+    return ds
+
+
+def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer) -> None:
+    """The tokenizer must be the one the dataset was made with (or at least cover its ids)."""
+    info = ds.tokenizer_info
+    mine = tokenizer.describe()
+    if info is not None:
+        if info.get("vocab_hash") != mine["vocab_hash"] or info.get("vocab_size") != mine[
+                "vocab_size"]:
+            raise ValueError(
+                f"--data-path {ds.prefix} was made with a {info.get('kind')} tokenizer of "
+                f"{info.get('vocab_size')} tokens (hash {info.get('vocab_hash')}) but this run "
+                f"uses a {mine['kind']} tokenizer of {mine['vocab_size']} tokens (hash "
+                f"{mine['vocab_hash']}); pass the matching --tokenizer-type/--vocab-file/"
+                "--merge-file or re-run `domino preprocess`")
+        return
+    # No sidecar (e.g. a dataset made by Megatron): the ids must at least fit the vocabulary.
+    tokens = np.memmap(data_path(ds.prefix), dtype=ds.dtype, mode="r")
+    top = int(tokens.max()) if tokens.size else 0
+    if top >= tokenizer.vocab_size:
+        raise ValueError(f"--data-path {ds.prefix} holds token id {top}, outside the "
+                         f"{tokenizer.vocab_size}-token vocabulary of the {tokenizer.name} "
+                         "tokenizer; pass the tokenizer the data was made with")
+
+
+def eod_of(ds: IndexedDataset, tokenizer: Tokenizer) -> int:
+    info = ds.tokenizer_info
+    return int(info["eod"]) if info and "eod" in info else tokenizer.eod
+
+
+def build_datasets(args: TrainArgs, ds: IndexedDataset, eod: int):
+    """(train, valid) GPT datasets sized for the whole run; valid holds the fixed validation
+    batches (the same ones every evaluation, so the numbers compare across steps)."""
+    from domino.data.gpt_dataset import build_train_valid_datasets
+
+    assert args.global_batch_size is not None
+    return build_train_valid_datasets(
+        ds.prefix, args.seq_length, args.train_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size, seed=args.seed, splits=args.split,
+        eod_token=eod, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask)
+
+
+def rank_batches(dataset, batch_index: int, global_batch: int, dp_size: int, dp_rank: int,
+                 micro_batch: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches of global batch ``batch_index``.
+
+    Samples are picked by global index (batch_index * global_batch + ...): DP rank r takes the
+    r-th contiguous slice, so the set of samples per step does not depend on the DP size.
+    """
+    per_rank = global_batch // dp_size
+    first = batch_index * global_batch + dp_rank * per_rank
+    out = []
+    for start in range(first, first + per_rank, micro_batch):
+        items = [dataset[i] for i in range(start, start + micro_batch)]
+        # attention_mask (only with --reset-attention-mask) stacks to [b, 1, s, s], True = masked.
+        out.append({k: torch.stack([it[k] for it in items]).to(device) for k in items[0]})
+    return out

@@ -1,0 +1,65 @@
+"""Text generation with the KV cache, run by every rank of one TP group in lockstep."""
+
+from __future__ import annotations
+
+import torch
+
+from domino.parallel_state import ParallelState
+from domino.transformer import InferenceParams
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int],
+             max_new_tokens: int, vocab_size: int, max_context: int, top_k: int = 1,
+             temperature: float = 1.0, seed: int = 0, stop_token: int | None = None) -> list[int]:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns only the new ones.
+
+    Greedy when ``top_k == 1``, else top-k sampling with a generator seeded by ``seed``. Tokens
+    are chosen on TP rank 0 and broadcast, so every TP rank feeds the same ids. When the context
+    fills the position table the cache is rebuilt from the last half of the text (a sliding
+    window), so samples can be longer than the training sequence.
+    """
+    was_training = model.training
+    model.eval()
+    device = state.device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    tokens = list(prompt_ids)
+    if not tokens:
+        raise ValueError("generate() needs at least one prompt token")
+    new: list[int] = []
+    params: InferenceParams | None = None
+    window_start = fed = 0  # tokens[window_start:] sit at positions 0.. ; the cache holds `fed`
+    try:
+        while len(new) < max_new_tokens:
+            if params is None or len(tokens) - window_start > max_context:
+                if len(tokens) - window_start > max_context:
+                    window_start = len(tokens) - max(max_context // 2, 1)
+                params = InferenceParams(max_batch_size=1, max_sequence_length=max_context)
+                fed = 0
+            chunk = tokens[window_start + fed:]
+            ids = torch.tensor([chunk], dtype=torch.long, device=device)
+            pos = torch.arange(fed, fed + len(chunk), device=device).unsqueeze(0)
+            logits = model(ids, pos, None, inference_params=params)  # [1, n, v/tp]
+            params.sequence_len_offset += len(chunk)
+            fed += len(chunk)
+            last = state.tp.all_gather_last_dim(logits[:, -1].float())[0, :vocab_size]
+            nxt = _choose(last, top_k, temperature, gen)
+            state.tp.broadcast(nxt)
+            token = int(nxt.item())
+            if stop_token is not None and token == stop_token:
+                break
+            tokens.append(token)
+            new.append(token)
+    finally:
+        model.train(was_training)
+    return new
+
+
+def _choose(logits: torch.Tensor, top_k: int, temperature: float,
+            gen: torch.Generator) -> torch.Tensor:
+    if top_k <= 1:
+        return logits.argmax().reshape(1)
+    values, index = torch.topk(logits / temperature, min(top_k, logits.numel()))
+    probs = torch.softmax(values, dim=-1)
+    return index[torch.multinomial(probs, 1, generator=gen)].reshape(1)

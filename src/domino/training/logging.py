@@ -1,0 +1,134 @@
+"""Rank-0 run logging: progress bar, log lines, metrics.jsonl, TensorBoard and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class RunLogger:
+    """Everything a run reports. Inactive (all no-ops) on ranks other than 0."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, active: bool,
+                 tensorboard: bool = True) -> None:
+        self.active, self.run_dir = active, Path(run_dir)
+        self.train_curve: list[tuple[int, float]] = []
+        self.val_curve: list[tuple[int, float]] = []
+        self.bar = None
+        self.tb = None
+        self.metrics = None
+        if not active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                        dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # needs `tensorboard`
+
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def print(self, text: str) -> None:
+        """A line that does not break the progress bar."""
+        if self.active:
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+
+    def step(self, step: int, loss: float) -> None:
+        if not self.active:
+            return
+        self.train_curve.append((step, loss))
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    def record(self, rec: dict[str, Any]) -> None:
+        """One metrics.jsonl object, one log line and TensorBoard scalars."""
+        if not self.active:
+            return
+        if "val_loss" in rec:
+            self.val_curve.append((rec["step"], rec["val_loss"]))
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, rec["step"])
+        self.print(format_record(rec, self.bar.total if self.bar else 0))
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.bar.close()
+        self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
+
+    def plot(self) -> Path | None:
+        """loss_curve.png: training loss per step and validation loss points."""
+        if not self.active or not self.train_curve:
+            return None
+        return plot_loss_curve(self.run_dir / "loss_curve.png", self.train_curve, self.val_curve)
+
+
+def format_record(rec: dict[str, Any], total: int) -> str:
+    width = len(str(total)) if total else 1
+    parts = [f"step {rec['step']:>{width}}/{total}"]
+    if "loss" in rec:
+        parts.append(f"loss {rec['loss']:.4f}")
+    if "val_loss" in rec:
+        parts.append(f"val loss {rec['val_loss']:.4f} ppl {rec['val_ppl']:.2f}")
+    if "lr" in rec:
+        parts.append(f"lr {rec['lr']:.2e}")
+    if "grad_norm" in rec:
+        parts.append(f"grad norm {rec['grad_norm']:.3f}")
+    if "tokens_per_s" in rec:
+        parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
+    if "step_time_s" in rec:
+        parts.append(f"{rec['step_time_s'] * 1e3:.0f} ms/step")
+    if "exposed_comm_s" in rec:
+        parts.append(f"exposed comm {rec['exposed_comm_s'] * 1e3:.1f} ms")
+    if rec.get("skipped"):
+        parts.append(f"skipped {rec['skipped']}")
+    if "loss_scale" in rec:
+        parts.append(f"scale {rec['loss_scale']:.0f}")
+    return " | ".join(parts)
+
+
+def plot_loss_curve(path: Path, train: list[tuple[int, float]],
+                    val: list[tuple[int, float]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; safe in worker processes
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    steps, losses = zip(*train, strict=True)
+    ax.plot(steps, losses, lw=0.8, alpha=0.45, color="C0", label="train (per step)")
+    if len(losses) >= 10:
+        k = max(len(losses) // 30, 2)
+        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, smooth, lw=1.8, color="C0", label=f"train (mean of {k})")
+    if val:
+        vs, vl = zip(*val, strict=True)
+        ax.plot(vs, vl, "o-", color="C3", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    finite = [v for v in losses if math.isfinite(v)]
+    if finite:
+        ax.set_ylim(bottom=max(0.0, min(finite) * 0.9))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("domino train")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,238 @@
+"""The training loop of one rank: data, model, optimisation steps, evaluation, checkpoint,
+summary and the final sample."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from domino.gpt_model import GPTModel
+from domino.parallel_state import ParallelState
+from domino.training.arguments import TrainArgs
+from domino.training.checkpoint import load_checkpoint, save_checkpoint
+from domino.training.checks import model_config
+from domino.training.data import build_datasets, eod_of, make_tokenizer, open_dataset, rank_batches
+from domino.training.generate import generate
+from domino.training.logging import RunLogger
+from domino.training.optim import (
+    DynamicLossScaler,
+    allreduce_grads,
+    any_rank_true,
+    build_optimizer,
+    clip_grads,
+    global_grad_norm,
+    grads_of,
+    learning_rate,
+    set_lr,
+)
+
+FAIL_RANK_ENV = "DOMINO_TEST_FAIL_RANK"  # test hook: this global rank raises at FAIL_STEP
+FAIL_STEP_ENV = "DOMINO_TEST_FAIL_STEP"
+
+
+@dataclass
+class TrainResult:
+    """What a rank saw: per-step global losses and grad norms, validation, sample, timing."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    sample: str | None = None
+    wall_s: float = 0.0
+    skipped: int = 0
+
+
+def _autocast(args: TrainArgs, device: torch.device):
+    if args.bf16 or args.fp16:
+        dtype = torch.bfloat16 if args.bf16 else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _maybe_fail(step: int) -> None:
+    if os.environ.get(FAIL_RANK_ENV) == str(_global_rank()) and step == int(
+            os.environ.get(FAIL_STEP_ENV, "1")):
+        raise RuntimeError(f"injected failure on rank {_global_rank()} at step {step} "
+                           f"({FAIL_RANK_ENV})")
+
+
+def _forward_loss(model, batch, args, device) -> torch.Tensor:
+    """Sum of the masked per-token losses of one micro-batch (fp32)."""
+    with _autocast(args, device):
+        per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                          labels=batch["labels"])  # [b, s]
+    return (per_token.float() * batch["loss_mask"]).sum()
+
+
+@torch.no_grad()
+def evaluate(model, dataset, args: TrainArgs, state: ParallelState) -> float:
+    """Mean loss per token over the fixed validation batches (all DP ranks contribute)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=state.device)
+    for k in range(args.eval_iters):
+        for batch in rank_batches(dataset, k, args.global_batch_size, state.dp.size,
+                                  state.dp.rank, args.micro_batch_size, state.device):
+            total[0] += _forward_loss(model, batch, args, state.device).double()
+            total[1] += batch["loss_mask"].sum().double()
+    state.dp.all_reduce(total, name="eval loss")
+    model.train()
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) -> TrainResult:
+    """Train on this rank (the process group is initialised); returns what this rank saw."""
+    wall0 = time.perf_counter()
+    if state is None:
+        state = ParallelState.build(args.tensor_model_parallel_size, device=args.device)
+    device, dp, tp = state.device, state.dp, state.tp
+    torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
+    state.rng.seed(args.seed)
+    tokenizer = make_tokenizer(args)
+    ds = open_dataset(args.data_path)
+    train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer))
+    config = model_config(args, tokenizer.vocab_size)
+    model = GPTModel(config, parallel_state=state)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, args)
+    scaler = DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window) if args.fp16 \
+        else None
+    start = 0
+    if args.load:
+        ckpt = load_checkpoint(args.load, state)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        state.rng.load_state_dict(ckpt["rng"])
+        start = int(ckpt["iteration"])
+    rank0 = _global_rank() == 0
+    log = RunLogger(run_dir, args.train_iters, start, rank0, args.tensorboard)
+    if rank0:
+        full = sum(p.numel() * (tp.size if getattr(p, "tensor_model_parallel", False) else 1)
+                   for p in params)
+        accum = args.global_batch_size // (dp.size * args.micro_batch_size)
+        log.print(f"model: {full:,} parameters | TP={tp.size} x DP={dp.size} | global batch "
+                  f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
+                  f"{args.micro_batch_size} x DP {dp.size} x {accum} accumulation step(s) | "
+                  f"{len(train_ds):,} train samples | device {device}")
+    result = TrainResult()
+    g, s = args.global_batch_size, args.seq_length
+    window: dict[str, float] = {}
+    for step in range(start + 1, args.train_iters + 1):
+        t0 = time.perf_counter()
+        comm0 = tp.stats.wait_s
+        set_lr(optimizer, lr := learning_rate(step, args))
+        batches = rank_batches(train_ds, step - 1, g, dp.size, dp.rank, args.micro_batch_size,
+                               device)
+        _maybe_fail(step)
+        # Normalise by the global number of loss tokens: the DP sum of the gradients is then
+        # the exact global mean, whatever the DP size or accumulation layout.
+        n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
+        dp.all_reduce(n_tokens, name="token count")
+        denom = float(n_tokens.clamp(min=1))
+        scale = scaler.scale if scaler is not None else 1.0
+        optimizer.zero_grad(set_to_none=False)
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+        for batch in batches:
+            lsum = _forward_loss(model, batch, args, device)
+            (lsum * (scale / denom)).backward()
+            loss_sum += lsum.detach().double()
+        exposed = tp.stats.wait_s - comm0  # time blocked on TP collectives in fwd + bwd
+        grads = grads_of(params)
+        allreduce_grads(grads, dp)
+        dp.all_reduce(loss_sum, name="loss")
+        loss = float(loss_sum) / denom
+        if scaler is not None:
+            for grad in grads:
+                grad.mul_(1.0 / scale)
+        norm = global_grad_norm(params, tp)
+        overflow = any_rank_true(not math.isfinite(norm), (tp, dp), device)
+        if overflow:
+            result.skipped += 1
+        else:
+            clip_grads(params, args.clip_grad, norm)
+            optimizer.step()
+        if scaler is not None:
+            scaler.update(overflow)
+        step_time = time.perf_counter() - t0
+        result.losses.append(loss)
+        result.grad_norms.append(norm)
+        log.step(step, loss)
+        for key, value in (("loss", loss), ("time", step_time), ("comm", exposed), ("n", 1.0)):
+            window[key] = window.get(key, 0.0) + value
+        rec: dict[str, float | int] = {}
+        last = step == args.train_iters or bool(args.exit_interval
+                                                and step % args.exit_interval == 0)
+        if valid_ds is not None and ((args.eval_interval and step % args.eval_interval == 0)
+                                     or last):
+            val = evaluate(model, valid_ds, args, state)
+            result.val_losses.append((step, val))
+            rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+        if rec or last or step % args.log_interval == 0:
+            n = window["n"]
+            rec = {"step": step, "loss": window["loss"] / n, "lr": lr, "grad_norm": norm,
+                   "tokens_per_s": g * s * n / window["time"], "step_time_s": window["time"] / n,
+                   "exposed_comm_s": window["comm"] / n, "skipped": result.skipped, **rec}
+            if scaler is not None:
+                rec["loss_scale"] = scaler.scale
+            log.record(rec)
+            window = {}
+        if args.exit_interval and step % args.exit_interval == 0:
+            break
+        if args.save_interval and step % args.save_interval == 0 and not last:
+            _save(run_dir, step, state, model, optimizer, scaler, args)
+    log.close()
+    if result.losses:
+        _save(run_dir, start + len(result.losses), state, model, optimizer, scaler, args)
+    result.wall_s = time.perf_counter() - wall0
+    if rank0:
+        _summary(log, result, run_dir)
+    if args.sample_tokens and dp.rank == 0:
+        prompt = tokenizer.encode(args.sample_prompt) or [tokenizer.eod]
+        max_context = config.max_position_embeddings if \
+            config.position_embedding_type == "learned_absolute" else config.seq_length
+        ids = generate(model, state, prompt, args.sample_tokens, tokenizer.vocab_size, max_context,
+                       args.top_k, args.temperature, args.seed, stop_token=tokenizer.eod)
+        result.sample = args.sample_prompt + tokenizer.decode(ids)
+        if rank0:
+            kind = "greedy" if args.top_k == 1 else f"top-k {args.top_k}, T={args.temperature}"
+            log.print(f"\n--- sample ({len(ids)} tokens, {kind}, KV cache) ---\n{result.sample}"
+                      "\n---")
+            (Path(run_dir) / "sample.txt").write_text(result.sample, encoding="utf-8")
+    return result
+
+
+def _save(run_dir, step, state, model, optimizer, scaler, args) -> None:
+    save_checkpoint(Path(run_dir), step, state, {
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": state.rng.state_dict(), "args": args.to_dict()})
+
+
+def _summary(log: RunLogger, result: TrainResult, run_dir: Path) -> None:
+    plot = log.plot()
+    lines = ["", "=== summary ==="]
+    if result.losses:
+        k = min(10, len(result.losses))
+        lines.append(f"loss: first {result.losses[0]:.4f} -> last {result.losses[-1]:.4f} "
+                     f"(mean of last {k}: {sum(result.losses[-k:]) / k:.4f})")
+    if result.val_losses:
+        step, val = result.val_losses[-1]
+        lines.append(f"validation at step {step}: loss {val:.4f}, perplexity "
+                     f"{math.exp(min(val, 50.0)):.3f}")
+    if result.skipped:
+        lines.append(f"skipped steps (overflow): {result.skipped}")
+    lines.append(f"wall time (this rank, after start-up): {result.wall_s:.1f} s")
+    lines.append(f"run folder: {run_dir}" + (f"  (loss curve: {plot.name})" if plot else ""))
+    log.print("\n".join(lines))

@@ -1,0 +1,147 @@
+"""Optimiser pieces: AdamW groups, LR schedule, DP gradient reduction, global-norm clipping and
+dynamic loss scaling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from domino.tensor_parallel import CommGroup, is_partitioned
+from domino.training.arguments import TrainArgs
+
+BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per DP all-reduce: few launches, bounded extra memory
+
+
+def build_optimizer(model: nn.Module, args: TrainArgs) -> torch.optim.AdamW:
+    """AdamW; biases and norm weights (every 1-D parameter) get no weight decay (Megatron)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+
+
+def learning_rate(step: int, args: TrainArgs) -> float:
+    """LR for optimizer step ``step`` (1-based): linear warm-up, then decay to min_lr."""
+    warmup = args.lr_warmup_iters
+    if warmup and step <= warmup:
+        return args.lr * step / warmup
+    if args.lr_decay_style == "constant":
+        return args.lr
+    decay_iters = args.lr_decay_iters or args.train_iters
+    span = max(decay_iters - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    if args.lr_decay_style == "linear":
+        coeff = 1.0 - progress
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.min_lr + coeff * (args.lr - args.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Every parameter's gradient, materialising zeros for unused ones so that all ranks
+    reduce the same buffers."""
+    out = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad)
+    return out
+
+
+def allreduce_grads(grads: Sequence[torch.Tensor], dp: CommGroup,
+                    bucket_numel: int = BUCKET_NUMEL) -> None:
+    """Sum gradients over the data-parallel group, flattened into buckets (few large
+    collectives instead of one per tensor). The loss is already normalised by the global token
+    count, so the sum is the data-parallel mean gradient."""
+    if dp.size == 1:
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in [*grads, None]:
+        if g is not None and (not bucket or (size + g.numel() <= bucket_numel
+                                             and g.dtype == bucket[0].dtype)):
+            bucket.append(g)
+            size += g.numel()
+            continue
+        if bucket:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dp.all_reduce(flat, name="dp grads")
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        bucket, size = ([g], g.numel()) if g is not None else ([], 0)
+
+
+def global_grad_norm(params: Sequence[nn.Parameter], tp: CommGroup) -> float:
+    """L2 norm of the full model's gradient, equal to the single-process model's norm.
+
+    TP-sharded parameters contribute their shard on every TP rank; TP-replicated ones (norms,
+    row-parallel biases, position embeddings) only on TP rank 0, so they count once. The sum is
+    then all-reduced over TP, which also makes the result identical on every TP rank. Gradients
+    are already DP-reduced, so no DP sum.
+    """
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is not None and (is_partitioned(p) or tp.rank == 0):
+            total += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
+    tp.all_reduce(total, name="grad norm")
+    return float(total.sqrt())
+
+
+def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale gradients by max_norm / norm when the global norm exceeds max_norm."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return
+    coeff = max_norm / (norm + 1e-6)
+    if coeff < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coeff)
+
+
+def any_rank_true(flag: bool, groups: Sequence[CommGroup], device: torch.device) -> bool:
+    """True when ``flag`` is set on any rank of ``groups`` (TP then DP covers the world)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    for group in groups:
+        group.all_reduce(t, op=dist.ReduceOp.MAX, name="found inf")
+    return bool(t.item() > 0)
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling: halve on overflow (the step is skipped), double after ``window``
+    clean steps."""
+
+    def __init__(self, initial: float = 2.0 ** 16, window: int = 1000, min_scale: float = 1.0):
+        self.scale, self.window, self.min_scale = float(initial), window, min_scale
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

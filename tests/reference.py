@@ -1,0 +1,136 @@
+"""An independent, plain-PyTorch GPT written from the math (no domino modules).
+
+It runs on the full weights of a TP=1 domino ``GPTModel``, looked up by domino's parameter
+names, in the [batch, seq, hidden] layout with explicit per-head attention, so that a math bug
+in domino (one that TP=1 and TP=N would share) shows up as a mismatch.
+
+Weight layouts it assumes (the documented contract):
+
+* fused QKV rows, per query group g: ``[q heads of group g | k_g | v_g]``, each ``kv_channels``
+  rows; query head i belongs to group ``i // (heads / groups)``;
+* SwiGLU's fc1 rows are ``[gate; up]``; GELU is the exact (erf) one;
+* RoPE rotates the first ``int(kv_channels * rotary_percent)`` channels of each head in two
+  halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos / factor * base^(-2i/rot);
+* pre-norm layers; ``apply_residual_connection_post_layernorm`` takes the residual from the norm
+  output; the loss is ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from domino import TransformerConfig
+
+PREFIX = "language_model."
+
+
+def reference_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached leaf copies (requiring grad) of a TP=1 model's parameters, by domino name."""
+    return {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+
+
+def _linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+    out = x @ w[name + ".weight"].t()
+    bias = w.get(name + ".bias")
+    return out if bias is None else out + bias
+
+
+def _norm(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.Tensor:
+    if cfg.normalization == "RMSNorm":
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon) \
+            * w[name + ".weight"]
+    mu = x.mean(-1, keepdim=True)
+    var = (x - mu).pow(2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + cfg.layernorm_epsilon) * w[name + ".weight"] \
+        + w[name + ".bias"]
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
+    """x [b, s, n, d] rotated by absolute positions pos [b, s]."""
+    rot = int(cfg.kv_channels * cfg.rotary_percent)
+    half = rot // 2
+    p = pos.double()
+    if cfg.rotary_seq_len_interpolation_factor is not None:
+        p = p / cfg.rotary_seq_len_interpolation_factor
+    i = torch.arange(half, dtype=torch.float64)
+    ang = p[..., None] * torch.pow(float(cfg.rotary_base), -2.0 * i / rot)  # [b, s, half]
+    cos, sin = ang.cos()[:, :, None].to(x.dtype), ang.sin()[:, :, None].to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:rot], x[..., rot:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
+               pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    b, s, _ = x.shape
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    per = heads // groups
+    qkv = _linear(x, w, name + ".query_key_value").view(b, s, groups, per + 2, d)
+    q = qkv[:, :, :, :per].reshape(b, s, heads, d)
+    k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [b, s, groups, d]
+    if cfg.position_embedding_type == "rope":
+        q, k = _rope(q, pos, cfg), _rope(k, pos, cfg)
+    ctx = []
+    for h in range(heads):  # head by head, straight from the definition
+        g = h // per
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(d)  # [b, s, s]
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        blocked = causal if mask is None else (causal | mask[:, 0])
+        scores = scores.masked_fill(blocked, float("-inf"))
+        ctx.append(torch.softmax(scores, dim=-1) @ v[:, :, g])  # [b, s, d]
+    return _linear(torch.cat(ctx, dim=-1), w, name + ".dense")
+
+
+def _mlp(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.Tensor:
+    h = _linear(x, w, name + ".dense_h_to_4h")
+    if cfg.activation == "swiglu":
+        gate, up = h[..., :cfg.ffn_hidden_size], h[..., cfg.ffn_hidden_size:]
+        h = gate * torch.sigmoid(gate) * up
+    else:
+        h = 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
+    return _linear(h, w, name + ".dense_4h_to_h")
+
+
+def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
+                     position_ids: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Final hidden states [b, s, h]; ``mask`` [b, 1, s, s] bool (True = masked) adds to causal."""
+    b, s = ids.shape
+    pos = position_ids if position_ids is not None else torch.arange(s).expand(b, s)
+    x = w[PREFIX + "embedding.word_embeddings.weight"][ids]
+    if cfg.position_embedding_type == "learned_absolute":
+        x = x + w[PREFIX + "embedding.position_embeddings.weight"][pos]
+    for i in range(cfg.num_layers):
+        layer = f"{PREFIX}encoder.layers.{i}"
+        for norm, branch in (("input_layernorm", "attn"), ("post_attention_layernorm", "mlp")):
+            ln = _norm(x, w, f"{layer}.{norm}", cfg)
+            res = ln if cfg.apply_residual_connection_post_layernorm else x
+            if branch == "attn":
+                out = _attention(ln, w, f"{layer}.self_attention", cfg, pos, mask)
+            else:
+                out = _mlp(ln, w, f"{layer}.mlp", cfg)
+            x = res + out
+    if cfg.final_layernorm:
+        x = _norm(x, w, PREFIX + "encoder.final_layernorm", cfg)
+    return x
+
+
+def reference_logits(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
+                     position_ids: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [b, s, vocab] over the real vocabulary."""
+    out_w = (w[PREFIX + "output_layer.weight"] if cfg.untie_embeddings_and_output_weights
+             else w[PREFIX + "embedding.word_embeddings.weight"])
+    return reference_hidden(w, cfg, ids, position_ids, mask) @ out_w[:cfg.vocab_size].t()
+
+
+def reference_loss(w: dict, cfg: TransformerConfig, ids: torch.Tensor, labels: torch.Tensor,
+                   label_smoothing: float = 0.0, position_ids: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token loss [b, s]."""
+    logits = reference_logits(w, cfg, ids, position_ids, mask)
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(dim=-1)

@@ -1,0 +1,205 @@
+"""Tests for ``domino bench`` (domino.bench.runner / modes / worker). No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from domino.bench import runner
+from domino.bench.modes import DEFAULT_MODES, parse_mode, parse_modes
+from domino.transformer import Plan
+
+TINY = ["--hidden-size", "64", "--num-attention-heads", "4", "--num-layers", "2",
+        "--seq-length", "32", "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
+        "--steps", "2", "--warmup", "1"]
+
+ROW_KEYS = {
+    "mode", "comm_enabled", "micro_batches", "overlap", "column_chunks", "step_time_s",
+    "step_times_s", "step_times_s_per_rank", "tokens_per_s", "exposed_comm_s",
+    "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
+    "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
+    "chrome_trace",
+}
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+# ---- mode grammar -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "plan", "comm"),
+    [
+        ("sync", "sync", Plan(1, "none", 1), True),
+        (" NoComm ", "nocomm", Plan(1, "none", 1), False),
+        ("domino:m2:cross", "domino:m2:cross", Plan(2, "cross_layer", 1), True),
+        ("Domino:M4:Cross:C2", "domino:m4:cross:c2", Plan(4, "cross_layer", 2), True),
+        ("domino:m2:intra_layer:c1", "domino:m2:intra", Plan(2, "intra_layer", 1), True),
+        ("domino:m1:none:c4", "domino:m1:none:c4", Plan(1, "none", 4), True),
+        ("nocomm:m4:cross:c2", "nocomm:m4:cross:c2", Plan(4, "cross_layer", 2), False),
+    ],
+)
+def test_parse_mode(text: str, name: str, plan: Plan, comm: bool) -> None:
+    mode = parse_mode(text)
+    assert (mode.name, mode.plan, mode.comm) == (name, plan, comm)
+    assert mode.is_domino == name.startswith("domino:")
+    assert parse_mode(mode.name) == mode  # canonical names parse back to themselves
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "fast", "domino", "domino:m2", "domino:m0:cross", "domino:m2:sideways",
+     "domino:m2:cross:c0", "domino:m2:cross:x3", "sync:m2:cross", "domino:2:cross"],
+)
+def test_parse_mode_rejects(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"domino:m<N>:<none\|intra\|cross>"):
+        parse_mode(bad)
+
+
+def test_parse_modes() -> None:
+    modes = parse_modes("sync, domino:m2:cross,domino:m2:cross_layer,,nocomm")
+    assert [m.name for m in modes] == ["sync", "domino:m2:cross", "nocomm"]
+    assert len(parse_modes(DEFAULT_MODES)) == len(DEFAULT_MODES.split(","))
+    with pytest.raises(ValueError, match="empty"):
+        parse_modes(" , ")
+
+
+# ---- validation before any process starts -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--modes", "domino:m8:cross"], "micro-batch"),
+        (["--modes", "sync,bogus"], "unknown benchmark mode"),
+        (["--num-attention-heads", "3"], "divisible"),
+        (["--steps", "0"], "--steps"),
+        (["--emulate-link", "fast"], "gbit"),
+        (["--emulate-link", "1gb"], "invalid link rate"),
+        (["--json", "/nonexistent-dir/x.json"], "does not exist"),
+    ],
+)
+def test_validation_errors(extra: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        runner.run(_args(TINY + extra))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may emulate links")
+def test_emulate_link_needs_root() -> None:
+    with pytest.raises(ValueError, match="root"):
+        runner.run(_args(TINY + ["--emulate-link", "1gbit"]))
+
+
+def test_main_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert runner.main(TINY + ["--modes", "domino:m2:diagonal"]) == 2
+    assert "unknown benchmark mode" in capsys.readouterr().err
+
+
+# ---- figures on synthetic measurements ----------------------------------------------------------
+
+
+def test_compute_results_and_best_plan() -> None:
+    modes = parse_modes("sync,nocomm,domino:m2:cross,domino:m4:cross:c2,nocomm:m4:cross:c2")
+    med = {"sync": 1.0, "nocomm": 0.6, "domino:m2:cross": 0.7, "domino:m4:cross:c2": 0.65,
+           "nocomm:m4:cross:c2": 0.62}
+    raw = {
+        "step_times_s": {n: [t, t] for n, t in med.items()},
+        "per_rank_step_times_s": {n: [[t, t], [t, t]] for n, t in med.items()},
+        "peak_bytes": {n: [10, 12] for n in med},
+        "peak_rss_bytes": {n: [None, None] for n in med},
+    }
+    rows = {r["mode"]: r for r in runner.compute_results(raw, modes, tokens=100)}
+    assert all(set(r) == ROW_KEYS for r in rows.values())
+    assert rows["sync"]["comm_hidden"] is None and rows["nocomm"]["comm_hidden"] is None
+    assert rows["domino:m2:cross"]["comm_hidden"] == pytest.approx(1 - 0.1 / 0.4)
+    assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] is None
+    assert rows["domino:m4:cross:c2"]["exposed_comm_vs_split_nocomm_s"] == pytest.approx(0.03)
+    assert rows["nocomm:m4:cross:c2"]["split_cost_s"] == pytest.approx(0.02)
+    assert rows["nocomm:m4:cross:c2"]["exposed_comm_s"] is None
+    assert rows["domino:m2:cross"]["speedup_vs_sync"] == pytest.approx(1 / 0.7)
+    assert rows["sync"]["tokens_per_s"] == pytest.approx(100.0)
+    assert rows["sync"]["peak_mem_bytes"] == 12
+    assert runner.best_plan(list(rows.values())) == Plan(4, "cross_layer", 2)
+    assert runner.best_plan({"results": list(rows.values())}) == Plan(4, "cross_layer", 2)
+    with pytest.raises(ValueError, match="no Domino mode"):
+        runner.best_plan([rows["sync"], rows["nocomm"]])
+
+
+# ---- real runs ----------------------------------------------------------------------------------
+
+
+def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_dir = tmp_path / "bench.json", tmp_path / "traces"
+    modes = "sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross"
+    argv = TINY + ["--modes", modes, "--json", str(out_json), "--out-dir", str(out_dir)]
+    assert runner.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "best Domino mode: domino:m2:" in table
+
+    report = json.loads(out_json.read_text())
+    config = report["config"]
+    assert config["tensor_model_parallel_size"] == 2 and config["link"] == "loopback"
+    assert config["torch_version"] and config["memory_method"] and config["timing_method"]
+    assert config["modes"] == modes.split(",")
+    rows = {r["mode"]: r for r in report["results"]}
+    assert list(rows) == modes.split(",")
+    for name, r in rows.items():
+        assert set(r) == ROW_KEYS, name
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert len(r["step_times_s"]) == 2 and all(t > 0 for t in r["step_times_s"])
+        assert len(r["step_times_s_per_rank"]) == 2
+        assert len(r["peak_mem_bytes_per_rank"]) == 2 and r["peak_mem_bytes"] > 0
+        assert r["comm_enabled"] == (not name.startswith("nocomm"))
+    for name in ("sync", "nocomm", "nocomm:m2:cross"):
+        assert rows[name]["comm_hidden"] is None
+    assert rows["sync"]["speedup_vs_sync"] == pytest.approx(1.0)
+    for name in ("domino:m2:cross", "domino:m2:intra:c2"):
+        assert rows[name]["exposed_comm_s"] is not None
+        assert rows[name]["comm_hidden"] is not None
+    assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] is not None
+    assert rows["domino:m2:intra:c2"]["exposed_comm_vs_split_nocomm_s"] is None
+    assert (rows["domino:m2:intra:c2"]["micro_batches"], rows["domino:m2:intra:c2"]["overlap"],
+            rows["domino:m2:intra:c2"]["column_chunks"]) == (2, "intra_layer", 2)
+    assert report["best_domino_mode"] in ("domino:m2:cross", "domino:m2:intra:c2")
+    assert runner.best_plan(report) in (Plan(2, "cross_layer", 1), Plan(2, "intra_layer", 2))
+
+    # Traced: every comm-enabled mode; comm-free ones have nothing to overlap.
+    for name in ("sync", "domino:m2:cross", "domino:m2:intra:c2"):
+        png, trace = Path(rows[name]["timeline_png"]), Path(rows[name]["chrome_trace"])
+        assert png.parent == out_dir and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        events = json.loads(trace.read_text())["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == {0, 1}
+        assert {"compute", "comm"} <= {e["cat"] for e in spans}
+    assert rows["nocomm"]["timeline_png"] is None
+
+
+_CRASHING_WORKER = """
+import datetime, os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+if dist.get_rank() == 1:
+    sys.exit(3)
+time.sleep(600)  # rank 0 would wait far longer than the test allows
+"""
+
+
+def test_failed_rank_stops_the_others(tmp_path: Path) -> None:
+    spec = {"tensor_model_parallel_size": 2, "threads_per_rank": 1, "timeout": 600}
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
+        runner._launch(str(spec_path), spec, None, worker=(sys.executable, "-c", _CRASHING_WORKER))
+    # _launch waits for every rank it stopped, so returning at all means none is left running.
+    assert time.monotonic() - t0 < 60

@@ -1,0 +1,97 @@
+"""`domino train` end to end through the real entry point: the default path at a reduced size
+(2 local processes, TP=2, Domino, stdlib corpus), a crashing rank, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from domino.cli import main
+
+SMALL = ["--train-iters", "6", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
+         "--micro-batch-size", "4", "--log-interval", "2", "--eval-interval", "3",
+         "--eval-iters", "1", "--sample-tokens", "24", "--no-tensorboard"]
+
+
+def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
+    monkeypatch.setenv("DOMINO_CACHE_DIR", str(tmp_path / "cache"))  # exercise the corpus prep
+    run = tmp_path / "run"
+    assert main(["train", *SMALL, "--nproc", "2", "--save", str(run)]) == 0
+    out = capfd.readouterr().out
+    assert "effective configuration" in out and "tensor_model_parallel_size = 2" in out
+    assert "TP=2 x DP=1" in out and "--- sample (24 tokens" in out
+    assert "validation at step 6: loss" in out and "perplexity" in out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 3, 4, 6]
+    for rec in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                "exposed_comm_s"} <= rec.keys()
+    assert "val_ppl" in records[-1] and records[-1]["loss"] < records[0]["loss"]
+    assert (run / "loss_curve.png").stat().st_size > 1000
+    assert json.loads((run / "config.json").read_text())["num_layers"] == 2
+    assert "hidden_size = 64" in (run / "config.toml").read_text()
+    assert (run / "sample.txt").read_text().startswith("def ")
+    assert (run / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    assert any((tmp_path / "cache").glob("stdlib-*/stdlib_byte_*.bin"))
+
+    # Resume from the run folder for 2 more steps, with the settings from its config.toml.
+    more = tmp_path / "more"
+    argv = ["train", "--config", str(run / "config.toml"), "--train-iters", "8", "--load",
+            str(run), "--save", str(more), "--sample-tokens", "0"]
+    assert main(argv) == 0
+    steps = [json.loads(x)["step"] for x in (more / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [8]
+
+
+def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch) -> None:
+    monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", "1")
+    monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", "2")
+    t0 = time.monotonic()
+    rc = main(["train", *SMALL, "--nproc", "2", "--save", str(tmp_path / "run")])
+    elapsed = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert rc != 0
+    assert "injected failure on rank 1 at step 2" in err
+    assert "rank 1 exited with code 1; stopping the other ranks" in err
+    # Bound, not a speed check: far below the process-group timeout (5 min) that would
+    # otherwise be the only way out for rank 0.
+    assert elapsed < 120
+
+
+def _workers_of(config: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(config).encode() in cmd and b"domino.training.worker" in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_ctrl_c_stops_all_ranks(tmp_path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "domino.cli", "train", *SMALL, "--train-iters", "100000",
+         "--nproc", "2", "--save", str(run)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or not _workers_of(run / "config.json"):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, proc.stderr.read()
+    assert "interrupted" in proc.stderr.read()
+    assert _workers_of(run / "config.json") == []
