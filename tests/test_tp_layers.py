@@ -224,7 +224,7 @@ def _init_invariance(state: ParallelState) -> dict:
         "encdec": lambda cfg, st: get_language_model(
             cfg, 2, True, AttnMaskType.padding, add_decoder=True, parallel_state=st)[0],
     }
-    cfg = config(num_attention_heads=4, num_query_groups=2, activation="swiglu",
+    cfg = config(num_attention_heads=8, num_query_groups=4, activation="swiglu",
                  position_embedding_type="rope", untie_embeddings_and_output_weights=True)
     for name, build in builders.items():
         torch.manual_seed(11)
@@ -265,7 +265,12 @@ def _layers_checks(state: ParallelState) -> dict:
     return res
 
 
+def _init_checks(state: ParallelState) -> dict:
+    return _init_invariance(state)
+
+
 register(2, _layers_checks)
+register(4, _init_checks)
 
 
 def _tp2() -> list:
@@ -332,9 +337,11 @@ def test_rng_streams_tp2() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt", "encdec"])
-def test_tp_invariant_init_tp2(family) -> None:
-    for rank, res in enumerate(_tp2()):
-        info = res["init"][family]
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_invariant_init(tp, family) -> None:
+    per_rank = [r["init"] for r in _tp2()] if tp == 2 else tp_results(4, _init_checks)
+    for rank, res in enumerate(per_rank):
+        info = res[family]
         assert not info["mismatched"], f"rank {rank}: full weights differ from TP=1: {info}"
         assert not info["pad_nonzero"], f"rank {rank}: padded vocab rows not zero: {info}"
 

@@ -11,7 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from domino.cli import main
+from domino.data import ByteTokenizer, preprocess
+from domino.data.preprocess import stdlib_corpus_files
+from domino.training import data
 
 SMALL = ["--train-iters", "6", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
          "--micro-batch-size", "4", "--log-interval", "2", "--eval-interval", "3",
@@ -20,6 +25,9 @@ SMALL = ["--train-iters", "6", "--num-layers", "2", "--hidden-size", "64", "--se
 
 def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
     monkeypatch.setenv("DOMINO_CACHE_DIR", str(tmp_path / "cache"))  # exercise the corpus prep
+    # The parent prepares the data: a slice of the corpus keeps the BPE training short.
+    small = [f for f in data.default_corpus_files() if os.path.getsize(f) < 15_000][:80]
+    monkeypatch.setattr(data, "default_corpus_files", lambda: small)
     run = tmp_path / "run"
     assert main(["train", *SMALL, "--nproc", "2", "--save", str(run)]) == 0
     out = capfd.readouterr().out
@@ -35,9 +43,11 @@ def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
     assert (run / "loss_curve.png").stat().st_size > 1000
     assert json.loads((run / "config.json").read_text())["num_layers"] == 2
     assert "hidden_size = 64" in (run / "config.toml").read_text()
-    assert (run / "sample.txt").read_text().startswith("def ")
+    assert (run / "sample.txt").read_text().startswith("def")
+    assert 'tokenizer_type = "bpe"' in (run / "config.toml").read_text()
     assert (run / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "6\n"
-    assert any((tmp_path / "cache").glob("stdlib-*/stdlib_byte_*.bin"))
+    assert any((tmp_path / "cache").glob("stdlib-*/stdlib_bpe_*.bin"))
+    assert any((tmp_path / "cache").glob("stdlib-*/bpe-*/merges.txt"))
 
     # Resume from the run folder for 2 more steps, with the settings from its config.toml.
     more = tmp_path / "more"
@@ -48,11 +58,18 @@ def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
     assert steps == [8]
 
 
-def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory) -> list[str]:
+    prefix = tmp_path_factory.mktemp("data") / "small"
+    preprocess(stdlib_corpus_files(limit_bytes=400_000), prefix, ByteTokenizer(), progress=False)
+    return ["--data-path", str(prefix), "--split", "90,10,0"]
+
+
+def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch, byte_data) -> None:
     monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", "1")
     monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", "2")
     t0 = time.monotonic()
-    rc = main(["train", *SMALL, "--nproc", "2", "--save", str(tmp_path / "run")])
+    rc = main(["train", *SMALL, *byte_data, "--nproc", "2", "--save", str(tmp_path / "run")])
     elapsed = time.monotonic() - t0
     err = capfd.readouterr().err
     assert rc != 0
@@ -75,10 +92,10 @@ def _workers_of(config: Path) -> list[int]:
     return pids
 
 
-def test_ctrl_c_stops_all_ranks(tmp_path) -> None:
+def test_ctrl_c_stops_all_ranks(tmp_path, byte_data) -> None:
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "domino.cli", "train", *SMALL, "--train-iters", "100000",
+        [sys.executable, "-m", "domino.cli", "train", *SMALL, *byte_data, "--train-iters", "100000",
          "--nproc", "2", "--save", str(run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))

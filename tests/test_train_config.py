@@ -120,3 +120,29 @@ def test_lr_schedule() -> None:
     assert learning_rate(500, args) == pytest.approx(0.1)
     args.lr_decay_style = "linear"
     assert learning_rate(60, args) == pytest.approx(0.55)
+
+
+def test_default_corpus_is_prepared_once(tmp_path, monkeypatch) -> None:
+    from domino.data import IndexedDataset
+    from domino.training import data as train_data
+    from domino.training.checks import prepare_run
+
+    monkeypatch.setenv("DOMINO_CACHE_DIR", str(tmp_path / "cache"))
+    files = train_data.default_corpus_files()[:40]
+    assert not any("pydoc_data" in f or "/encodings/" in f
+                   for f in train_data.default_corpus_files())
+    monkeypatch.setattr(train_data, "default_corpus_files", lambda: files)
+    args, config = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False)
+    assert args.tokenizer_type == "bpe" and args.tokenizer_dir  # BPE trained on the corpus
+    assert args.global_batch_size == 8 and args.max_position_embeddings == args.seq_length
+    tok = BPETokenizer.load(args.tokenizer_dir)
+    assert config.vocab_size == tok.vocab_size
+    assert IndexedDataset(args.data_path).tokenizer_info["vocab_hash"] == tok.vocab_hash()
+    cached = sorted((tmp_path / "cache").rglob("*"))
+    mtimes = [p.stat().st_mtime_ns for p in cached]
+    again, _ = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False)
+    assert again.data_path == args.data_path and again.tokenizer_dir == args.tokenizer_dir
+    assert [p.stat().st_mtime_ns for p in cached] == mtimes  # nothing rebuilt
+    byte, _ = prepare_run(TrainArgs(split="90,10,0", tokenizer_type="byte"), world_size=2,
+                          progress=False)
+    assert IndexedDataset(byte.data_path).tokenizer_info == ByteTokenizer().describe()

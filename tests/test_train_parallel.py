@@ -4,6 +4,7 @@ DP=1 x TP=2 (and with gradient accumulation), and resumes exactly from a checkpo
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def data(tmp_path_factory) -> str:
 
 
 def _args(data: str, **kw) -> TrainArgs:
-    base = dict(data_path=data, split="80,20,0", num_layers=2, hidden_size=64,
+    base = dict(data_path=data, tokenizer_type="byte", split="80,20,0", num_layers=2, hidden_size=64,
                 num_attention_heads=4, seq_length=32, micro_batch_size=4, global_batch_size=4,
                 train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
                 clip_grad=0.3,  # small enough that clipping acts on every step
@@ -40,6 +41,7 @@ def _train(args: TrainArgs, run_dir: str) -> dict:
     from domino.training.loop import train
 
     res = train(args, Path(run_dir))
+    assert res.skipped == sum(not math.isfinite(n) for n in res.grad_norms)
     return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses}
 
 
@@ -49,13 +51,18 @@ def _single(rank: int, world: int, data: str, tmp: str) -> dict:
     from domino.training.checks import model_config
     from domino.training.data import build_datasets, open_dataset, rank_batches
 
-    out = {"ref": _train(_args(data, tensor_model_parallel_size=1), f"{tmp}/ref")}
+    out = {"gen": _generation(data, 1), "ref": _train(_args(data, tensor_model_parallel_size=1), f"{tmp}/ref")}
     out["accum"] = _train(_args(data, tensor_model_parallel_size=1, micro_batch_size=2),
                           f"{tmp}/accum")
     # Resume: 3 steps, checkpoint, then continue to STEPS from the checkpoint.
     _train(_args(data, tensor_model_parallel_size=1, exit_interval=3), f"{tmp}/first")
     out["resumed"] = _train(_args(data, tensor_model_parallel_size=1, load=f"{tmp}/first"),
                             f"{tmp}/second")
+    # fp16 with a too-large initial loss scale: overflowing steps are skipped, the scale halves
+    # until steps go through (CPU autocast supports fp16; the CLI allows it on GPU only).
+    fp16 = _args(data, tensor_model_parallel_size=1, fp16=True, initial_loss_scale=2.0 ** 21,
+                 eval_iters=0)
+    out["fp16"] = _train(fp16, f"{tmp}/fp16")
     # Independent norm of step 1: torch's own total norm over the unsharded model's gradients.
     args = _args(data, tensor_model_parallel_size=1)
     torch.manual_seed(args.seed)
@@ -69,8 +76,36 @@ def _single(rank: int, world: int, data: str, tmp: str) -> dict:
     return out
 
 
+def _generation(data: str, tp: int) -> dict:
+    """Greedy ids with the KV cache, without it (full recompute), with a sliding window, and
+    top-k sampled ids, from a freshly initialised model (TP-invariant init)."""
+    from domino.gpt_model import GPTModel
+    from domino.parallel_state import ParallelState
+    from domino.training.checks import model_config
+    from domino.training.generate import generate
+
+    args = _args(data, tensor_model_parallel_size=tp)
+    state = ParallelState.build(tp, device="cpu")
+    torch.manual_seed(args.seed)
+    model = GPTModel(model_config(args, 257), parallel_state=state)
+    prompt = [100, 101, 32, 102]
+    out = {"cached": generate(model, state, prompt, 12, 257, max_context=32)}
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            x = torch.tensor([ids, ids])  # two rows: one per Domino micro-batch
+            logits = model.eval()(x, torch.arange(len(ids)).expand(2, -1), None)
+            ids.append(int(state.tp.all_gather_last_dim(logits[0, -1])[:257].argmax()))
+    out["recomputed"] = ids[len(prompt):]
+    out["sliding"] = generate(model, state, prompt, 40, 257, max_context=16)
+    out["top_k"] = generate(model, state, prompt, 10, 257, 32, top_k=5, temperature=0.8, seed=3,
+                            banned=(256,))
+    return out
+
+
 def _parallel(rank: int, world: int, data: str, tmp: str) -> dict:
     return {
+        "gen": _generation(data, 2),
         "dp2": _train(_args(data, tensor_model_parallel_size=1, micro_batch_size=2), f"{tmp}/dp2"),
         "tp2": _train(_args(data, tensor_model_parallel_size=2), f"{tmp}/tp2"),
     }
@@ -83,6 +118,12 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
     assert len(ref["losses"]) == STEPS
     assert ref["losses"][-1] < ref["losses"][0] - 0.3  # it learns
     assert ref["norms"][0] == pytest.approx(single["torch_norm"], rel=1e-5)
+    gen = single["gen"]
+    assert gen["cached"] == gen["recomputed"]
+    assert len(gen["sliding"]) == 40 and gen["sliding"][:12] == gen["cached"]
+    assert len(gen["top_k"]) == 10 and 256 not in gen["top_k"]
+    for res in ranks:
+        assert res.pop("gen") == gen  # TP=2 generates what TP=1 generates
     runs = {"accum": single["accum"], **{f"{k} rank{r}": v for r, res in enumerate(ranks)
                                          for k, v in res.items()}}
     for name, run in runs.items():
@@ -90,6 +131,10 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
         assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
         assert [v for _, v in run["val"]] == pytest.approx([v for _, v in ref["val"]],
                                                            rel=1e-5), name
+    norms = single["fp16"]["norms"]
+    skipped = sum(not math.isfinite(n) for n in norms)
+    assert 0 < skipped < STEPS and not math.isfinite(norms[0])
+    assert all(math.isfinite(v) for v in single["fp16"]["losses"])
     # Resumed run: steps 4..6 equal the uninterrupted run's.
     assert single["resumed"]["losses"] == pytest.approx(ref["losses"][3:], rel=1e-5)
     metrics = (tmp_path / "tp2" / "metrics.jsonl").read_text().splitlines()

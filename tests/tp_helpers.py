@@ -235,13 +235,5 @@ def grads_vs(model: nn.Module, expected: dict) -> dict:
     return {n: rel_err(p.grad, expected[n]) for n, p in model.named_parameters()}
 
 
-def worst(errors: dict) -> tuple[str, float]:
-    """(name, error) of the largest error in a flat dict."""
-    if not errors:
-        return ("<none>", 0.0)
-    name = max(errors, key=lambda k: errors[k])
-    return name, errors[name]
-
-
 def failures(errors: dict, tol: float = TOL) -> dict:
     return {k: v for k, v in errors.items() if not v <= tol}

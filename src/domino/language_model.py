@@ -103,7 +103,9 @@ class Embedding(nn.Module):
                 p.zero_()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+                tokentype_ids: torch.Tensor | None = None,
+                use_tokentypes: bool = True) -> torch.Tensor:
+        """``use_tokentypes=False`` skips token types (a decoder's input has none)."""
         _check_ids(input_ids, self.real_vocab_size, "input_ids", "vocab_size")
         emb = self.word_embeddings(input_ids)  # [b, s, h]
         if self.add_position_embedding:
@@ -118,7 +120,7 @@ class Embedding(nn.Module):
                                  "embeddings: build it with num_tokentypes > 0.")
             _check_ids(tokentype_ids, self.num_tokentypes, "tokentype_ids", "num_tokentypes")
             emb = emb + self.tokentype_embeddings(tokentype_ids)
-        elif self.tokentype_embeddings is not None:
+        elif self.tokentype_embeddings is not None and use_tokentypes:
             raise ValueError("this model has token-type embeddings: pass tokentype_ids.")
         emb = emb.transpose(0, 1).contiguous().to(self.config.params_dtype)  # [s, b, h]
         return dropout(emb, self.dropout_p, self.training, self.state.rng.replicated(emb.device))
@@ -197,6 +199,8 @@ class TransformerLanguageModel(nn.Module):
         """Encoder output [s, b, h] (plus pooled [b, h] with a pooler); with a decoder,
         ``(decoder_output, encoder_output[, pooled])``."""
         encoder_output = enc_hidden_states
+        enc_position_ids = _cache_positions(enc_position_ids, enc_input_ids, inference_params)
+        dec_position_ids = _cache_positions(dec_position_ids, dec_input_ids, inference_params)
         if encoder_output is None and self.add_encoder:
             enc_in = (self.embedding(enc_input_ids, enc_position_ids, tokentype_ids)
                       if self.pre_process else None)
@@ -210,7 +214,8 @@ class TransformerLanguageModel(nn.Module):
             pooled = self.pooler(encoder_output, pooling_sequence_index)
         if not self.add_decoder or output_enc_hidden:
             return (encoder_output, pooled) if pooled is not None else encoder_output
-        dec_in = (self.embedding(dec_input_ids, dec_position_ids) if self.pre_process else None)
+        dec_in = (self.embedding(dec_input_ids, dec_position_ids, use_tokentypes=False)
+                  if self.pre_process else None)
         rot = self._rotary(dec_position_ids, dec_input_ids if self.pre_process else None,
                            dec_in if dec_in is not None else self.decoder.input_tensor,
                            inference_params)
@@ -261,6 +266,14 @@ def default_position_ids(ids: torch.Tensor) -> torch.Tensor:
     """0..s-1 for every sample of ids [b, s]."""
     b, s = ids.shape
     return torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+
+
+def _cache_positions(position_ids: torch.Tensor | None, ids: torch.Tensor | None,
+                     inference_params: InferenceParams | None) -> torch.Tensor | None:
+    """Default positions while decoding with a KV cache continue from the cache offset."""
+    if position_ids is not None or ids is None or inference_params is None:
+        return position_ids
+    return default_position_ids(ids) + inference_params.sequence_len_offset
 
 
 def _check_ids(ids: torch.Tensor, limit: int, name: str, field: str) -> None:

@@ -153,6 +153,7 @@ class ColumnParallelLinear(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
         self.group, self.gather_output, self.skip_bias_add = group, gather_output, skip_bias_add
+        self.stride = stride
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, group.size)
         self.weight = nn.Parameter(init_sharded((output_size, input_size), init_method, 0, group,
@@ -177,6 +178,12 @@ class ColumnParallelLinear(nn.Module):
             out = F.linear(x, self.weight, bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.group)
+            if self.stride > 1 and self.group.size > 1:
+                # Ranks hold [block0 part r, block1 part r, ...]: restore the full order.
+                lead, width = out.shape[:-1], out.shape[-1]
+                out = out.reshape(*lead, self.group.size, self.stride,
+                                  width // (self.group.size * self.stride))
+                out = out.transpose(-3, -2).reshape(*lead, width)
         return out, (self.bias if self.skip_bias_add else None)
 
 

@@ -97,7 +97,9 @@ class TrainArgs:
     data_path: str | None = _f(None, "Dataset prefix (PREFIX.bin/.idx from `domino preprocess`); "
                                "default: the Python standard library's .py files.", "data")
     split: str = _f("98,2,0", "Train/valid/test document weights.", "data")
-    tokenizer_type: str = _f("byte", "Tokenizer the data was made with.", "data", ("byte", "bpe"))
+    tokenizer_type: str | None = _f(
+        None, "Tokenizer the data was made with; default byte with --data-path, and a BPE "
+        "trained on the built-in corpus without it.", "data", ("byte", "bpe"))
     vocab_file: str | None = _f(None, "BPE vocab.json (GPT-2 style).", "data")
     merge_file: str | None = _f(None, "BPE merges.txt (GPT-2 style).", "data")
     tokenizer_dir: str | None = _f(None, "Folder holding vocab.json + merges.txt.", "data")
@@ -118,7 +120,7 @@ class TrainArgs:
     tensorboard: bool = _f(True, "Write TensorBoard events when tensorboard is installed.",
                            "output")
     sample_tokens: int = _f(200, "Tokens to generate at the end (0 = no sample).", "output")
-    sample_prompt: str = _f("def ", "Prompt of the final sample.", "output")
+    sample_prompt: str = _f("def", "Prompt of the final sample.", "output")
     top_k: int = _f(5, "Sample from the k most likely tokens (1 = greedy).", "output")
     temperature: float = _f(0.8, "Sampling temperature.", "output")
 

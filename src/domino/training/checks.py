@@ -133,6 +133,11 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
         args.max_position_embeddings = args.seq_length
 
     # Data first: the vocabulary size comes from the tokenizer.
+    if args.tokenizer_type is None:
+        # The built-in corpus learns clearly faster per byte with a small BPE than with bytes
+        # (same steps: ~1.6 vs ~2.4 nats/byte on validation); user data defaults to bytes.
+        user_bpe = bool(args.vocab_file or args.merge_file or args.tokenizer_dir)
+        args.tokenizer_type = "byte" if args.data_path and not user_bpe else "bpe"
     if args.data_path is None:
         scratch = Path(args.save) if args.save else default_run_dir()
         args.data_path = prepare_default_corpus(args, scratch, progress)

@@ -43,8 +43,8 @@ def run(ns: argparse.Namespace) -> int:
     from domino.training.launch import launch_local, run_worker, write_config
 
     if rank0:
-        print(f"domino train: effective configuration (saved to {args.save or 'the run folder'}"
-              "/config.toml)")
+        where = f"{args.save}/config.toml" if args.save else "config.toml in the run folder"
+        print(f"domino train: effective configuration (saved to {where})")
         print(arguments.to_toml(args).split("\n", 1)[1].strip())
         sys.stdout.flush()
     if torchrun:

@@ -82,6 +82,7 @@ def prepare_default_corpus(args: TrainArgs, run_dir: Path, progress: bool) -> st
 
 
 def make_tokenizer(args: TrainArgs) -> Tokenizer:
+    assert args.tokenizer_type is not None, "prepare_run() resolves the tokenizer type"
     if args.tokenizer_type == "bpe" and not (args.vocab_file or args.tokenizer_dir):
         raise ValueError("--tokenizer-type bpe needs --vocab-file and --merge-file (or "
                          "--tokenizer-dir) with the vocabulary the data was made with")

@@ -11,13 +11,14 @@ from domino.transformer import InferenceParams
 @torch.no_grad()
 def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int],
              max_new_tokens: int, vocab_size: int, max_context: int, top_k: int = 1,
-             temperature: float = 1.0, seed: int = 0, stop_token: int | None = None) -> list[int]:
+             temperature: float = 1.0, seed: int = 0, banned: tuple[int, ...] = ()) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns only the new ones.
 
     Greedy when ``top_k == 1``, else top-k sampling with a generator seeded by ``seed``. Tokens
     are chosen on TP rank 0 and broadcast, so every TP rank feeds the same ids. When the context
     fills the position table the cache is rebuilt from the last half of the text (a sliding
-    window), so samples can be longer than the training sequence.
+    window), so samples can be longer than the training sequence. ``banned`` ids (e.g. EOD)
+    are never chosen.
     """
     was_training = model.training
     model.eval()
@@ -44,11 +45,11 @@ def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int]
             params.sequence_len_offset += len(chunk)
             fed += len(chunk)
             last = state.tp.all_gather_last_dim(logits[:, -1].float())[0, :vocab_size]
+            if banned:
+                last[list(banned)] = float("-inf")
             nxt = _choose(last, top_k, temperature, gen)
             state.tp.broadcast(nxt)
             token = int(nxt.item())
-            if stop_token is not None and token == stop_token:
-                break
             tokens.append(token)
             new.append(token)
     finally:

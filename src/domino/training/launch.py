@@ -120,6 +120,7 @@ def run_worker(args: TrainArgs, run_dir: Path | None) -> int:
                 write_config(run_dir, args)
         args.device = str(device)
         train(args, run_dir)
+        dist.barrier()  # DP rank 0's TP group may still be sampling: leave together
         return 0
     except KeyboardInterrupt:
         return 130

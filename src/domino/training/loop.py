@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from domino.gpt_model import GPTModel
 from domino.parallel_state import ParallelState
+from domino.tensor_parallel import is_partitioned
 from domino.training.arguments import TrainArgs
 from domino.training.checkpoint import load_checkpoint, save_checkpoint
 from domino.training.checks import model_config
@@ -90,12 +91,50 @@ def evaluate(model, dataset, args: TrainArgs, state: ParallelState) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def _train_step(model, params, optimizer, scaler, batches, args: TrainArgs,
+                state: ParallelState) -> tuple[float, float, float, bool]:
+    """One optimizer step over this rank's micro-batches; returns (global mean loss, global
+    grad norm, seconds blocked on TP collectives in forward/backward, skipped)."""
+    dp, tp, device = state.dp, state.tp, state.device
+    comm0 = tp.stats.wait_s
+    # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
+    # exact global mean, whatever the DP size or accumulation layout.
+    n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
+    dp.all_reduce(n_tokens, name="token count")
+    denom = float(n_tokens.clamp(min=1))
+    scale = scaler.scale if scaler is not None else 1.0
+    optimizer.zero_grad(set_to_none=False)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    for batch in batches:  # gradient accumulation: the schedule adds into .grad
+        lsum = _forward_loss(model, batch, args, device)
+        (lsum * (scale / denom)).backward()
+        loss_sum += lsum.detach().double()
+    exposed = tp.stats.wait_s - comm0
+    grads = grads_of(params)
+    allreduce_grads(grads, dp)
+    dp.all_reduce(loss_sum, name="loss")
+    if scaler is not None:
+        for grad in grads:
+            grad.mul_(1.0 / scale)
+    norm = global_grad_norm(params, tp)
+    # Every rank must agree to skip, or the replicas would diverge.
+    overflow = any_rank_true(not math.isfinite(norm), (tp, dp), device)
+    if not overflow:
+        clip_grads(params, args.clip_grad, norm)
+        optimizer.step()
+    if scaler is not None:
+        scaler.update(overflow)
+    return float(loss_sum) / denom, norm, exposed, overflow
+
+
 def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) -> TrainResult:
     """Train on this rank (the process group is initialised); returns what this rank saw."""
     wall0 = time.perf_counter()
     if state is None:
         state = ParallelState.build(args.tensor_model_parallel_size, device=args.device)
     device, dp, tp = state.device, state.dp, state.tp
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp.size
     torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
     state.rng.seed(args.seed)
     tokenizer = make_tokenizer(args)
@@ -119,8 +158,7 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
     rank0 = _global_rank() == 0
     log = RunLogger(run_dir, args.train_iters, start, rank0, args.tensorboard)
     if rank0:
-        full = sum(p.numel() * (tp.size if getattr(p, "tensor_model_parallel", False) else 1)
-                   for p in params)
+        full = sum(p.numel() * (tp.size if is_partitioned(p) else 1) for p in params)
         accum = args.global_batch_size // (dp.size * args.micro_batch_size)
         log.print(f"model: {full:,} parameters | TP={tp.size} x DP={dp.size} | global batch "
                   f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
@@ -131,40 +169,13 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
     window: dict[str, float] = {}
     for step in range(start + 1, args.train_iters + 1):
         t0 = time.perf_counter()
-        comm0 = tp.stats.wait_s
         set_lr(optimizer, lr := learning_rate(step, args))
         batches = rank_batches(train_ds, step - 1, g, dp.size, dp.rank, args.micro_batch_size,
                                device)
         _maybe_fail(step)
-        # Normalise by the global number of loss tokens: the DP sum of the gradients is then
-        # the exact global mean, whatever the DP size or accumulation layout.
-        n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
-        dp.all_reduce(n_tokens, name="token count")
-        denom = float(n_tokens.clamp(min=1))
-        scale = scaler.scale if scaler is not None else 1.0
-        optimizer.zero_grad(set_to_none=False)
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        for batch in batches:
-            lsum = _forward_loss(model, batch, args, device)
-            (lsum * (scale / denom)).backward()
-            loss_sum += lsum.detach().double()
-        exposed = tp.stats.wait_s - comm0  # time blocked on TP collectives in fwd + bwd
-        grads = grads_of(params)
-        allreduce_grads(grads, dp)
-        dp.all_reduce(loss_sum, name="loss")
-        loss = float(loss_sum) / denom
-        if scaler is not None:
-            for grad in grads:
-                grad.mul_(1.0 / scale)
-        norm = global_grad_norm(params, tp)
-        overflow = any_rank_true(not math.isfinite(norm), (tp, dp), device)
-        if overflow:
-            result.skipped += 1
-        else:
-            clip_grads(params, args.clip_grad, norm)
-            optimizer.step()
-        if scaler is not None:
-            scaler.update(overflow)
+        loss, norm, exposed, overflow = _train_step(model, params, optimizer, scaler, batches,
+                                                    args, state)
+        result.skipped += overflow
         step_time = time.perf_counter() - t0
         result.losses.append(loss)
         result.grad_norms.append(norm)
@@ -172,8 +183,8 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
         for key, value in (("loss", loss), ("time", step_time), ("comm", exposed), ("n", 1.0)):
             window[key] = window.get(key, 0.0) + value
         rec: dict[str, float | int] = {}
-        last = step == args.train_iters or bool(args.exit_interval
-                                                and step % args.exit_interval == 0)
+        stop = bool(args.exit_interval and step % args.exit_interval == 0)
+        last = stop or step == args.train_iters
         if valid_ds is not None and ((args.eval_interval and step % args.eval_interval == 0)
                                      or last):
             val = evaluate(model, valid_ds, args, state)
@@ -188,7 +199,7 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
                 rec["loss_scale"] = scaler.scale
             log.record(rec)
             window = {}
-        if args.exit_interval and step % args.exit_interval == 0:
+        if stop:
             break
         if args.save_interval and step % args.save_interval == 0 and not last:
             _save(run_dir, step, state, model, optimizer, scaler, args)
@@ -199,18 +210,24 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
     if rank0:
         _summary(log, result, run_dir)
     if args.sample_tokens and dp.rank == 0:
-        prompt = tokenizer.encode(args.sample_prompt) or [tokenizer.eod]
-        max_context = config.max_position_embeddings if \
-            config.position_embedding_type == "learned_absolute" else config.seq_length
-        ids = generate(model, state, prompt, args.sample_tokens, tokenizer.vocab_size, max_context,
-                       args.top_k, args.temperature, args.seed, stop_token=tokenizer.eod)
-        result.sample = args.sample_prompt + tokenizer.decode(ids)
-        if rank0:
-            kind = "greedy" if args.top_k == 1 else f"top-k {args.top_k}, T={args.temperature}"
-            log.print(f"\n--- sample ({len(ids)} tokens, {kind}, KV cache) ---\n{result.sample}"
-                      "\n---")
-            (Path(run_dir) / "sample.txt").write_text(result.sample, encoding="utf-8")
+        result.sample = _sample(model, state, tokenizer, config, args, log, Path(run_dir))
     return result
+
+
+def _sample(model, state: ParallelState, tokenizer, config, args: TrainArgs, log: RunLogger,
+            run_dir: Path) -> str:
+    """Generate from the trained model (the TP group of DP rank 0); rank 0 prints it."""
+    prompt = tokenizer.encode(args.sample_prompt) or [tokenizer.eod]
+    learned = config.position_embedding_type == "learned_absolute"
+    max_context = config.max_position_embeddings if learned else config.seq_length
+    ids = generate(model, state, prompt, args.sample_tokens, tokenizer.vocab_size, max_context,
+                   args.top_k, args.temperature, args.seed, banned=(tokenizer.eod,))
+    text = args.sample_prompt + tokenizer.decode(ids)
+    if log.active:
+        kind = "greedy" if args.top_k == 1 else f"top-k {args.top_k}, T={args.temperature}"
+        log.print(f"\n--- sample ({len(ids)} tokens, {kind}, KV cache) ---\n{text}\n---")
+        (run_dir / "sample.txt").write_text(text, encoding="utf-8")
+    return text
 
 
 def _save(run_dir, step, state, model, optimizer, scaler, args) -> None:
