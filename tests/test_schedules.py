@@ -330,3 +330,24 @@ def test_dropout_masks_replicated_vs_model_parallel_tp2() -> None:
 def test_kv_cache_decoding_with_micro_batches_tp2() -> None:
     for rank, res in enumerate(_results(2)):
         assert not failures(res["decode"]), (rank, res["decode"])
+
+
+def test_no_grad_forward_caps_micro_batches_to_the_batch() -> None:
+    """Inference on fewer samples than micro-batches works (the split only changes speed)."""
+    from domino import TransformerConfig
+    from domino.gpt_model import GPTModel
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                            seq_length=8, max_position_embeddings=8, hidden_dropout=0.0,
+                            attention_dropout=0.0, domino_micro_batches=4)
+    model = GPTModel(cfg, parallel_state=ParallelState.single())
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        split = model(ids, None, None)
+        model.language_model.encoder.plan = Plan(1, "none", 1)
+        whole = model(ids, None, None)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    model.language_model.encoder.plan = Plan(4, "cross_layer", 1)
+    with pytest.raises(ValueError, match="domino_micro_batches=4"):
+        model(ids, None, None, labels=ids)

@@ -88,12 +88,10 @@ class BPETokenizer(Tokenizer):
     def __init__(self, tokenizer: Any, eod_token: str = EOD_TOKEN) -> None:
         self._tok = tokenizer
         self.eod_token = eod_token
-        eod = tokenizer.token_to_id(eod_token)
-        if eod is None:
-            # Some vocabularies lack the marker; append it so every document can still end.
-            tokenizer.add_special_tokens([eod_token])
-            eod = tokenizer.token_to_id(eod_token)
-        self._eod = int(eod)
+        # Register the marker as special (appending it when the vocabulary lacks it), so decode
+        # drops it and the literal text "<|endoftext|>" maps to the EOD id.
+        tokenizer.add_special_tokens([eod_token])
+        self._eod = int(tokenizer.token_to_id(eod_token))
 
     @staticmethod
     def _empty(vocab: str | dict | None = None, merges: str | list | None = None) -> Any:

@@ -1,0 +1,1 @@
+"""End-to-end training: `domino train` settings, checks, launch, loop, optimiser, logging."""

@@ -186,7 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups = {key: parser.add_argument_group(title) for key, title in _GROUPS.items()}
     for name, kind in _field_types().items():
         default = _FIELDS[name].default
-        text = help_text(name) + f" [default: {default}]"
+        shown = ("on" if default else "off") if kind is bool else default
+        text = help_text(name) + ("" if default is None else f" [default: {shown}]")
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": text}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction

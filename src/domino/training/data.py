@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -69,16 +70,36 @@ def prepare_default_corpus(args: TrainArgs, run_dir: Path, progress: bool) -> st
                          "pass --data-path")
     corpus = _content_hash(files)
     folder = _writable_dir(cache_root() / f"stdlib-{corpus}", run_dir / "data")
-    if args.tokenizer_type == "bpe" and not (args.vocab_file or args.tokenizer_dir):
-        tok_dir = folder / f"bpe-{DEFAULT_BPE_VOCAB}"
-        if not (tok_dir / "vocab.json").is_file():
-            BPETokenizer.train(files, DEFAULT_BPE_VOCAB).save(tok_dir)
-        args.tokenizer_dir = str(tok_dir)
-    tokenizer = make_tokenizer(args)
-    prefix = folder / f"stdlib_{tokenizer.name}_{tokenizer.vocab_hash()}"
-    if not (Path(data_path(prefix)).is_file() and Path(index_path(prefix)).is_file()):
-        preprocess(files, prefix, tokenizer, append_eod=True, progress=progress)
+    with _locked(folder):  # torchrun ranks on one host: the first builds, the others reuse
+        if args.tokenizer_type == "bpe" and not (args.vocab_file or args.tokenizer_dir):
+            tok_dir = folder / f"bpe-{DEFAULT_BPE_VOCAB}"
+            if not (tok_dir / "vocab.json").is_file():
+                if progress:
+                    print(f"built-in corpus: training a {DEFAULT_BPE_VOCAB}-token BPE on "
+                          f"{len(files)} standard-library files (once; cached in {folder})")
+                BPETokenizer.train(files, DEFAULT_BPE_VOCAB).save(tok_dir)
+            args.tokenizer_dir = str(tok_dir)
+        tokenizer = make_tokenizer(args)
+        prefix = folder / f"stdlib_{tokenizer.name}_{tokenizer.vocab_hash()}"
+        if not (Path(data_path(prefix)).is_file() and Path(index_path(prefix)).is_file()):
+            preprocess(files, prefix, tokenizer, append_eod=True, progress=progress)
     return str(prefix)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive inter-process lock on ``folder`` (POSIX advisory lock; a no-op elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(folder / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def make_tokenizer(args: TrainArgs) -> Tokenizer:
@@ -126,8 +147,11 @@ def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer) -> None:
                 "--merge-file or re-run `domino preprocess`")
         return
     # No sidecar (e.g. a dataset made by Megatron): the ids must at least fit the vocabulary.
+    # Big files are spot-checked in 16 evenly spaced 1M-token chunks, not scanned whole.
     tokens = np.memmap(data_path(ds.prefix), dtype=ds.dtype, mode="r")
-    top = int(tokens.max()) if tokens.size else 0
+    chunk = 1 << 20
+    starts = [0] if tokens.size <= 16 * chunk else np.linspace(0, tokens.size - chunk, 16)
+    top = max((int(tokens[int(a):int(a) + chunk].max()) for a in starts), default=0)
     if top >= tokenizer.vocab_size:
         raise ValueError(f"--data-path {ds.prefix} holds token id {top}, outside the "
                          f"{tokenizer.vocab_size}-token vocabulary of the {tokenizer.name} "

@@ -74,10 +74,12 @@ class DominoTransformer(nn.Module):
         self.input_tensor = input_tensor
 
     def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
-                       inference_params, rotary_pos_emb) -> list[MicroBatch]:
+                       inference_params, rotary_pos_emb, training: bool) -> list[MicroBatch]:
         count = self.plan.micro_batches
-        if inference_params is not None:
-            count = min(count, batch)  # decoding small batches: never fewer than one sample each
+        if not training:
+            # Inference on small batches (e.g. generation): the split only changes speed, so cap
+            # it. Training keeps the configured count and rejects a batch that is too small.
+            count = min(count, batch)
         mbs = []
         for m, (b0, b1) in enumerate(split_batch(batch, count)):
             rot = rotary_pos_emb
@@ -106,14 +108,14 @@ class DominoTransformer(nn.Module):
         check_mask(enc_dec_attn_mask, b, "enc_dec_attn_mask")
         if self.layer_type == LayerType.decoder and encoder_output is None:
             raise ValueError("a decoder needs encoder_output for its cross attention.")
-        mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
-                                  inference_params, rotary_pos_emb)
-        blocks = [blk for layer in self.layers for blk in layer.blocks()]
-        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.plan)
         params = [p for p in self.parameters() if p.requires_grad]
         needs_graph = torch.is_grad_enabled() and (
             hidden_states.requires_grad or bool(params)
             or (encoder_output is not None and encoder_output.requires_grad))
+        mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
+                                  inference_params, rotary_pos_emb, needs_graph)
+        blocks = [blk for layer in self.layers for blk in layer.blocks()]
+        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.plan)
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False)[0]
         return _ScheduledStack.apply(executor, mbs, hidden_states, encoder_output, *params)
