@@ -61,6 +61,10 @@ class Handle:
     def done(self) -> bool:
         return self._done
 
+    def ready(self) -> bool:
+        """True when the collective has finished (never blocks)."""
+        return self._done or bool(self._work.is_completed())
+
 
 DONE = Handle()
 

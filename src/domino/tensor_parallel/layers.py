@@ -81,13 +81,20 @@ def gather_full(tensor: torch.Tensor, like: torch.Tensor, group: CommGroup) -> t
 
 
 class WgradStash(list):
-    """Weight-gradient GEMMs deferred by :class:`ColumnParallelLinear` for a schedule to run
-    later (under an all-reduce), as ``(weight, bias, grad_output, input)`` items."""
+    """Weight-gradient GEMMs deferred by the parallel linears for a schedule to run later,
+    under an all-reduce, as ``(weight, bias, grad_output, input, rows)`` items (``rows``: the
+    slice of the weight's output rows the GEMM used, or None for all)."""
 
     def run(self) -> None:
         """Compute and accumulate every deferred weight/bias gradient, then empty the stash."""
-        for weight, bias, grad, x in self:
-            _accumulate(weight, _wgrad(grad, x, weight.dtype))
+        for weight, bias, grad, x, rows in self:
+            wgrad = _wgrad(grad, x, weight.dtype)
+            if rows is None:
+                _accumulate(weight, wgrad)
+            else:
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+                weight.grad[rows] += wgrad
             if bias is not None:
                 _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
         self.clear()
@@ -105,39 +112,45 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-class _ColumnEntryLinear(torch.autograd.Function):
-    """y = x W^T + b at the entry of a TP region, with a backward that either
+class _Linear(torch.autograd.Function):
+    """y = x W[rows]^T + b whose backward computes dL/dx first and then either
 
-    * all-reduces dL/dx asynchronously while it computes dL/dW (``group`` given), or
-    * leaves dL/dx partial and defers dL/dW to a :class:`WgradStash` (``stash`` given): a Domino
-      schedule then launches the all-reduce itself and runs the stash under it.
+    * all-reduces dL/dx asynchronously while it computes dL/dW (``group`` given: a standalone
+      column-parallel layer), or
+    * leaves dL/dx as it is and defers dL/dW to a :class:`WgradStash` (``stash`` given): a Domino
+      schedule launches the all-reduce itself and runs the stash while it is in flight.
 
     Computations use the dtype of the incoming gradient, so it composes with autocast.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, stash):
+    def forward(ctx, x, weight, bias, group, stash, rows):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.stash, ctx.bias = group, stash, bias
-        return F.linear(x, weight, bias)
+        ctx.group, ctx.stash, ctx.bias, ctx.rows = group, stash, bias, rows
+        return F.linear(x, weight if rows is None else weight[rows], bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight.to(grad.dtype))
+        w = weight if ctx.rows is None else weight[ctx.rows]
+        grad_input = grad.matmul(w.to(grad.dtype))
         if ctx.stash is not None:
-            ctx.stash.append((weight, ctx.bias, grad, x))
-            return grad_input, None, None, None, None
+            ctx.stash.append((weight, ctx.bias, grad, x, ctx.rows))
+            return grad_input, None, None, None, None, None
         handle = None
         if ctx.group is not None:
             handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
         grad_weight = _wgrad(grad, x, weight.dtype)  # runs while dL/dx is being reduced
+        if ctx.rows is not None:
+            full = torch.zeros_like(weight)
+            full[ctx.rows] = grad_weight
+            grad_weight = full
         grad_bias = None
         if ctx.bias is not None:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -171,9 +184,9 @@ class ColumnParallelLinear(nn.Module):
         bias = None if self.skip_bias_add else self.bias
         grad_on = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if grad_on and wgrad_stash is not None:
-            out = _ColumnEntryLinear.apply(x, self.weight, bias, None, wgrad_stash)
+            out = _Linear.apply(x, self.weight, bias, None, wgrad_stash, None)
         elif grad_on and reduce_input_grad and self.group.size > 1:
-            out = _ColumnEntryLinear.apply(x, self.weight, bias, self.group, None)
+            out = _Linear.apply(x, self.weight, bias, self.group, None, None)
         else:
             out = F.linear(x, self.weight, bias)
         if self.gather_output:
@@ -209,8 +222,12 @@ class RowParallelLinear(nn.Module):
                      if bias else None)
         mark_partitioned(self.weight, 1)
 
-    def partial(self, x: torch.Tensor, columns: slice | None = None) -> torch.Tensor:
-        """This rank's partial sum X_r A_r^T (optionally only some output columns), no bias."""
+    def partial(self, x: torch.Tensor, columns: slice | None = None,
+                wgrad_stash: WgradStash | None = None) -> torch.Tensor:
+        """This rank's partial sum X_r A_r^T (optionally only some output columns), no bias.
+        With ``wgrad_stash`` the weight-gradient GEMM is deferred to it (see :class:`_Linear`)."""
+        if wgrad_stash is not None and torch.is_grad_enabled():
+            return _Linear.apply(x, self.weight, None, None, wgrad_stash, columns)
         weight = self.weight if columns is None else self.weight[columns]
         return F.linear(x, weight)
 

@@ -51,10 +51,10 @@ class Block:
         core = self.op.core(ln, mb)  # [s, b, width/tp]
         dense = self.op.dense
         if chunks == 1:
-            yield dense.partial(core)
+            yield dense.partial(core, wgrad_stash=mb.wgrad_stash)
             return
         for cols in column_chunks(dense.output_size, chunks):
-            yield dense.partial(core, cols)
+            yield dense.partial(core, cols, wgrad_stash=mb.wgrad_stash)
 
     def exit(self, reduced: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         bias = self.op.dense.bias

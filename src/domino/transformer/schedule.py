@@ -28,6 +28,7 @@ gradients accumulate into ``.grad`` directly).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,9 @@ class _Pending:
 
     buffers: list[torch.Tensor]
     handles: list[Handle]
+
+    def ready(self) -> bool:
+        return all(h.ready() for h in self.handles)
 
     def wait(self) -> torch.Tensor:
         for h in self.handles:
@@ -181,13 +185,20 @@ class Executor:
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, rec: _Record, grad_y: torch.Tensor):
-        """Backward of :meth:`forward`; returns (grad_x, grad_memory or None)."""
+        """Backward of :meth:`forward`; returns (grad_x, grad_memory or None).
+
+        Weight-gradient GEMMs of the TP pieces are deferred (FIFO, so every parameter still
+        accumulates its micro-batches in a fixed order) and run whenever the schedule would
+        otherwise block on an unfinished all-reduce - at the latest M pieces later, which bounds
+        the activations they keep alive.
+        """
         B, M = len(self.blocks), len(rec.mbs)
         pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
+        deferred: deque[WgradStash] = deque()
         for j in range(B - 1, -2, -1):
             if self._syncs_before(j + 1):
                 for m in range(M):
-                    pending[(j + 1, m)].wait()
+                    _fill(deferred, pending[(j + 1, m)]).wait()
             for m in range(M):
                 with self._span(f"bwd local {j + 1}", m):
                     if j + 1 == B:
@@ -195,8 +206,8 @@ class Executor:
                         g = grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
                         torch.autograd.backward([rec.local.pop((B, m))], [g])
                     else:
-                        self._local_backward(rec.local.pop((j + 1, m)),
-                                             pending.pop((j + 1, m)).wait())
+                        ready = _fill(deferred, pending.pop((j + 1, m)))
+                        self._local_backward(rec.local.pop((j + 1, m)), ready.wait())
                 if j < 0:
                     continue
                 with self._span(f"bwd par {j}", m):
@@ -204,10 +215,14 @@ class Executor:
                     g = rec.reduced.pop((j, m)).grad
                     grads = ([g] if len(parts) == 1
                              else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
-                    torch.autograd.backward(parts, grads)  # entry dW GEMMs land in the stash
+                    torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
                     ln_leaf = rec.local[(j, m)].ln_leaf
                     pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
-                    stash.run()  # the entry weight gradients, under that all-reduce
+                    deferred.append(stash)
+                    while len(deferred) > (M if self.plan.overlap != "none" else 0):
+                        deferred.popleft().run()
+        while deferred:
+            deferred.popleft().run()
         grad_x = _cat_grads(rec.x_leaves)
         grad_mem = None
         if rec.mem_leaves[0] is not None:
@@ -222,6 +237,13 @@ class Executor:
             torch.autograd.backward([piece.ln], [ln_grad + res_grad])
         else:
             torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
+
+
+def _fill(deferred: deque, pending: _Pending) -> _Pending:
+    """Run deferred weight-gradient work while ``pending`` is still in flight."""
+    while deferred and not pending.ready():
+        deferred.popleft().run()
+    return pending
 
 
 def _collect(gen, parts: list):
