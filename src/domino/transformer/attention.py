@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
@@ -55,24 +56,39 @@ class MicroBatch:
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   p: float, training: bool, generator: torch.Generator,
+                   causal: bool, p: float, training: bool, generator: torch.Generator,
                    softmax_fp32: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n, d] -> [sq, b, n*d].
 
-    Masked scores take the dtype's minimum rather than -inf: a row whose keys are all masked
-    (e.g. a padding query) then stays finite instead of turning into NaN.
+    ``mask`` is bool (True = masked out); ``causal`` adds the causal rule. Masked scores take the
+    dtype's minimum rather than -inf: a row whose keys are all masked (e.g. a padding query) stays
+    finite instead of turning into NaN. Without active dropout this runs PyTorch's fused
+    scaled_dot_product_attention (no s x s tensor kept for backward); with dropout the masks must
+    come from our TP-aware generator, so it runs the explicit softmax.
     """
     sq, b, n, d = q.shape
-    qh = q.permute(1, 2, 0, 3)  # [b, n, sq, d]
-    kh = k.permute(1, 2, 3, 0)  # [b, n, d, sk]
-    scores = torch.matmul(qh, kh) * (1.0 / math.sqrt(d))
+    sk = k.shape[0]
+    qh, kh, vh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b,n,s,d]
+    if not training or p == 0.0:
+        if mask is None and causal and sq == sk:
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        else:
+            merged = _merge_masks(mask, causal, sq, sk, q.device)
+            bias = None
+            if merged is not None:
+                bias = torch.zeros(merged.shape, dtype=q.dtype, device=q.device)
+                bias = bias.masked_fill(merged, torch.finfo(q.dtype).min)
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     if softmax_fp32:
         scores = scores.float()
-    if mask is not None:
-        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+    merged = _merge_masks(mask, causal, sq, sk, q.device)
+    if merged is not None:
+        scores = scores.masked_fill(merged, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     probs = dropout(probs, p, training, generator)
-    ctx = torch.matmul(probs, v.permute(1, 2, 0, 3))  # [b, n, sq, d]
+    ctx = torch.matmul(probs, vh)  # [b, n, sq, d]
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
 
@@ -116,11 +132,11 @@ class _AttentionBase(nn.Module):
             init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
             device=device)
 
-    def _attend(self, q, k, v, mask):
+    def _attend(self, q, k, v, mask, causal=False):
         k = k.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else k
         v = v.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else v
         gen = self.rng.model_parallel(q.device)  # heads differ per rank: TP-distinct masks
-        return core_attention(q, k, v, mask, self.dropout_p, self.training, gen,
+        return core_attention(q, k, v, mask, causal, self.dropout_p, self.training, gen,
                               self.softmax_fp32)
 
     def forward(self, x: torch.Tensor, mb: MicroBatch | None = None):
@@ -154,8 +170,7 @@ class SelfAttention(_AttentionBase):
         if mb.rotary is not None:
             q, k = apply_rotary(q, mb.rotary), apply_rotary(k, mb.rotary)
         k, v = self._cache(k, v, mb)
-        mask = _merge_masks(_mb_slice(mb.self_mask, mb, b), mb.causal, sq, k.shape[0], x.device)
-        return self._attend(q, k, v, mask)
+        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal)
 
     def _cache(self, k: torch.Tensor, v: torch.Tensor, mb: MicroBatch):
         params = mb.inference_params
