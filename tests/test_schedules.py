@@ -351,3 +351,19 @@ def test_no_grad_forward_caps_micro_batches_to_the_batch() -> None:
     model.language_model.encoder.plan = Plan(4, "cross_layer", 1)
     with pytest.raises(ValueError, match="domino_micro_batches=4"):
         model(ids, None, None, labels=ids)
+
+
+@pytest.mark.parametrize(("args", "field"), [((0, "cross_layer", 1), "micro_batches"),
+                                              ((2, "cross", 1), "overlap"),
+                                              ((2, "none", 0), "column_chunks")])
+def test_plan_rejects_bad_values(args, field) -> None:
+    with pytest.raises(ValueError, match=f"Plan.{field}"):
+        Plan(*args)
+
+
+def test_config_rejects_more_column_chunks_than_columns() -> None:
+    from domino import TransformerConfig
+
+    with pytest.raises(ValueError, match="domino_column_chunks=9"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                          domino_column_chunks=9)

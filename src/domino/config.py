@@ -106,6 +106,10 @@ class TransformerConfig:
         _choice(self, "normalization", NORMALIZATIONS)
         _choice(self, "activation", ACTIVATIONS)
         _choice(self, "domino_overlap", DOMINO_OVERLAPS)
+        if self.domino_column_chunks > self.hidden_size:
+            raise ValueError(
+                f"domino_column_chunks={self.domino_column_chunks} is larger than hidden_size="
+                f"{self.hidden_size}: every chunk needs at least one output column; lower it.")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:

@@ -26,3 +26,15 @@ def divide(numerator: int, denominator: int) -> int:
     """Exact integer division; an uneven split is a bug upstream (configs validate first)."""
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
     return numerator // denominator
+
+
+def even_splits(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of ``parts`` contiguous ranges covering ``range(total)``; sizes differ by
+    at most one (the first ranges take the remainder)."""
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out

@@ -27,6 +27,7 @@ from domino.tensor_parallel.random import RNGTracker
 from domino.transformer.attention import CrossAttention, MicroBatch, SelfAttention
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
+from domino.utils import even_splits
 
 
 @dataclass(eq=False)
@@ -66,13 +67,7 @@ class Block:
 
 def column_chunks(width: int, chunks: int) -> list[slice]:
     """``chunks`` contiguous slices covering ``range(width)``, sizes differing by at most one."""
-    base, extra = divmod(width, chunks)
-    out, start = [], 0
-    for c in range(chunks):
-        stop = start + base + (1 if c < extra else 0)
-        out.append(slice(start, stop))
-        start = stop
-    return out
+    return [slice(a, b) for a, b in even_splits(width, chunks)]
 
 
 class TransformerLayer(nn.Module):

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from domino.config import DOMINO_OVERLAPS as OVERLAPS
 from domino.tensor_parallel.comm import CommGroup, Handle
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.attention import MicroBatch
 from domino.transformer.layer import Block
+from domino.utils import even_splits
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,14 @@ class Plan:
     overlap: str = "none"
     column_chunks: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "column_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Plan.{name}={value!r} must be a positive integer.")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"Plan.overlap={self.overlap!r} is not one of {', '.join(OVERLAPS)}.")
+
 
 def split_batch(batch: int, micro_batches: int) -> list[tuple[int, int]]:
     """[start, stop) of each micro-batch along the batch dim; sizes differ by at most one."""
@@ -55,13 +65,7 @@ def split_batch(batch: int, micro_batches: int) -> list[tuple[int, int]]:
             f"domino_micro_batches={micro_batches} is larger than the batch size {batch}: each "
             "micro-batch needs at least one sample; lower domino_micro_batches or use a larger "
             "batch.")
-    base, extra = divmod(batch, micro_batches)
-    out, start = [], 0
-    for m in range(micro_batches):
-        stop = start + base + (1 if m < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return even_splits(batch, micro_batches)
 
 
 @dataclass(eq=False)
