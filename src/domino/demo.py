@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 from domino import ParallelState, TransformerConfig
 from domino.gpt_model import GPTModel
+from domino.utils import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +67,5 @@ def _rank(rank: int, world: int, port: int, steps: int, seed: int) -> None:
 def run(args: argparse.Namespace) -> int:
     tp = args.tensor_model_parallel_size
     _config().validate_parallel(tp)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(tp, port, args.steps, args.seed), nprocs=tp, join=True)
+    mp.spawn(_rank, args=(tp, free_port(), args.steps, args.seed), nprocs=tp, join=True)
     return 0

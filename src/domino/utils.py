@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,3 +41,24 @@ def even_splits(total: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, stop))
         start = stop
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a local rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM every live child, then SIGKILL whatever is left after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

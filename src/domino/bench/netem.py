@@ -19,7 +19,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import threading
 import time
 from types import FrameType
 from typing import Any
+
+from domino.utils import free_port
 
 __all__ = [
     "PREFIX",
@@ -433,12 +434,6 @@ print(json.dumps({"rank": rank, "times": times, "ok": ok}))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure_link(
     link: EmulatedLink | None,
     nbytes: int = 8 << 20,
@@ -452,7 +447,7 @@ def measure_link(
     ``seconds`` is the median over iterations of the slowest rank's time.
     """
     world = link.num_hosts if link is not None else num_ranks
-    port = 29500 if link is not None else _free_port()  # fresh namespaces have every port free
+    port = 29500 if link is not None else free_port()  # fresh namespaces have every port free
     procs: list[subprocess.Popen[str]] = []
     try:
         for rank in range(world):

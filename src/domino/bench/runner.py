@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from domino.bench.netem import (
 )
 from domino.bench.worker import DTYPES, build_config
 from domino.transformer import Plan
+from domino.utils import free_port, stop_processes
 
 __all__ = ["add_arguments", "best_plan", "compute_results", "main", "parse_modes", "run"]
 
@@ -146,12 +146,6 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
 # ---- launching ranks --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the parent dies, so no orphaned rank keeps running."""
     try:
@@ -162,19 +156,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _wait_all(procs: list[subprocess.Popen[bytes]], straggler_s: float) -> None:
     """Return when every rank exited 0; raise as soon as one fails (the rest are stopped)."""
     first_done: float | None = None
@@ -183,7 +164,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], straggler_s: float) -> None:
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
-            _stop(procs)
+            stop_processes(procs)
             raise RuntimeError(f"benchmark rank {rank} exited with code {code} (see its output "
                                "above); the other ranks were stopped")
         if all(c == 0 for c in codes):
@@ -191,7 +172,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], straggler_s: float) -> None:
         if any(c == 0 for c in codes):
             first_done = first_done or time.monotonic()
             if time.monotonic() - first_done > straggler_s:
-                _stop(procs)
+                stop_processes(procs)
                 raise RuntimeError(f"benchmark ranks {[r for r, c in enumerate(codes) if c is None]}"
                                    f" still running {straggler_s:.0f} s after another finished")
         time.sleep(0.05)
@@ -202,7 +183,7 @@ def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
     """Run ``worker + (spec_path,)`` once per rank; raise if any rank fails."""
     world = spec["tensor_model_parallel_size"]
     # A fresh namespace has every port free; on loopback pick one that is free now.
-    port = 29500 if link is not None else _free_port()
+    port = 29500 if link is not None else free_port()
     threads = str(spec["threads_per_rank"])
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -221,7 +202,7 @@ def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
             procs.append(subprocess.Popen(argv, env=env, preexec_fn=preexec))
         _wait_all(procs, straggler_s=spec["timeout"])
     finally:
-        _stop(procs)
+        stop_processes(procs)
 
 
 # ---- figures ----------------------------------------------------------------------------------

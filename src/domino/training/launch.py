@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,29 +22,10 @@ import torch
 import torch.distributed as dist
 
 from domino.training.arguments import TrainArgs
+from domino.utils import free_port, stop_processes
 
 PARENT_ENV = "DOMINO_LAUNCHER_PID"
 GRACE_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live child, then SIGKILL whatever is left after a grace period."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def launch_local(config_path: Path, nproc: int, device: str) -> int:
@@ -70,17 +50,17 @@ def launch_local(config_path: Path, nproc: int, device: str) -> int:
                 rank, code = failed[0]
                 print(f"domino train: rank {rank} exited with code {code}; stopping the other "
                       "ranks", file=sys.stderr)
-                _stop(procs)
+                stop_processes(procs, GRACE_S)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)
     except KeyboardInterrupt:
         print("domino train: interrupted; stopping all ranks", file=sys.stderr)
-        _stop(procs)
+        stop_processes(procs, GRACE_S)
         return 130
     finally:
-        _stop(procs)
+        stop_processes(procs, GRACE_S)
 
 
 def _watch_parent(parent: int) -> None:
