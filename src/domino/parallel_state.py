@@ -33,9 +33,7 @@ class ParallelState:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """The single-process state: every group has size 1."""
-        state = cls(device=torch.device(device))
-        state.rng.tp_rank = 0
-        return state
+        return cls(device=torch.device(device))
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,

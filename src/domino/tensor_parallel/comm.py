@@ -57,10 +57,6 @@ class Handle:
             if t1 - t0 > 1e-5:
                 timeline.record(f"wait {name}", "wait", t0, t1, **args)
 
-    @property
-    def done(self) -> bool:
-        return self._done
-
     def ready(self) -> bool:
         """True when the collective has finished (never blocks)."""
         return self._done or bool(self._work.is_completed())

@@ -14,13 +14,18 @@ import torch.distributed as dist
 from domino.tensor_parallel.comm import CommGroup
 
 
+def _real_columns(part: int, rank: int, vocab_size: int) -> int:
+    """How many of this rank's ``part`` vocabulary columns are real (not padding)."""
+    return max(0, min(part, vocab_size - rank * part))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group, vocab_size):
         logits = logits.float()
         part = logits.shape[-1]
         start = group.rank * part
-        real = max(0, min(part, vocab_size - start))  # real (unpadded) entries on this rank
+        real = _real_columns(part, group.rank, vocab_size)
 
         logits_max = logits.max(dim=-1).values
         group.all_reduce(logits_max, op=dist.ReduceOp.MAX)
@@ -85,8 +90,7 @@ def mask_padded_logits(logits: torch.Tensor, vocab_size: int, group: CommGroup) 
     columns is zero (masked_fill is not differentiable through the filled entries).
     """
     part = logits.shape[-1]
-    start = group.rank * part
-    real = max(0, min(part, vocab_size - start))
+    real = _real_columns(part, group.rank, vocab_size)
     if real == part:
         return logits
     pad = torch.zeros(part, dtype=torch.bool, device=logits.device)
