@@ -157,7 +157,7 @@ class TransformerLanguageModel(nn.Module):
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base,
-                config.rotary_seq_len_interpolation_factor)
+                config.rotary_seq_len_interpolation_factor, device=state.device)
         self.encoder = (DominoTransformer(config, state, LayerType.encoder, encoder_attn_mask_type,
                                           pre_process, post_process) if add_encoder else None)
         self.decoder = (DominoTransformer(config, state, LayerType.decoder, decoder_attn_mask_type,

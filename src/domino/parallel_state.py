@@ -106,6 +106,8 @@ def init_distributed(device: torch.device | str | None = None,
     """
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
+        if device.index is None:  # plain "cuda": this process's local GPU, as torchrun numbers it
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -114,8 +116,10 @@ def init_distributed(device: torch.device | str | None = None,
             raise RuntimeError(
                 f"environment variables {', '.join(missing)} are not set: launch with torchrun "
                 "(or `domino train --nproc N`) so each process knows its rank.")
+        # device_id binds NCCL's communicator to this GPU (no guessing in barrier()).
         dist.init_process_group(backend=backend_for(device),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     return device
 
 

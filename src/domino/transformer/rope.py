@@ -14,18 +14,21 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: int = 10000,
-                 seq_len_interpolation_factor: float | None = None) -> None:
+                 seq_len_interpolation_factor: float | None = None,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         self.interpolation = seq_len_interpolation_factor
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32,
+                                                  device=device) / self.dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        pos = position_ids.to(self.inv_freq.device, torch.float32)
+        # Angles live where the positions are (the activations' device).
+        pos = position_ids.to(torch.float32)
         if self.interpolation is not None:
             pos = pos / self.interpolation
-        freqs = pos.unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
+        freqs = pos.unsqueeze(-1) * self.inv_freq.to(pos.device)  # [b, s, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [b, s, dim]
         return emb.transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]
 
