@@ -24,7 +24,7 @@ ROW_KEYS = {
     "step_times_s", "step_times_s_per_rank", "tokens_per_s", "exposed_comm_s",
     "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
-    "chrome_trace",
+    "chrome_trace", "allreduce_bytes_per_step", "comm_cpu_s_per_step",
 }
 
 
@@ -117,8 +117,12 @@ def test_compute_results_and_best_plan() -> None:
         "per_rank_step_times_s": {n: [[t, t], [t, t]] for n, t in med.items()},
         "peak_bytes": {n: [10, 12] for n in med},
         "peak_rss_bytes": {n: [None, None] for n in med},
+        "allreduce_8mib_cpu_s": 0.05,
+        "allreduce_bytes_per_step": {n: 0 if n.startswith("nocomm") else 32 << 20 for n in med},
     }
     rows = {r["mode"]: r for r in runner.compute_results(raw, modes, tokens=100)}
+    assert rows["sync"]["comm_cpu_s_per_step"] == pytest.approx(0.2)  # 4 x the 8 MiB probe
+    assert rows["nocomm"]["comm_cpu_s_per_step"] == 0
     assert all(set(r) == ROW_KEYS for r in rows.values())
     assert rows["sync"]["comm_hidden"] is None and rows["nocomm"]["comm_hidden"] is None
     assert rows["domino:m2:cross"]["comm_hidden"] == pytest.approx(1 - 0.1 / 0.4)
@@ -172,6 +176,18 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             rows["domino:m2:intra:c2"]["column_chunks"]) == (2, "intra_layer", 2)
     assert report["best_domino_mode"] in ("domino:m2:cross", "domino:m2:intra:c2")
     assert runner.best_plan(report) in (Plan(2, "cross_layer", 1), Plan(2, "intra_layer", 2))
+
+    # Comm volume: per layer two forward and two backward all-reduces of [s, b, h] fp32, whatever
+    # the split; none without comm. The 8 MiB probe's host CPU cost scales it to a step.
+    s, b, h, layers = 32, 4, 64, 2
+    for name, r in rows.items():
+        assert r["allreduce_bytes_per_step"] == (0 if name.startswith("nocomm")
+                                                 else 4 * layers * s * b * h * 4), name
+    assert config["allreduce_8mib_s"] > 0 and config["allreduce_8mib_cpu_s"] > 0
+    assert rows["sync"]["comm_cpu_s_per_step"] == pytest.approx(
+        config["allreduce_8mib_cpu_s"] * rows["sync"]["allreduce_bytes_per_step"] / (8 << 20))
+    mib = rows["sync"]["allreduce_bytes_per_step"] / 2**20
+    assert f"TP comm per step: {mib:.1f} MiB all-reduced per rank" in table
 
     # Traced: every comm-enabled mode; comm-free ones have nothing to overlap.
     for name in ("sync", "domino:m2:cross", "domino:m2:intra:c2"):

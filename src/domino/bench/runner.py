@@ -217,6 +217,8 @@ def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
 
 def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list[dict[str, Any]]:
     """One figures dict per mode from the workers' raw measurements."""
+    cpu_8mib = raw.get("allreduce_8mib_cpu_s")
+    sent = raw.get("allreduce_bytes_per_step", {})
     med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
     t_sync, t_nocomm = med.get("sync"), med.get("nocomm")
     exposed_sync = t_sync - t_nocomm if t_sync is not None and t_nocomm is not None else None
@@ -248,6 +250,11 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "comm_hidden": hidden,
             "speedup_vs_sync": t_sync / t if t_sync is not None else None,
             "peak_mem_bytes": max(known) if known else None,
+            # Bytes this rank all-reduced in one step, and the host CPU that moving them takes
+            # (scaled from the 8 MiB probe): overlapped comm still costs this much CPU.
+            "allreduce_bytes_per_step": sent.get(mode.name),
+            "comm_cpu_s_per_step": (None if cpu_8mib is None or sent.get(mode.name) is None
+                                    else cpu_8mib * sent[mode.name] / (8 << 20)),
             "peak_mem_bytes_per_rank": peaks,
             "peak_rss_bytes_per_rank": raw["peak_rss_bytes"][mode.name],
             "timeline_png": None,
@@ -294,13 +301,15 @@ def _fmt(value: float | None, scale: float = 1.0, spec: str = ".1f", suffix: str
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned text table plus a line naming the best Domino mode."""
     c = report["config"]
-    ar = c.get("allreduce_8mib_s")
+    ar, ar_cpu = c.get("allreduce_8mib_s"), c.get("allreduce_8mib_cpu_s")
     lines = [
         f"domino bench: {c['model']}, {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']} heads, seq {c['seq_length']}, batch {c['micro_batch_size']}, "
         f"TP={c['tensor_model_parallel_size']}, {c['dtype']}, {c['device']}, "
         f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
-        + (f" (8 MiB all-reduce {ar * 1e3:.1f} ms)" if ar is not None else "")
+        + (f" (8 MiB all-reduce {ar * 1e3:.1f} ms" if ar is not None else "")
+        + (f", {ar_cpu * 1e3:.1f} ms of host CPU" if ar is not None and ar_cpu is not None else "")
+        + (")" if ar is not None else "")
         + f", {c['steps']} steps after {c['warmup']} warm-up",
     ]
     head = ("mode", "step ms", "min ms", "tokens/s", "exposed ms", "vs split ms", "hidden",
@@ -326,6 +335,15 @@ def format_table(report: dict[str, Any]) -> str:
                      + (f", {r['speedup_vs_sync']:.2f}x vs sync" if r["speedup_vs_sync"] else "")
                      + (f", hides {r['comm_hidden'] * 100:.0f}% of sync's exposed comm"
                         if r["comm_hidden"] is not None else "") + ")")
+    sync = next((x for x in report["results"] if x["mode"] == "sync"), None)
+    if sync is not None and sync.get("comm_cpu_s_per_step") is not None:
+        cpu = sync["comm_cpu_s_per_step"]
+        cpus = c.get("cpu_count") or 1
+        lines.append(
+            f"TP comm per step: {sync['allreduce_bytes_per_step'] / 2**20:.1f} MiB all-reduced "
+            f"per rank, {cpu * 1e3:.0f} ms of host CPU (both ranks and the kernel); when the "
+            f"ranks' compute fills the {cpus} CPUs, overlapped comm still takes about "
+            f"{cpu / cpus * 1e3:.0f} ms per step from it")
     return "\n".join(lines)
 
 
@@ -360,6 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "link": link,
         "link_rate_bits_per_s": rate_bits_per_s(link) if link != "loopback" else None,
         "allreduce_8mib_s": raw["allreduce_8mib_s"],
+        "allreduce_8mib_cpu_s": raw.get("allreduce_8mib_cpu_s"),
         "param_bytes_per_rank": raw["param_bytes"],
         "tokens_per_step": args.micro_batch_size * args.seq_length,
         "timing_method": TIMING_METHOD,

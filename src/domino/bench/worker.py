@@ -177,14 +177,17 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+            bench.state.tp.stats.reset()
             bench.step(mode)
             torch.cuda.synchronize(device)
             out[mode.name] = {"peak_bytes": torch.cuda.max_memory_allocated(device) - base,
-                              "peak_rss_bytes": None}
+                              "peak_rss_bytes": None,
+                              "allreduce_bytes": bench.state.tp.stats.bytes if mode.comm else 0}
         return out
     from torch.profiler import ProfilerActivity, profile, record_function
 
     rss: dict[str, int | None] = {}
+    sent: dict[str, int] = {}
     # One profiler session for all modes (starting one costs about a second); each mode's step
     # is a labelled range whose memory events are summed separately.
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -194,8 +197,10 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             bench.model.zero_grad(set_to_none=True)
             gc.collect()
             hwm_ok = _reset_hwm()
+            bench.state.tp.stats.reset()
             with record_function(f"domino-bench-mem:{mode.name}"):
                 bench.step(mode)
+            sent[mode.name] = bench.state.tp.stats.bytes if mode.comm else 0
             rss[mode.name] = _read_hwm() if hwm_ok else None
     events = list(prof.profiler.kineto_results.events())
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
@@ -209,28 +214,57 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             if t0 <= e.start_ns() <= t1:
                 cur += e.nbytes()
                 peak = max(peak, cur)
-        out[mode.name] = {"peak_bytes": peak, "peak_rss_bytes": rss[mode.name]}
+        out[mode.name] = {"peak_bytes": peak, "peak_rss_bytes": rss[mode.name],
+                          "allreduce_bytes": sent[mode.name]}
     return out
 
 
-def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20, iters: int = 3) -> float | None:
-    """Median over ``iters`` of the slowest rank's all-reduce time of ``nbytes`` fp32."""
+def _busy_cpu_s() -> float | None:
+    """Host-wide busy CPU seconds so far (all processes and the kernel's network work), from
+    /proc/stat: user + nice + system + irq + softirq. None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20,
+                       min_s: float = 0.5, max_iters: int = 40) -> dict[str, float | None] | None:
+    """All-reduce of ``nbytes`` fp32, repeated for at least ``min_s`` (3 to ``max_iters`` times).
+
+    ``seconds``: median of the slowest rank's time. ``cpu_s``: host-wide busy CPU seconds per
+    all-reduce (both ranks' threads and the kernel's packet work, read on rank 0), i.e. what a
+    transfer takes from compute when it overlaps it on the same host.
+    """
     if state.tp.size < 2:
         return None
     x = torch.ones(nbytes // 4, device=state.device)
     state.tp.all_reduce(torch.ones(1024, device=state.device))  # connect before timing
     times = []
-    for _ in range(iters):
+    dist.barrier()
+    busy0, start = _busy_cpu_s(), time.perf_counter()
+    while True:
         dist.barrier()
         _sync(state.device)
         t0 = time.perf_counter()
         state.tp.all_reduce(x)
         _sync(state.device)
-        times.append(torch.tensor([time.perf_counter() - t0], dtype=torch.float64))
+        times.append(time.perf_counter() - t0)
+        # Every rank must run the same number of iterations: rank 0 decides.
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                               device=state.device)
+        dist.broadcast(elapsed, src=0)
+        if len(times) >= 3 and (elapsed.item() >= min_s or len(times) >= max_iters):
+            break
+    busy1 = _busy_cpu_s()
     # One MAX reduction over ranks for all iterations at once.
-    t = torch.cat(times).to(state.device)
+    t = torch.tensor(times, dtype=torch.float64, device=state.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(statistics.median(t.tolist()))
+    cpu = None if busy0 is None or busy1 is None else (busy1 - busy0) / len(times)
+    return {"seconds": float(statistics.median(t.tolist())), "cpu_s": cpu}
 
 
 def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
@@ -238,7 +272,7 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
     state = ParallelState.build(spec["tensor_model_parallel_size"], device=device)
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state)
-    allreduce_s = _measure_allreduce(state)
+    allreduce = _measure_allreduce(state)
     times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
     memory = _measure_memory(bench, modes)
     traces: dict[str, dict[str, Any]] = {}
@@ -262,7 +296,9 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
     names = [m.name for m in modes]
     return {
         "device": str(device),
-        "allreduce_8mib_s": allreduce_s,
+        "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],
+        "allreduce_8mib_cpu_s": None if allreduce is None else allreduce["cpu_s"],
+        "allreduce_bytes_per_step": {n: gathered[0]["memory"][n]["allreduce_bytes"] for n in names},
         "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
         "param_bytes": [g["param_bytes"] for g in gathered],
         # The step time of a round is its slowest rank's: the TP group moves at that pace.

@@ -63,6 +63,10 @@ class TrainArgs:
     domino_micro_batches: int = _f(2, group="model")
     domino_overlap: str = _f("cross_layer", group="model", choices=DOMINO_OVERLAPS)
     domino_column_chunks: int = _f(1, group="model")
+    domino_autotune: bool = _f(
+        False, "Before training, time sync TP and cross-layer Domino with 2-4 micro-batches x 1-2 "
+        "column chunks on the first batch and train with the fastest (all ranks agree; replaces "
+        "the three --domino-* settings above).", "model")
     # parallelism and launch
     tensor_model_parallel_size: int = _f(2, "Tensor-parallel size (TP); DP = world size / TP.",
                                          "parallel")

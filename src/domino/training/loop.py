@@ -4,8 +4,10 @@ summary and the final sample."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,7 @@ from domino.training.optim import (
     learning_rate,
     set_lr,
 )
+from domino.transformer.autotune import autotune, candidate_plans, plan_name
 
 FAIL_RANK_ENV = "DOMINO_TEST_FAIL_RANK"  # test hook: this global rank raises at FAIL_STEP
 FAIL_STEP_ENV = "DOMINO_TEST_FAIL_STEP"
@@ -164,6 +167,8 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
                   f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
                   f"{args.micro_batch_size} x DP {dp.size} x {accum} accumulation step(s) | "
                   f"{len(train_ds):,} train samples | device {device}")
+    if args.domino_autotune and start < args.train_iters:
+        _autotune(model, train_ds, start, args, state, log, Path(run_dir), rank0)
     result = TrainResult()
     g, s = args.global_batch_size, args.seq_length
     window: dict[str, float] = {}
@@ -212,6 +217,30 @@ def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) ->
     if args.sample_tokens and dp.rank == 0:
         result.sample = _sample(model, state, tokenizer, config, args, log, Path(run_dir))
     return result
+
+
+def _autotune(model, train_ds, step: int, args: TrainArgs, state: ParallelState, log: RunLogger,
+              run_dir: Path, rank0: bool) -> None:
+    """Time the candidate plans on this rank's first micro-batch of the first step and keep the
+    fastest (gradients and RNG states are restored: training is unchanged but for the plan)."""
+    batch = rank_batches(train_ds, step, args.global_batch_size, state.dp.size, state.dp.rank,
+                         args.micro_batch_size, state.device)[0]
+
+    def fwd_bwd() -> None:
+        _forward_loss(model, batch, args, state.device).backward()
+
+    best, times = autotune(model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
+    args.domino_micro_batches = best.micro_batches
+    args.domino_overlap = best.overlap
+    args.domino_column_chunks = best.column_chunks
+    medians = {plan_name(p): statistics.median(t) for p, t in times.items()}
+    log.print("autotune (median fwd+bwd ms of one micro-batch, slowest rank): "
+              + ", ".join(f"{n} {t * 1e3:.0f}" for n, t in medians.items())
+              + f" -> training with {plan_name(best)}")
+    if rank0:
+        (run_dir / "autotune.json").write_text(json.dumps(
+            {"chosen": plan_name(best), "median_s": medians,
+             "times_s": {plan_name(p): t for p, t in times.items()}}, indent=2) + "\n")
 
 
 def _sample(model, state: ParallelState, tokenizer, config, args: TrainArgs, log: RunLogger,

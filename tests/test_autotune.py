@@ -1,0 +1,141 @@
+"""Plan autotuning: candidates, the choice rule, agreement across ranks, restored state, and the
+trainer's --domino-autotune (training after tuning equals training with the chosen plan)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_distributed
+
+from domino import ParallelState, TransformerConfig
+from domino.enums import AttnMaskType
+from domino.transformer import DominoTransformer, Plan
+from domino.transformer.autotune import autotune, candidate_plans, choose, plan_name
+
+SYNC, M2, M3 = Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(3, "cross_layer", 1)
+
+
+def test_candidate_plans() -> None:
+    assert candidate_plans(1) == [SYNC]
+    assert candidate_plans(3) == [SYNC, M2, Plan(2, "cross_layer", 2), M3,
+                                  Plan(3, "cross_layer", 2)]
+    assert len(candidate_plans(8)) == 7 and len(candidate_plans(8, 6, (1,))) == 6
+    with pytest.raises(ValueError, match="batch_size=0"):
+        candidate_plans(0)
+
+
+def test_choose_lowest_median_first_on_ties() -> None:
+    assert choose({SYNC: [3.0, 1.0, 3.0], M2: [2.0, 2.0, 9.0]}) == M2  # medians 3 vs 2
+    assert choose({SYNC: [1.0], M2: [1.0]}) == SYNC
+    assert plan_name(Plan(4, "intra_layer", 2)) == "m4:intra:c2"
+    with pytest.raises(ValueError, match="at least one timing"):
+        choose({SYNC: []})
+
+
+def _tiny_stack(state: ParallelState) -> DominoTransformer:
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
+                            vocab_size=0, hidden_dropout=0.1, attention_dropout=0.1)
+    torch.manual_seed(0)
+    return DominoTransformer(cfg, state, self_attn_mask_type=AttnMaskType.causal)
+
+
+def test_single_process_picks_fastest_and_restores_state() -> None:
+    state = ParallelState.single()
+    stack = _tiny_stack(state)
+    state.rng.seed(5)
+    x = torch.randn(8, 4, 32)
+    calls = []
+
+    def step() -> None:  # a real fwd+bwd (uses dropout RNG), slow unless the plan is M3
+        calls.append(stack.plan)
+        stack(x, None).sum().backward()
+        time.sleep(0.0 if stack.plan == M3 else 0.02)
+
+    torch.manual_seed(7)
+    expected_rng = torch.get_rng_state()
+    expected_stream = state.rng.state_dict()
+    best, times = autotune(stack, step, state, [SYNC, M2, M3], warmup=1, trials=2)
+    assert best == M3 and stack.plan == M3
+    assert set(times) == {SYNC, M2, M3} and all(len(t) == 2 for t in times.values())
+    assert len(calls) == 3 * 3 and calls[:3] == [SYNC, M2, M3] and calls[3:6] == [M2, M3, SYNC]
+    assert all(p.grad is None for p in stack.parameters())
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    assert state.rng.state_dict()["states"].keys() == expected_stream["states"].keys()
+
+
+def test_failed_step_restores_plan() -> None:
+    state = ParallelState.single()
+    stack = _tiny_stack(state)
+    stack.plan = M2
+
+    def boom() -> None:
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        autotune(stack, boom, state, [SYNC, M3])
+    assert stack.plan == M2
+    with pytest.raises(ValueError, match="no DominoTransformer"):
+        autotune(torch.nn.Linear(2, 2), lambda: None, state, [SYNC])
+
+
+def _ranks_disagree(rank: int, world: int) -> tuple:
+    """Rank 0 finds M2 slow, rank 1 finds SYNC slow: only M3 is fast on both (max over ranks)."""
+    state = ParallelState.build(1)
+    stack = _tiny_stack(state)
+    slow = {0: M2, 1: SYNC}[rank]
+
+    def step() -> None:
+        time.sleep(0.05 if stack.plan == slow else 0.02 if stack.plan == M3 else 0.0)
+
+    best, times = autotune(stack, step, state, [SYNC, M2, M3], warmup=0, trials=3)
+    return best, stack.plan, {plan_name(p): t for p, t in times.items()}
+
+
+def test_ranks_agree_on_the_slowest_ranks_times() -> None:
+    (b0, p0, t0), (b1, p1, t1) = run_distributed(_ranks_disagree, 2)
+    assert b0 == b1 == p0 == p1 == M3
+    assert t0 == t1  # the same max-reduced table on every rank
+    assert min(t0["m1:none:c1"]) >= 0.05 and min(t0["m2:cross:c1"]) >= 0.05
+
+
+# ---- the trainer --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory) -> str:
+    from domino.data import ByteTokenizer, preprocess
+    from domino.data.preprocess import stdlib_corpus_files
+
+    folder = tmp_path_factory.mktemp("data")
+    preprocess(stdlib_corpus_files(limit_bytes=100_000), folder / "small", ByteTokenizer(),
+               progress=False)
+    return str(folder / "small")
+
+
+def _train_pair(rank: int, world: int, data: str, tmp: str) -> tuple:
+    from test_train_parallel import _args, _train
+
+    common = dict(tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1,
+                  micro_batch_size=4, global_batch_size=4)
+    tuned = _train(_args(data, domino_autotune=True, **common), f"{tmp}/tuned")
+    chosen = json.loads(Path(f"{tmp}/tuned/autotune.json").read_text())["chosen"]
+    m, overlap, c = chosen.split(":")
+    overlap = {"none": "none", "cross": "cross_layer"}[overlap]
+    plain = _train(_args(data, domino_micro_batches=int(m[1:]), domino_overlap=overlap,
+                         domino_column_chunks=int(c[1:]), **common), f"{tmp}/plain")
+    return chosen, tuned, plain
+
+
+def test_trainer_autotune_changes_nothing_but_the_plan(data_path: str, tmp_path) -> None:
+    results = run_distributed(_train_pair, 2, data_path, str(tmp_path))
+    chosen, tuned, plain = results[0]
+    assert chosen in {plan_name(p) for p in candidate_plans(4)}
+    assert results[1][0] == chosen
+    # Same RNG streams and clean gradients after tuning: bit-identical to the explicit plan.
+    assert tuned == plain
+    record = json.loads((tmp_path / "tuned" / "autotune.json").read_text())
+    assert set(record["median_s"]) == {plan_name(p) for p in candidate_plans(4)}
