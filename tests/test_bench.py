@@ -187,7 +187,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert rows["sync"]["comm_cpu_s_per_step"] == pytest.approx(
         config["allreduce_8mib_cpu_s"] * rows["sync"]["allreduce_bytes_per_step"] / (8 << 20))
     mib = rows["sync"]["allreduce_bytes_per_step"] / 2**20
-    assert f"TP comm per step: {mib:.1f} MiB all-reduced per rank" in table
+    assert f"TP comm per step: {mib:.1f} MiB all-reduced per rank, at least" in table
 
     # Traced: every comm-enabled mode; comm-free ones have nothing to overlap.
     for name in ("sync", "domino:m2:cross", "domino:m2:intra:c2"):
