@@ -335,17 +335,40 @@ def format_table(report: dict[str, Any]) -> str:
                      + (f", {r['speedup_vs_sync']:.2f}x vs sync" if r["speedup_vs_sync"] else "")
                      + (f", hides {r['comm_hidden'] * 100:.0f}% of sync's exposed comm"
                         if r["comm_hidden"] is not None else "") + ")")
-    sync = next((x for x in report["results"] if x["mode"] == "sync"), None)
-    if sync is not None and sync.get("comm_cpu_s_per_step") is not None:
-        cpu = sync["comm_cpu_s_per_step"]
-        cpus = c.get("cpu_count") or 1
+    bound = report.get("comm_cpu_bound")
+    if bound is not None:
         lines.append(
-            f"TP comm per step: {sync['allreduce_bytes_per_step'] / 2**20:.1f} MiB all-reduced "
-            f"per rank, at least {cpu * 1e3:.0f} ms of host CPU (both ranks and the kernel, "
-            f"scaled from the 8 MiB probe; smaller messages cost more per byte); when the ranks' "
-            f"compute fills the {cpus} CPUs, overlapped comm still takes about "
-            f"{cpu / cpus * 1e3:.0f} ms or more per step from it")
+            f"TP comm per step: {bound['allreduce_bytes_per_step'] / 2**20:.1f} MiB all-reduced "
+            f"per rank, at least {bound['comm_cpu_s_per_step'] * 1e3:.0f} ms of host CPU (both "
+            f"ranks and the kernel, scaled from the 8 MiB probe; smaller messages cost more per "
+            f"byte); with the ranks' compute filling the {bound['cpus']} CPUs, overlapped comm "
+            f"still takes about {bound['floor_s'] * 1e3:.0f} ms or more per step from compute"
+            + (f", so at most {bound['comm_hidden_ceiling'] * 100:.0f}% of sync's exposed comm "
+               "can be hidden on this host" if bound["comm_hidden_ceiling"] is not None else ""))
     return "\n".join(lines)
+
+
+def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | None:
+    """What moving sync's bytes costs the host's CPUs, and the share of sync's exposed comm that
+    overlap can hide at most when compute already keeps every CPU busy: the comm's CPU time is
+    then taken from compute (``floor_s`` = CPU seconds / CPUs), hidden or not.
+
+    None without a ``sync`` row or a CPU probe.
+    """
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    if sync is None or sync.get("comm_cpu_s_per_step") is None:
+        return None
+    cpu = sync["comm_cpu_s_per_step"]
+    floor = cpu / max(1, cpus)
+    exposed = sync["exposed_comm_s"]
+    return {
+        "allreduce_bytes_per_step": sync["allreduce_bytes_per_step"],
+        "comm_cpu_s_per_step": cpu,
+        "cpus": cpus,
+        "floor_s": floor,
+        "comm_hidden_ceiling": (max(0.0, 1.0 - floor / exposed)
+                                if exposed is not None and exposed > 0 else None),
+    }
 
 
 # ---- entry points -----------------------------------------------------------------------------
@@ -395,7 +418,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _render(raw, rows, args.out_dir, link)
     domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
     best = min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
-    report = {"config": config, "results": rows, "best_domino_mode": best}
+    # Only meaningful where the ranks' threads fill the host's CPUs (the default set-up on CPU).
+    busy = (raw["device"] == "cpu"
+            and args.tensor_model_parallel_size * args.threads_per_rank >= (os.cpu_count() or 1))
+    report = {"config": config, "results": rows, "best_domino_mode": best,
+              "comm_cpu_bound": comm_cpu_bound(rows, os.cpu_count() or 1) if busy else None}
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
