@@ -493,3 +493,42 @@ def test_vocab_param_rows_fit() -> None:
     full = torch.arange(12.0).reshape(6, 2)
     out = fit_rows(full, 8, 5)
     assert out.shape == (8, 2) and torch.equal(out[:5], full[:5]) and (out[5:] == 0).all()
+
+
+# ---- the LM head's input-gradient all-reduce hides under its weight-gradient GEMM ----------------
+
+
+def test_lm_head_input_grad_all_reduce_overlaps_weight_grad(monkeypatch) -> None:
+    """Order in backward: dL/dx, launch its all-reduce, dL/dW (vocab shard GEMM), then wait."""
+    from domino.language_model import parallel_lm_logits
+    from domino.tensor_parallel import CommGroup
+    from domino.tensor_parallel import layers as layers_mod
+
+    events: list[str] = []
+
+    class _Handle:
+        def wait(self) -> None:
+            events.append("wait")
+
+    def fake_all_reduce(tensor, async_op=False, name="all_reduce", **_):
+        events.append(f"launch {name} async={async_op}")
+        handle = _Handle()
+        if not async_op:
+            handle.wait()
+        return handle
+
+    group = CommGroup(size=2, rank=0)  # no process group: the collective is the fake below
+    group.all_reduce = fake_all_reduce
+    real_wgrad = layers_mod._wgrad
+    monkeypatch.setattr(layers_mod, "_wgrad",
+                        lambda *a: events.append("weight grad") or real_wgrad(*a))
+    x = torch.randn(4, 2, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    logits = parallel_lm_logits(x, w, True, parallel_state=ParallelState(tp=group))
+    assert events == []  # forward: the input is replicated, nothing to communicate
+    torch.testing.assert_close(logits, F.linear(x, w))
+    g = torch.randn_like(logits)
+    logits.backward(g)
+    assert events == ["launch dgrad_all_reduce async=True", "weight grad", "wait"]
+    torch.testing.assert_close(x.grad, g @ w)  # the fake all-reduce leaves the partial sum
+    torch.testing.assert_close(w.grad, g.reshape(-1, 16).t() @ x.reshape(-1, 8))

@@ -9,7 +9,6 @@ Every constructor also takes an optional ``parallel_state`` (default: the curren
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
@@ -19,11 +18,10 @@ from domino.tensor_parallel import (
     ColumnParallelLinear,
     CommGroup,
     VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
     dropout,
     gather_from_tensor_model_parallel_region,
 )
-from domino.tensor_parallel.layers import init_sharded
+from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad
 from domino.transformer import DominoTransformer, InferenceParams
 from domino.transformer.rope import RotaryEmbedding
 
@@ -34,8 +32,8 @@ def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tenso
     """Logits [..., vocab/tp] (``parallel_output``) or [..., vocab] from hidden states [..., h]
     and this rank's vocabulary shard of the (tied or output) weight."""
     group = resolve(parallel_state).tp
-    logits = F.linear(copy_to_tensor_model_parallel_region(input_, group),
-                      word_embeddings_weight, bias)
+    # The input-gradient all-reduce runs under the vocabulary shard's weight-gradient GEMM.
+    logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group)
     return logits if parallel_output else gather_from_tensor_model_parallel_region(logits, group)
 
 

@@ -153,6 +153,18 @@ class _Linear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
+def linear_reduce_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: CommGroup) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a column-parallel weight shard whose input is replicated:
+    backward all-reduces dL/dx over ``group``, launched before and waited for after the
+    weight-gradient GEMM, so the GEMM hides it (what a copy-to-region + linear pair would run
+    one after the other)."""
+    grad_on = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if grad_on and group.size > 1:
+        return _Linear.apply(x, weight, bias, group, None, None)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output columns) over the TP group.
 
@@ -185,8 +197,8 @@ class ColumnParallelLinear(nn.Module):
         grad_on = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if grad_on and wgrad_stash is not None:
             out = _Linear.apply(x, self.weight, bias, None, wgrad_stash, None)
-        elif grad_on and reduce_input_grad and self.group.size > 1:
-            out = _Linear.apply(x, self.weight, bias, self.group, None, None)
+        elif reduce_input_grad:
+            out = linear_reduce_input_grad(x, self.weight, bias, self.group)
         else:
             out = F.linear(x, self.weight, bias)
         if self.gather_output:
