@@ -33,6 +33,7 @@ import domino.transformer.layer as layer_module
 from domino import AttnMaskType, ParallelState
 from domino.gpt_model import GPTModel
 from domino.language_model import get_language_model
+from domino.tensor_parallel import CommGroup
 from domino.transformer import InferenceParams, Plan, split_batch
 
 SYNC = Plan(1, "none", 1)
@@ -341,7 +342,10 @@ def test_no_grad_forward_caps_micro_batches_to_the_batch() -> None:
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
                             seq_length=8, max_position_embeddings=8, hidden_dropout=0.0,
                             attention_dropout=0.0, domino_micro_batches=4)
-    model = GPTModel(cfg, parallel_state=ParallelState.single())
+    # Half of a TP=2 model with its collectives off: the schedule splits (at TP=1 it would not).
+    state = ParallelState(tp=CommGroup(size=2, rank=0, enabled=False))
+    model = GPTModel(cfg, parallel_state=state)
+    assert model.language_model.encoder.effective_plan().micro_batches == 4
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         split = model(ids, None, None)
@@ -351,6 +355,22 @@ def test_no_grad_forward_caps_micro_batches_to_the_batch() -> None:
     model.language_model.encoder.plan = Plan(4, "cross_layer", 1)
     with pytest.raises(ValueError, match="domino_micro_batches=4"):
         model(ids, None, None, labels=ids)
+
+
+def test_single_tp_rank_runs_unsplit() -> None:
+    """With one TP rank there is nothing to hide: the stack runs unsplit, whatever the plan, but
+    a plan that does not fit the batch is still rejected (as it would be at TP=2)."""
+    from domino import TransformerConfig
+    from domino.transformer import DominoTransformer
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                            domino_micro_batches=3, domino_column_chunks=2)
+    stack = DominoTransformer(cfg, ParallelState.single())
+    assert stack.plan == Plan(3, "cross_layer", 2)
+    assert stack.effective_plan() == Plan(1, "none", 1)
+    with pytest.raises(ValueError, match="domino_micro_batches=3"):
+        stack(torch.randn(4, 2, 32), None)
+    assert stack(torch.randn(4, 3, 32), None).shape == (4, 3, 32)
 
 
 @pytest.mark.parametrize(("args", "field"), [((0, "cross_layer", 1), "micro_batches"),

@@ -39,6 +39,9 @@ class _ScheduledStack(torch.autograd.Function):
         return (None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
 
+_UNSPLIT = Plan(1, "none", 1)
+
+
 class DominoTransformer(nn.Module):
     """Transformer stack whose TP all-reduces overlap with computation (the Domino schedule).
 
@@ -73,9 +76,19 @@ class DominoTransformer(nn.Module):
         """Pipeline stages without pre-processing receive their input here."""
         self.input_tensor = input_tensor
 
+    def effective_plan(self) -> Plan:
+        """The schedule the stack runs: :attr:`plan`, except with a single TP rank, where there
+        is no TP communication to hide and splitting would only cost (kernel launches, smaller
+        GEMMs), so the stack runs unsplit."""
+        return self.plan if self.state.tp.size > 1 else _UNSPLIT
+
     def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
                        inference_params, rotary_pos_emb, training: bool) -> list[MicroBatch]:
-        count = self.plan.micro_batches
+        if training:
+            # The configured count must fit the batch even where it is not used (TP=1), so a
+            # config that fails at TP=2 fails the same way in a single-process test.
+            split_batch(batch, self.plan.micro_batches)
+        count = self.effective_plan().micro_batches
         if not training:
             # Inference on small batches (e.g. generation): the split only changes speed, so cap
             # it. Training keeps the configured count and rejects a batch that is too small.
@@ -115,7 +128,7 @@ class DominoTransformer(nn.Module):
         mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
                                   inference_params, rotary_pos_emb, needs_graph)
         blocks = [blk for layer in self.layers for blk in layer.blocks()]
-        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.plan)
+        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan())
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False)[0]
         return _ScheduledStack.apply(executor, mbs, hidden_states, encoder_output, *params)
