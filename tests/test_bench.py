@@ -86,6 +86,8 @@ def test_parse_modes() -> None:
         (["--steps", "0"], "--steps"),
         (["--emulate-link", "fast"], "gbit"),
         (["--emulate-link", "1gb"], "invalid link rate"),
+        (["--link-mtu", "9000"], "add --emulate-link"),
+        (["--emulate-link", "1gbit", "--link-mtu", "100"], "--link-mtu=100"),
         (["--json", "/nonexistent-dir/x.json"], "does not exist"),
     ],
 )

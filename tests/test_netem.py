@@ -70,6 +70,8 @@ def test_link_arguments_validated() -> None:
         EmulatedLink(2, latency="soon")
     with pytest.raises(ValueError):
         EmulatedLink(2, burst="lots")
+    with pytest.raises(ValueError, match="mtu=70000"):
+        EmulatedLink(2, mtu=70000)
 
 
 def test_link_names_without_creating_anything() -> None:
@@ -114,6 +116,18 @@ def test_two_host_allreduce_and_teardown(netns_ok: None) -> None:
         print(f"\n8 MiB all-reduce at 100mbit: {secs:.3f} s (ideal {ideal:.3f} s)")
     assert not names & _netns_names()
     link.close()  # idempotent
+
+
+def test_mtu_is_set_on_every_veth(netns_ok: None) -> None:
+    with EmulatedLink(3, rate="1gbit", mtu=9000) as link:
+        ends = [*zip(link.namespaces, link.ifnames, strict=True),
+                *((link.switch_namespace, swif) for swif in link._switch_ifnames)]
+        for ns, ifname in ends:
+            shown = subprocess.run(["ip", "-n", ns, "link", "show", "dev", ifname],
+                                   capture_output=True, text=True, check=True).stdout
+            assert " mtu 9000 " in shown, shown
+        result = measure_link(link, nbytes=1 << 20, iters=1)
+        assert result["ok"]
 
 
 def test_teardown_when_body_raises(netns_ok: None) -> None:

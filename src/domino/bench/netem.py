@@ -286,6 +286,7 @@ class EmulatedLink:
         burst: str = "256kb",
         latency: str = "200ms",
         prefix: str = PREFIX,
+        mtu: int | None = None,
     ) -> None:
         if not 2 <= num_hosts <= _MAX_HOSTS:
             raise ValueError(f"num_hosts must be in [2, {_MAX_HOSTS}], got {num_hosts}")
@@ -295,6 +296,10 @@ class EmulatedLink:
         self.rate = parse_rate(rate)
         self.burst = _check_spec(burst, _SIZE_RE, "burst", "256kb")
         self.latency = _check_spec(latency, _TIME_RE, "latency", "200ms")
+        if mtu is not None and not 1280 <= mtu <= 65535:
+            raise ValueError(f"mtu={mtu} must be in [1280, 65535] (1500 is Ethernet's, 9000 "
+                             "jumbo frames), or None for the veth default")
+        self.mtu = mtu
         self._owner_pid = os.getpid()
         rid = secrets.token_hex(2)
         self.run_id = f"{prefix}-{self._owner_pid}-{rid}"
@@ -359,11 +364,13 @@ class EmulatedLink:
                         + ["peer", "name", ifname, "netns", ns]
                     )
                     _run(["ip", "-n", sw, "link", "set", swif, "master", self._bridge])
+                    self._set_mtu(sw, swif)
                     _run(["ip", "-n", sw, "link", "set", swif, "up"])
                     self._shape(sw, swif)
             hosts = zip(self.namespaces, self.ifnames, self.addresses, strict=True)
             for ns, ifname, addr in hosts:
                 _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname])
+                self._set_mtu(ns, ifname)
                 _run(["ip", "-n", ns, "link", "set", ifname, "up"])
                 self._shape(ns, ifname)
         except BaseException:
@@ -371,6 +378,10 @@ class EmulatedLink:
             raise
         self._active = True
         return self
+
+    def _set_mtu(self, ns: str, dev: str) -> None:
+        if self.mtu is not None:
+            _run(["ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(self.mtu)])
 
     def _shape(self, ns: str, dev: str) -> None:
         tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
