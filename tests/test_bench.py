@@ -87,6 +87,8 @@ def test_parse_modes() -> None:
         (["--emulate-link", "fast"], "gbit"),
         (["--emulate-link", "1gb"], "invalid link rate"),
         (["--link-mtu", "9000"], "add --emulate-link"),
+        (["--simulate-link", "1gbit", "--emulate-link", "1gbit"], "exclude each other"),
+        (["--simulate-link", "fast"], "gbit"),
         (["--emulate-link", "1gbit", "--link-mtu", "100"], "--link-mtu=100"),
         (["--json", "/nonexistent-dir/x.json"], "does not exist"),
     ],
@@ -230,3 +232,20 @@ def test_failed_rank_stops_the_others(tmp_path: Path) -> None:
         runner._launch(str(spec_path), spec, None, worker=(sys.executable, "-c", _CRASHING_WORKER))
     # _launch waits for every rank it stopped, so returning at all means none is left running.
     assert time.monotonic() - t0 < 60
+
+
+def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--simulate-link: every all-reduce takes the link's time (no data moved, no root needed)."""
+    out_json = tmp_path / "sim.json"
+    argv = TINY + ["--modes", "sync,nocomm,domino:m2:cross", "--simulate-link", "100mbit",
+                   "--json", str(out_json)]
+    assert runner.main(argv) == 0
+    assert "link 100mbit simulated" in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["config"]["link_rate_bits_per_s"] == 1e8
+    assert report["comm_cpu_bound"] is None
+    rows = {r["mode"]: r for r in report["results"]}
+    # Sync waits for every transfer in turn: at least bytes * 8 / rate per step (2 ranks: each
+    # all-reduce moves its size once per rank).
+    floor = rows["sync"]["allreduce_bytes_per_step"] * 8 / 1e8
+    assert floor > 0.02 and min(rows["sync"]["step_times_s"]) >= floor

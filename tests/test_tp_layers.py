@@ -532,3 +532,26 @@ def test_lm_head_input_grad_all_reduce_overlaps_weight_grad(monkeypatch) -> None
     assert events == ["launch dgrad_all_reduce async=True", "weight grad", "wait"]
     torch.testing.assert_close(x.grad, g @ w)  # the fake all-reduce leaves the partial sum
     torch.testing.assert_close(w.grad, g.reshape(-1, 16).t() @ x.reshape(-1, 8))
+
+
+def test_simulated_link_queues_transfers_without_touching_data(monkeypatch) -> None:
+    from domino.tensor_parallel import CommGroup
+    from domino.tensor_parallel import comm as comm_mod
+    from domino.tensor_parallel.comm import SimulatedLink
+
+    now = [100.0]
+    monkeypatch.setattr(comm_mod.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(comm_mod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    group = CommGroup(size=4, rank=0, simulated_link=SimulatedLink(8e6))  # 1 MB/s
+    x = torch.ones(250_000)  # 1 MB; a 4-rank ring moves 2 * 3/4 of it per rank: 1.5 s
+    a = group.all_reduce(x, async_op=True)
+    b = group.all_reduce(x, async_op=True)  # queued behind a
+    assert not a.ready() and not b.ready()
+    now[0] += 1.5
+    assert a.ready() and not b.ready()
+    b.wait()
+    assert now[0] == pytest.approx(103.0)  # b finished at 100 + 1.5 + 1.5
+    assert torch.equal(x, torch.ones(250_000))  # no data moved: timing only
+    assert group.stats.count == 2 and group.stats.bytes == 2_000_000
+    with pytest.raises(ValueError, match="bits_per_s"):
+        SimulatedLink(0)

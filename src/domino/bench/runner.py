@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--emulate-link", metavar="RATE", default=None,
       help="run each rank in its own network namespace over a veth shaped to RATE "
            "(e.g. 1gbit, 100mbit); root only")
+    a("--simulate-link", metavar="RATE", default=None,
+      help="instead of sending data, make each all-reduce take RATE's time with no CPU cost "
+           "(timing only, like nocomm): how well a schedule hides a link when moving bytes is "
+           "free for the host; no root needed")
     a("--link-mtu", type=int, default=None, metavar="BYTES",
       help="MTU of the emulated link's veths (default: the veth default, 1500); e.g. 9000 for "
            "jumbo frames, which cut the host CPU each transfer costs")
@@ -128,6 +132,13 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     spec["modes"] = [m.name for m in modes]
     spec["device"] = _resolve_device(args.device, tp)
     spec["trace"] = args.out_dir is not None
+    if args.simulate_link is not None:
+        if args.emulate_link is not None:
+            raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
+                             "CPU-free link or emulate a real one, not both")
+        spec["simulate_link"] = parse_rate(args.simulate_link)
+        if tp < 2:
+            raise ValueError("--simulate-link needs --tensor-model-parallel-size >= 2")
     if args.link_mtu is not None and args.emulate_link is None:
         raise ValueError("--link-mtu sets the emulated link's MTU: add --emulate-link RATE")
     if args.emulate_link is not None:
@@ -405,13 +416,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(spec["result_path"]) as f:
             raw = json.load(f)
     link = spec.get("link", "loopback")
+    rate = spec.get("link", spec.get("simulate_link"))
+    if "simulate_link" in spec:
+        link = f"{spec['simulate_link']} simulated (no CPU, no data)"
     flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "modes"}
     config = {
         **flags,
         "modes": spec["modes"],
         "device": raw["device"],
         "link": link,
-        "link_rate_bits_per_s": rate_bits_per_s(link) if link != "loopback" else None,
+        "link_rate_bits_per_s": rate_bits_per_s(rate) if rate is not None else None,
         "allreduce_8mib_s": raw["allreduce_8mib_s"],
         "allreduce_8mib_cpu_s": raw.get("allreduce_8mib_cpu_s"),
         "param_bytes_per_rank": raw["param_bytes"],
@@ -430,7 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
     best = min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
     # Only meaningful where the ranks' threads fill the host's CPUs (the default set-up on CPU).
-    busy = (raw["device"] == "cpu"
+    busy = (raw["device"] == "cpu" and "simulate_link" not in spec
             and args.tensor_model_parallel_size * args.threads_per_rank >= (os.cpu_count() or 1))
     report = {"config": config, "results": rows, "best_domino_mode": best,
               "comm_cpu_bound": comm_cpu_bound(rows, os.cpu_count() or 1) if busy else None}

@@ -91,12 +91,19 @@ class _Bench:
             pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
             self._loss = lambda: gpt(tokens, pos, None, labels=labels).float().mean()
         self.stack = stack
+        if spec.get("simulate_link"):
+            from domino.bench.netem import rate_bits_per_s
+            from domino.tensor_parallel.comm import SimulatedLink
+
+            state.tp.simulated_link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def step(self, mode: Mode) -> None:
         """Zero grads, forward, backward under ``mode``."""
         self.stack.plan = mode.plan
         self.state.tp.enabled = mode.comm
+        if self.state.tp.simulated_link is not None:
+            self.state.tp.simulated_link.free_at = 0.0  # each step starts on an idle link
         try:
             self.model.zero_grad(set_to_none=True)
             self._loss().backward()

@@ -65,6 +65,44 @@ class Handle:
 DONE = Handle()
 
 
+@dataclass
+class SimulatedLink:
+    """A link that costs wall time but no CPU, for timing schedules alone.
+
+    An all-reduce of ``n`` bytes over ``size`` ranks moves ``2 (size - 1) / size * n`` bytes per
+    rank (ring); transfers queue on the one link in launch order. Tensors are left as they are
+    (like a disabled group), so only timings mean anything.
+    """
+
+    bits_per_s: float
+    free_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bits_per_s > 0:
+            raise ValueError(f"SimulatedLink.bits_per_s={self.bits_per_s} must be > 0.")
+
+    def schedule(self, nbytes: int, size: int) -> _SimulatedWork:
+        seconds = 2 * (size - 1) / size * nbytes * 8 / self.bits_per_s
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + seconds
+        return _SimulatedWork(self.free_at)
+
+
+class _SimulatedWork:
+    __slots__ = ("done_at",)
+
+    def __init__(self, done_at: float) -> None:
+        self.done_at = done_at
+
+    def wait(self) -> None:
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.done_at
+
+
 @dataclass(eq=False)
 class CommGroup:
     """A process group plus this rank's place in it.
@@ -77,6 +115,8 @@ class CommGroup:
     rank: int = 0
     enabled: bool = True
     timeline: Any = field(default=None, repr=False)  # set by the benchmark to trace collectives
+    # Set by the benchmark's --simulate-link: all-reduces take the link's time, no CPU, no data.
+    simulated_link: SimulatedLink | None = field(default=None, repr=False)
     stats: CommStats = field(default_factory=CommStats, repr=False)
 
     @property
@@ -99,7 +139,11 @@ class CommGroup:
         """In-place all-reduce of ``tensor``; returns a handle (already done when sync)."""
         if not self.active:
             return DONE
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        if self.simulated_link is not None:
+            work: Any = self.simulated_link.schedule(tensor.numel() * tensor.element_size(),
+                                                     self.size)
+        else:
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         handle = self._handle(work, name, tensor, trace)
         if not async_op:
             handle.wait()
