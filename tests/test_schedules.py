@@ -387,3 +387,35 @@ def test_config_rejects_more_column_chunks_than_columns() -> None:
     with pytest.raises(ValueError, match="domino_column_chunks=9"):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
                           domino_column_chunks=9)
+
+
+@pytest.mark.parametrize(("plan", "tail_chunks"), [(Plan(2, "cross_layer", 1), 2),
+                                                    (Plan(3, "intra_layer", 1), 2),
+                                                    (Plan(2, "cross_layer", 3), 3),
+                                                    (Plan(1, "none", 1), 1),
+                                                    (Plan(2, "none", 1), 1)])
+def test_forward_tail_piece_is_column_chunked(plan: Plan, tail_chunks: int) -> None:
+    """The forward's last piece has nothing left to hide its all-reduce under: it is split in at
+    least two column chunks so the first chunk's all-reduce runs under the second's GEMM."""
+    from domino import TransformerConfig
+    from domino.bench.timeline import Timeline
+    from domino.tensor_parallel.comm import SimulatedLink
+    from domino.transformer import DominoTransformer
+
+    # Half of a TP=2 stack whose all-reduces go to an instant simulated link (no process group).
+    tl = Timeline(0)
+    state = ParallelState(tp=CommGroup(size=2, rank=0, timeline=tl,
+                                       simulated_link=SimulatedLink(1e15)))
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+    stack = DominoTransformer(cfg, state)
+    stack.plan = plan
+    with torch.no_grad():
+        stack(torch.randn(4, 6, 32), None)
+    chunks: dict[tuple[int, int], int] = {}
+    for span in tl.by_category("comm"):
+        key = (span.args["block"], span.args["mb"])
+        chunks[key] = max(chunks.get(key, 0), span.args["chunk"] + 1)
+    last = (3, plan.micro_batches - 1)  # 2 layers = 4 blocks
+    assert chunks.pop(last) == tail_chunks
+    assert set(chunks.values()) == {plan.column_chunks}
