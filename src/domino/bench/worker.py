@@ -238,40 +238,51 @@ def _busy_cpu_s() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20,
-                       min_s: float = 0.5, max_iters: int = 40) -> dict[str, float | None] | None:
-    """All-reduce of ``nbytes`` fp32, repeated for at least ``min_s`` (3 to ``max_iters`` times).
+def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20, windows: int = 5,
+                       window_s: float = 0.2, max_iters: int = 40) -> dict[str, float | None] | None:
+    """All-reduce of ``nbytes`` fp32 in ``windows`` windows of at least ``window_s`` (and 2 to
+    ``max_iters`` all-reduces) each.
 
-    ``seconds``: median of the slowest rank's time. ``cpu_s``: host-wide busy CPU seconds per
-    all-reduce (both ranks' threads and the kernel's packet work, read on rank 0), i.e. what a
-    transfer takes from compute when it overlaps it on the same host.
+    ``seconds``: median of the slowest rank's time per all-reduce. ``cpu_s``: host-wide busy CPU
+    seconds per all-reduce (both ranks' threads and the kernel's packet work, read on rank 0),
+    i.e. what a transfer takes from compute when it overlaps it on the same host: the median
+    over windows, so one window disturbed by another process on the host does not skew it.
     """
     if state.tp.size < 2:
         return None
     x = torch.ones(nbytes // 4, device=state.device)
     state.tp.all_reduce(torch.ones(1024, device=state.device))  # connect before timing
-    times = []
-    dist.barrier()
-    busy0, start = _busy_cpu_s(), time.perf_counter()
-    while True:
+    times: list[float] = []
+    cpu_windows: list[tuple[float | None, float | None, int]] = []
+    for _ in range(windows):
         dist.barrier()
-        _sync(state.device)
-        t0 = time.perf_counter()
-        state.tp.all_reduce(x)
-        _sync(state.device)
-        times.append(time.perf_counter() - t0)
-        # Every rank must run the same number of iterations: rank 0 decides.
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
-                               device=state.device)
-        dist.broadcast(elapsed, src=0)
-        if len(times) >= 3 and (elapsed.item() >= min_s or len(times) >= max_iters):
-            break
-    busy1 = _busy_cpu_s()
+        busy0, start, n = _busy_cpu_s(), time.perf_counter(), 0
+        while True:
+            dist.barrier()
+            _sync(state.device)
+            t0 = time.perf_counter()
+            state.tp.all_reduce(x)
+            _sync(state.device)
+            times.append(time.perf_counter() - t0)
+            n += 1
+            # Every rank must run the same number of iterations: rank 0 decides.
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                                   device=state.device)
+            dist.broadcast(elapsed, src=0)
+            if n >= 2 and (elapsed.item() >= window_s or n >= max_iters):
+                break
+        cpu_windows.append((busy0, _busy_cpu_s(), n))
     # One MAX reduction over ranks for all iterations at once.
     t = torch.tensor(times, dtype=torch.float64, device=state.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    cpu = None if busy0 is None or busy1 is None else (busy1 - busy0) / len(times)
-    return {"seconds": float(statistics.median(t.tolist())), "cpu_s": cpu}
+    return {"seconds": float(statistics.median(t.tolist())), "cpu_s": cpu_per_op(cpu_windows)}
+
+
+def cpu_per_op(windows: list[tuple[float | None, float | None, int]]) -> float | None:
+    """Busy CPU seconds per operation from (busy before, busy after, operations) windows: the
+    median over windows (None if /proc/stat could not be read)."""
+    per_op = [(b1 - b0) / n for b0, b1, n in windows if b0 is not None and b1 is not None and n]
+    return statistics.median(per_op) if per_op else None
 
 
 def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
