@@ -259,4 +259,3 @@ def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # all-reduce moves its size once per rank).
     floor = rows["sync"]["allreduce_bytes_per_step"] * 8 / 1e8
     assert floor > 0.02 and min(rows["sync"]["step_times_s"]) >= floor
-

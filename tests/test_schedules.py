@@ -11,7 +11,9 @@ the model, too-many-micro-batches errors and KV-cache decoding with micro-batche
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ import domino.transformer.layer as layer_module
 from domino import AttnMaskType, ParallelState
 from domino.gpt_model import GPTModel
 from domino.language_model import get_language_model
-from domino.tensor_parallel import CommGroup
+from domino.tensor_parallel import ColumnParallelLinear, CommGroup
 from domino.transformer import InferenceParams, Plan, split_batch
 
 SYNC = Plan(1, "none", 1)
@@ -427,14 +429,10 @@ def test_forward_tail_piece_is_column_chunked(plan: Plan, tail_chunks: int) -> N
 def test_backward_leaves_plain_gradients(family, plan: Plan) -> None:
     """Parameter gradients are plain tensors with no autograd history, step after step.
 
-    The schedule runs deferred weight-gradient GEMMs between its explicit backward calls, under
-    grad mode, on inputs that require grad; recorded there, ``param.grad`` would chain every
-    micro-batch's activations into its graph and keep them alive until the grads are reset."""
-    import gc
-    import weakref
-
-    from domino.tensor_parallel import ColumnParallelLinear
-
+    The schedule runs deferred weight-gradient GEMMs between its explicit backward calls, on
+    inputs that require grad; were that recorded (its backward under grad mode), ``param.grad``
+    would chain every micro-batch's activations into its graph and keep them alive until the
+    grads are reset."""
     # Half of a TP=2 model with its collectives off: the schedule splits as it would at TP=2.
     fam = family(ParallelState(tp=CommGroup(size=2, rank=0, enabled=False)))
     fam.set_plan(plan)

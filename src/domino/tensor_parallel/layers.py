@@ -85,13 +85,8 @@ class WgradStash(list):
     under an all-reduce, as ``(weight, bias, grad_output, input, rows)`` items (``rows``: the
     slice of the weight's output rows the GEMM used, or None for all)."""
 
-    @torch.no_grad()
     def run(self) -> None:
-        """Compute and accumulate every deferred weight/bias gradient, then empty the stash.
-
-        No grad: a schedule runs this between its explicit backward calls, under grad mode, on
-        inputs that require grad; recording it would chain every step's activations into
-        ``param.grad``'s own graph and keep them alive until the gradients are reset."""
+        """Compute and accumulate every deferred weight/bias gradient, then empty the stash."""
         for weight, bias, grad, x, rows in self:
             wgrad = _wgrad(grad, x, weight.dtype)
             if rows is None:

@@ -33,8 +33,11 @@ class _ScheduledStack(torch.autograd.Function):
         if ctx.record is None:
             raise RuntimeError("DominoTransformer: backward through the same forward twice is "
                                "not supported (the schedule frees its graph as it goes).")
-        with torch.enable_grad():
-            grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous())
+        # Grad mode stays as autograd set it (off): the schedule's own work here (deferred
+        # weight-gradient GEMMs, gradient sums) must not be recorded, or param.grad would carry a
+        # graph holding every micro-batch's activations. Running the recorded pieces' backward
+        # needs no grad mode.
+        grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous())
         ctx.record = None
         return (None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
