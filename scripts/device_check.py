@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, port: int, device_name: str, nccl: bool, steps:
 
     results = {}
     for plan in PLANS:
-        stack.plan = Plan(*plan)
+        stack.set_plan(Plan(*plan))
         loss = step()
         grads = [gather_full(p.grad, p, state.tp) for p in model.parameters()]
         results[plan] = (loss, grads)
@@ -78,12 +78,12 @@ def _rank(rank: int, world: int, port: int, device_name: str, nccl: bool, steps:
         if rank == 0:
             print(f"plan {plan}: max relative error vs sync {err:.2e}", flush=True)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        stack.plan = Plan(2, "cross_layer", 1)
+        stack.set_plan(Plan(2, "cross_layer", 1))
         bf16_loss = step()
     times: dict[tuple, list[float]] = {p: [] for p in PLANS}
     for _ in range(steps):
         for plan in PLANS:
-            stack.plan = Plan(*plan)
+            stack.set_plan(Plan(*plan))
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from dist import run_distributed
 from domino import ParallelState, TransformerConfig
 from domino.enums import AttnMaskType
 from domino.transformer import DominoTransformer, Plan
-from domino.transformer.autotune import autotune, candidate_plans, choose, plan_name
+from domino.transformer.autotune import autotune, candidate_plans, choose
 
 SYNC, M2, M3 = Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(3, "cross_layer", 1)
 
@@ -31,7 +31,7 @@ def test_candidate_plans() -> None:
 def test_choose_lowest_median_first_on_ties() -> None:
     assert choose({SYNC: [3.0, 1.0, 3.0], M2: [2.0, 2.0, 9.0]}) == M2  # medians 3 vs 2
     assert choose({SYNC: [1.0], M2: [1.0]}) == SYNC
-    assert plan_name(Plan(4, "intra_layer", 2)) == "m4:intra:c2"
+    assert str(Plan(4, "intra_layer", 2)) == "m4:intra:c2"
     with pytest.raises(ValueError, match="at least one timing"):
         choose({SYNC: []})
 
@@ -70,7 +70,7 @@ def test_single_process_picks_fastest_and_restores_state() -> None:
 def test_failed_step_restores_plan() -> None:
     state = ParallelState.single()
     stack = _tiny_stack(state)
-    stack.plan = M2
+    stack.set_plan(M2)
 
     def boom() -> None:
         raise RuntimeError("step failed")
@@ -92,14 +92,14 @@ def _ranks_disagree(rank: int, world: int) -> tuple:
         time.sleep(0.05 if stack.plan == slow else 0.02 if stack.plan == M3 else 0.0)
 
     best, times = autotune(stack, step, state, [SYNC, M2, M3], warmup=0, trials=3)
-    return best, stack.plan, {plan_name(p): t for p, t in times.items()}
+    return best, stack.plan, {str(p): t for p, t in times.items()}
 
 
 def test_ranks_agree_on_the_slowest_ranks_times() -> None:
     (b0, p0, t0), (b1, p1, t1) = run_distributed(_ranks_disagree, 2)
     assert b0 == b1 == p0 == p1 == M3
     assert t0 == t1  # the same max-reduced table on every rank
-    assert min(t0["m1:none:c1"]) >= 0.05 and min(t0["m2:cross:c1"]) >= 0.05
+    assert min(t0[str(SYNC)]) >= 0.05 and min(t0[str(M2)]) >= 0.05
 
 
 # ---- the trainer --------------------------------------------------------------------------------
@@ -123,19 +123,19 @@ def _train_pair(rank: int, world: int, data: str, tmp: str) -> tuple:
                   micro_batch_size=4, global_batch_size=4)
     tuned = _train(_args(data, domino_autotune=True, **common), f"{tmp}/tuned")
     chosen = json.loads(Path(f"{tmp}/tuned/autotune.json").read_text())["chosen"]
-    m, overlap, c = chosen.split(":")
-    overlap = {"none": "none", "cross": "cross_layer"}[overlap]
-    plain = _train(_args(data, domino_micro_batches=int(m[1:]), domino_overlap=overlap,
-                         domino_column_chunks=int(c[1:]), **common), f"{tmp}/plain")
+    plan = Plan.parse(chosen)
+    plain = _train(_args(data, domino_micro_batches=plan.micro_batches,
+                         domino_overlap=plan.overlap, domino_column_chunks=plan.column_chunks,
+                         **common), f"{tmp}/plain")
     return chosen, tuned, plain
 
 
 def test_trainer_autotune_changes_nothing_but_the_plan(data_path: str, tmp_path) -> None:
     results = run_distributed(_train_pair, 2, data_path, str(tmp_path))
     chosen, tuned, plain = results[0]
-    assert chosen in {plan_name(p) for p in candidate_plans(4)}
+    assert chosen in {str(p) for p in candidate_plans(4)}
     assert results[1][0] == chosen
     # Same RNG streams and clean gradients after tuning: bit-identical to the explicit plan.
     assert tuned == plain
     record = json.loads((tmp_path / "tuned" / "autotune.json").read_text())
-    assert set(record["median_s"]) == {plan_name(p) for p in candidate_plans(4)}
+    assert set(record["median_s"]) == {str(p) for p in candidate_plans(4)}

@@ -112,7 +112,7 @@ def test_main_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
 # ---- figures on synthetic measurements ----------------------------------------------------------
 
 
-def test_compute_results_and_best_plan() -> None:
+def test_compute_results_and_best_mode() -> None:
     modes = parse_modes("sync,nocomm,domino:m2:cross,domino:m4:cross:c2,nocomm:m4:cross:c2")
     med = {"sync": 1.0, "nocomm": 0.6, "domino:m2:cross": 0.7, "domino:m4:cross:c2": 0.65,
            "nocomm:m4:cross:c2": 0.62}
@@ -142,16 +142,14 @@ def test_compute_results_and_best_plan() -> None:
     assert rows["domino:m2:cross"]["speedup_vs_sync"] == pytest.approx(1 / 0.7)
     assert rows["sync"]["tokens_per_s"] == pytest.approx(100.0)
     assert rows["sync"]["peak_mem_bytes"] == 12
-    assert runner.best_plan(list(rows.values())) == Plan(4, "cross_layer", 2)
-    assert runner.best_plan({"results": list(rows.values())}) == Plan(4, "cross_layer", 2)
-    with pytest.raises(ValueError, match="no Domino mode"):
-        runner.best_plan([rows["sync"], rows["nocomm"]])
+    assert parse_mode(runner.best_mode(list(rows.values()))).plan == Plan(4, "cross_layer", 2)
+    assert runner.best_mode([rows["sync"], rows["nocomm"]]) is None  # no Domino mode
 
 
 def test_cpu_probe_takes_the_median_window() -> None:
     """The 8 MiB probe's CPU per all-reduce is the median over windows: one window disturbed
     by another process on the host (here 10x the others) does not move it."""
-    from domino.bench.worker import cpu_per_op
+    from domino.bench.probe import cpu_per_op
 
     windows = [(10.0, 10.1, 2), (20.0, 20.15, 3), (30.0, 31.0, 2), (40.0, 40.1, 2)]
     assert cpu_per_op(windows) == pytest.approx(0.05)
@@ -194,7 +192,8 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert (rows["domino:m2:intra:c2"]["micro_batches"], rows["domino:m2:intra:c2"]["overlap"],
             rows["domino:m2:intra:c2"]["column_chunks"]) == (2, "intra_layer", 2)
     assert report["best_domino_mode"] in ("domino:m2:cross", "domino:m2:intra:c2")
-    assert runner.best_plan(report) in (Plan(2, "cross_layer", 1), Plan(2, "intra_layer", 2))
+    assert parse_mode(runner.best_mode(report["results"])).plan in (Plan(2, "cross_layer", 1),
+                                                                      Plan(2, "intra_layer", 2))
 
     # Comm volume: per layer two forward and two backward all-reduces of [s, b, h] fp32, whatever
     # the split; none without comm. The 8 MiB probe's host CPU cost scales it to a step.

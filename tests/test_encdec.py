@@ -47,9 +47,9 @@ def _lm(cfg, state: ParallelState, tokentypes: int, **kw):
 
 
 def _set_plans(model, enc: Plan, dec: Plan) -> None:
-    model.encoder.plan = enc
+    model.encoder.set_plan(enc)
     if model.decoder is not None:
-        model.decoder.plan = dec
+        model.decoder.set_plan(dec)
 
 
 def key_padding(lengths, sq: int, sk: int) -> torch.Tensor:
@@ -142,7 +142,7 @@ def _checks(state: ParallelState, tokentypes: int) -> dict:
                                parallel_state=state)[0]
     stage.encoder.load_state_dict(model.encoder.state_dict())
     stage.pooler.load_state_dict(model.pooler.state_dict())
-    stage.encoder.plan = Plan(2, "cross_layer", 1)
+    stage.encoder.set_plan(Plan(2, "cross_layer", 1))
     with torch.no_grad():
         hidden = model.embedding(enc, None, tt)  # [s, b, h]
     h_stage = hidden.clone().requires_grad_()

@@ -71,10 +71,10 @@ def _build(name: str, state: ParallelState):
     torch.manual_seed(0)
     ref = GPTModel(cfg, parallel_state=ParallelState.single(), label_smoothing=ls)
     perturb(ref, seed=1, vocab=cfg.vocab_size)
-    ref.language_model.encoder.plan = Plan(1, "none", 1)
+    ref.language_model.encoder.set_plan(Plan(1, "none", 1))
     model = GPTModel(cfg, parallel_state=state, label_smoothing=ls)
     copy_weights(model, ref, state.tp, cfg.vocab_size)
-    model.language_model.encoder.plan = Plan(*plan)
+    model.language_model.encoder.set_plan(Plan(*plan))
     return cfg, model, ref
 
 
@@ -178,7 +178,7 @@ def test_gpt_tp1_matches_independent_reference(variant, masked) -> None:
     torch.manual_seed(0)
     model = GPTModel(cfg, parallel_state=ParallelState.single(), label_smoothing=ls)
     perturb(model, seed=1, vocab=cfg.vocab_size)
-    model.language_model.encoder.plan = Plan(*plan)
+    model.language_model.encoder.set_plan(Plan(*plan))
     w = reference_weights(model)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)

@@ -47,7 +47,7 @@ def _pair(state: ParallelState, plan=(2, "cross_layer", 1), **over):
     perturb(ref, seed=1, vocab=V)
     model = GPTModel(cfg, parallel_state=state, parallel_output=False)
     copy_weights(model, ref, state.tp, V)
-    model.language_model.encoder.plan = Plan(*plan)
+    model.language_model.encoder.set_plan(Plan(*plan))
     return cfg, model, ref
 
 
@@ -123,7 +123,7 @@ def _encoder_padding(state: ParallelState) -> dict:
     perturb(ref, seed=2)
     stack = DominoTransformer(cfg, state, LayerType.encoder, AttnMaskType.padding)
     copy_weights(stack, ref, state.tp, V)
-    stack.plan = Plan(3, "intra_layer", 2)
+    stack.set_plan(Plan(3, "intra_layer", 2))
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(S, B, 32, generator=gen)
     mask = torch.zeros(B, 1, S, S, dtype=torch.bool)
@@ -324,9 +324,9 @@ def test_broadcast_masks_are_accepted(stack) -> None:
     with torch.no_grad():
         a = stack(x, mask)
         b = stack(x, mask.expand(3, 1, 8, 8).contiguous())
-        stack.plan = Plan(3, "cross_layer", 1)
+        stack.set_plan(Plan(3, "cross_layer", 1))
         c = stack(x, mask)
-        stack.plan = Plan(1, "none", 1)
+        stack.set_plan(Plan(1, "none", 1))
     assert rel_err(a, b) <= 1e-6 and rel_err(c, a) <= TOL
 
 

@@ -80,7 +80,7 @@ class _GPT:
 
     def set_plan(self, plan: Plan) -> None:
         for m in (self.model, self.dropped):
-            m.language_model.encoder.plan = plan
+            m.language_model.encoder.set_plan(plan)
 
     def outputs(self, model) -> list[torch.Tensor]:
         return [model(self.ids, None, self.mask)]  # logits [b, s, v/tp]
@@ -120,8 +120,8 @@ class _EncDec:
 
     def set_plan(self, plan: Plan) -> None:
         for m in (self.model, self.dropped):
-            m.encoder.plan = plan
-            m.decoder.plan = plan
+            m.encoder.set_plan(plan)
+            m.decoder.set_plan(plan)
 
     def outputs(self, model) -> list[torch.Tensor]:
         m_enc, m_dec, m_ed = self.masks
@@ -204,7 +204,7 @@ def _dropout_masks(state: ParallelState) -> dict:
         ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(4))
         cpu = torch.device("cpu")
         for plan in (SYNC, Plan(2, "cross_layer", 2)):
-            model.language_model.encoder.plan = plan
+            model.language_model.encoder.set_plan(plan)
             for kind in recorded:
                 recorded[kind].clear()
             rep0 = state.rng.replicated(cpu).get_state().clone()
@@ -351,10 +351,10 @@ def test_no_grad_forward_caps_micro_batches_to_the_batch() -> None:
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         split = model(ids, None, None)
-        model.language_model.encoder.plan = Plan(1, "none", 1)
+        model.language_model.encoder.set_plan(Plan(1, "none", 1))
         whole = model(ids, None, None)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
-    model.language_model.encoder.plan = Plan(4, "cross_layer", 1)
+    model.language_model.encoder.set_plan(Plan(4, "cross_layer", 1))
     with pytest.raises(ValueError, match="domino_micro_batches=4"):
         model(ids, None, None, labels=ids)
 
@@ -400,18 +400,18 @@ def test_forward_tail_piece_is_column_chunked(plan: Plan, tail_chunks: int) -> N
     """The forward's last piece has nothing left to hide its all-reduce under: it is split in at
     least two column chunks so the first chunk's all-reduce runs under the second's GEMM."""
     from domino import TransformerConfig
+    from domino.bench.hooks import BenchHook, SimulatedLink
     from domino.bench.timeline import Timeline
-    from domino.tensor_parallel.comm import SimulatedLink
     from domino.transformer import DominoTransformer
 
     # Half of a TP=2 stack whose all-reduces go to an instant simulated link (no process group).
     tl = Timeline(0)
-    state = ParallelState(tp=CommGroup(size=2, rank=0, timeline=tl,
-                                       simulated_link=SimulatedLink(1e15)))
+    state = ParallelState(tp=CommGroup(size=2, rank=0,
+                                       hook=BenchHook(timeline=tl, link=SimulatedLink(1e15))))
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                             hidden_dropout=0.0, attention_dropout=0.0)
     stack = DominoTransformer(cfg, state)
-    stack.plan = plan
+    stack.set_plan(plan)
     with torch.no_grad():
         stack(torch.randn(4, 6, 32), None)
     chunks: dict[tuple[int, int], int] = {}

@@ -535,14 +535,14 @@ def test_lm_head_input_grad_all_reduce_overlaps_weight_grad(monkeypatch) -> None
 
 
 def test_simulated_link_queues_transfers_without_touching_data(monkeypatch) -> None:
+    from domino.bench import hooks as hooks_mod
+    from domino.bench.hooks import BenchHook, SimulatedLink
     from domino.tensor_parallel import CommGroup
-    from domino.tensor_parallel import comm as comm_mod
-    from domino.tensor_parallel.comm import SimulatedLink
 
     now = [100.0]
-    monkeypatch.setattr(comm_mod.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(comm_mod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
-    group = CommGroup(size=4, rank=0, simulated_link=SimulatedLink(8e6))  # 1 MB/s
+    monkeypatch.setattr(hooks_mod.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(hooks_mod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    group = CommGroup(size=4, rank=0, hook=BenchHook(link=SimulatedLink(8e6)))  # 1 MB/s
     x = torch.ones(250_000)  # 1 MB; a 4-rank ring moves 2 * 3/4 of it per rank: 1.5 s
     a = group.all_reduce(x, async_op=True)
     b = group.all_reduce(x, async_op=True)  # queued behind a

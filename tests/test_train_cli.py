@@ -112,3 +112,11 @@ def test_ctrl_c_stops_all_ranks(tmp_path, byte_data) -> None:
     assert rc == 130, proc.stderr.read()
     assert "interrupted" in proc.stderr.read()
     assert _workers_of(run / "config.json") == []
+
+
+def test_demo_agrees_with_single_process(capfd) -> None:
+    """`domino demo`: TP=2 training next to the single-process model, ranks under the shared
+    supervisor."""
+    assert main(["demo", "--steps", "3"]) == 0
+    out = capfd.readouterr().out
+    assert "OK: TP and single-process training agree" in out and "loss TP=2" in out

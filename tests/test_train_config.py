@@ -125,14 +125,15 @@ def test_lr_schedule() -> None:
 def test_default_corpus_is_prepared_once(tmp_path, monkeypatch) -> None:
     from domino.data import IndexedDataset
     from domino.training import data as train_data
-    from domino.training.checks import prepare_run
+    from domino.training.prepare import prepare_run
 
     monkeypatch.setenv("DOMINO_CACHE_DIR", str(tmp_path / "cache"))
     files = train_data.default_corpus_files()[:40]
     assert not any("pydoc_data" in f or "/encodings/" in f
                    for f in train_data.default_corpus_files())
     monkeypatch.setattr(train_data, "default_corpus_files", lambda: files)
-    args, config = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False)
+    run = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False)
+    args, config = run.args, run.config
     assert args.tokenizer_type == "bpe" and args.tokenizer_dir  # BPE trained on the corpus
     assert args.global_batch_size == 8 and args.max_position_embeddings == args.seq_length
     tok = BPETokenizer.load(args.tokenizer_dir)
@@ -140,9 +141,9 @@ def test_default_corpus_is_prepared_once(tmp_path, monkeypatch) -> None:
     assert IndexedDataset(args.data_path).tokenizer_info["vocab_hash"] == tok.vocab_hash()
     cached = sorted((tmp_path / "cache").rglob("*"))
     mtimes = [p.stat().st_mtime_ns for p in cached]
-    again, _ = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False)
+    again = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False).args
     assert again.data_path == args.data_path and again.tokenizer_dir == args.tokenizer_dir
     assert [p.stat().st_mtime_ns for p in cached] == mtimes  # nothing rebuilt
-    byte, _ = prepare_run(TrainArgs(split="90,10,0", tokenizer_type="byte"), world_size=2,
-                          progress=False)
+    byte = prepare_run(TrainArgs(split="90,10,0", tokenizer_type="byte"), world_size=2,
+                       progress=False).args
     assert IndexedDataset(byte.data_path).tokenizer_info == ByteTokenizer().describe()

@@ -39,8 +39,9 @@ def _args(data: str, **kw) -> TrainArgs:
 
 def _train(args: TrainArgs, run_dir: str) -> dict:
     from domino.training.loop import train
+    from domino.training.prepare import build_run
 
-    res = train(args, Path(run_dir))
+    res = train(build_run(args, Path(run_dir)))
     assert res.skipped == sum(not math.isfinite(n) for n in res.grad_norms)
     return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses}
 
@@ -48,8 +49,8 @@ def _train(args: TrainArgs, run_dir: str) -> dict:
 def _single(rank: int, world: int, data: str, tmp: str) -> dict:
     from domino.gpt_model import GPTModel
     from domino.parallel_state import ParallelState
-    from domino.training.checks import model_config
     from domino.training.data import build_datasets, open_dataset, rank_batches
+    from domino.training.prepare import model_config
 
     out = {"gen": _generation(data, 1), "ref": _train(_args(data, tensor_model_parallel_size=1), f"{tmp}/ref")}
     out["accum"] = _train(_args(data, tensor_model_parallel_size=1, micro_batch_size=2),
@@ -81,8 +82,8 @@ def _generation(data: str, tp: int) -> dict:
     top-k sampled ids, from a freshly initialised model (TP-invariant init)."""
     from domino.gpt_model import GPTModel
     from domino.parallel_state import ParallelState
-    from domino.training.checks import model_config
     from domino.training.generate import generate
+    from domino.training.prepare import model_config
 
     args = _args(data, tensor_model_parallel_size=tp)
     state = ParallelState.build(tp, device="cpu")

@@ -11,18 +11,18 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "TransformerConfig": "domino.config",
     "ParallelState": "domino.parallel_state",
+    "Plan": "domino.plan",
     "AttnMaskType": "domino.enums",
-    "AttnType": "domino.enums",
     "LayerType": "domino.enums",
-    "ModelType": "domino.enums",
 }
-__all__ = ["TransformerConfig", "ParallelState", "AttnMaskType", "AttnType", "LayerType",
-           "ModelType", "__version__"]
+__all__ = ["TransformerConfig", "ParallelState", "Plan", "AttnMaskType", "LayerType",
+           "__version__"]
 
 if TYPE_CHECKING:
     from domino.config import TransformerConfig
-    from domino.enums import AttnMaskType, AttnType, LayerType, ModelType
+    from domino.enums import AttnMaskType, LayerType
     from domino.parallel_state import ParallelState
+    from domino.plan import Plan
 
 
 def __getattr__(name: str):

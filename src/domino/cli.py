@@ -42,11 +42,16 @@ def main(argv: list[str] | None = None) -> int:
                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(parser)
         args = parser.parse_args(argv[1:])
+        from domino.supervisor import RankFailed
+
         try:
             result = module.run(args)
         except (ValueError, FileNotFoundError) as err:
             print(f"domino {name}: error: {err}", file=sys.stderr)
             return 2
+        except RankFailed as err:  # the rank's own output above says why
+            print(f"domino {name}: error: {err}", file=sys.stderr)
+            return err.exit_code
         except KeyboardInterrupt:
             print(f"domino {name}: interrupted", file=sys.stderr)
             return 130

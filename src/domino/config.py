@@ -13,17 +13,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from domino.plan import Plan, check_fields
 from domino.utils import init_method_normal, scaled_init_method_normal
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
-DOMINO_OVERLAPS = ("none", "intra_layer", "cross_layer")
 
 
 @dataclass(kw_only=True)
 class TransformerConfig:
-    """Architecture, initialisation and Domino schedule of a transformer language model."""
+    """Architecture and initialisation of a transformer language model.
+
+    The ``domino_*`` fields are the seed-compatible way to give the default Domino schedule
+    (``Plan.from_config``); a model built with an explicit ``plan=`` ignores them.
+    """
 
     num_layers: int = field(metadata={"help": "Number of transformer layers (encoder)."})
     hidden_size: int = field(metadata={"help": "Transformer hidden size."})
@@ -79,8 +83,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers", "hidden_size", "num_attention_heads",
-                  "make_vocab_size_divisible_by", "max_position_embeddings", "seq_length",
-                  "domino_micro_batches", "domino_column_chunks")
+                  "make_vocab_size_divisible_by", "max_position_embeddings", "seq_length")
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0 = no embedding).")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -105,11 +108,9 @@ class TransformerConfig:
         _choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         _choice(self, "normalization", NORMALIZATIONS)
         _choice(self, "activation", ACTIVATIONS)
-        _choice(self, "domino_overlap", DOMINO_OVERLAPS)
-        if self.domino_column_chunks > self.hidden_size:
-            raise ValueError(
-                f"domino_column_chunks={self.domino_column_chunks} is larger than hidden_size="
-                f"{self.hidden_size}: every chunk needs at least one output column; lower it.")
+        check_fields(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks,
+                     "domino_{}".format)
+        Plan.from_config(self).check_width(self.hidden_size)
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:

@@ -1,18 +1,20 @@
 """``domino demo``: a tiny GPT trained for a few SGD steps at TP=2 on CPU, checked against the
-single-process model with the same seed (a sanity check of an installation)."""
+single-process model with the same seed (a sanity check of an installation).
+
+Each rank is ``python -m domino.demo STEPS SEED`` under the shared supervisor."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from domino import ParallelState, TransformerConfig
-from domino.gpt_model import GPTModel
+from domino.models.gpt import GPTModel
+from domino.parallel_state import init_distributed, shutdown_distributed
+from domino.supervisor import RankFailed, local_env, run_ranks
+from domino.tensor_parallel import CommGroup
 from domino.utils import free_port
 
 
@@ -42,30 +44,42 @@ def _train(model: GPTModel, steps: int, seed: int) -> list[float]:
     return losses
 
 
-def _rank(rank: int, world: int, port: int, steps: int, seed: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+def _rank(steps: int, seed: int) -> int:
+    """One rank (RANK / WORLD_SIZE from the environment); rank 0 prints the comparison."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    state = ParallelState.build(world)
-    torch.manual_seed(seed)
-    losses = _train(GPTModel(_config(), parallel_state=state), steps, seed)
-    torch.manual_seed(seed)
-    ref = _train(GPTModel(_config(), parallel_state=ParallelState.single()), steps, seed)
-    if rank == 0:
-        print(f"{'step':>4}  {'loss TP=' + str(world):>12}  {'loss TP=1':>12}  {'|diff|':>9}")
-        for i, (a, b) in enumerate(zip(losses, ref)):
+    init_distributed("cpu")
+    try:
+        state = ParallelState.build(CommGroup.world().size)
+        torch.manual_seed(seed)
+        losses = _train(GPTModel(_config(), parallel_state=state), steps, seed)
+        torch.manual_seed(seed)
+        ref = _train(GPTModel(_config(), parallel_state=ParallelState.single()), steps, seed)
+        if state.world.rank != 0:
+            return 0
+        print(f"{'step':>4}  {'loss TP=' + str(state.tp.size):>12}  {'loss TP=1':>12}  "
+              f"{'|diff|':>9}")
+        for i, (a, b) in enumerate(zip(losses, ref, strict=True)):
             print(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>9.2e}")
-        worst = max(abs(a - b) for a, b in zip(losses, ref))
+        worst = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
         ok = worst < 1e-4 and losses[-1] < losses[0]
-        print("OK: TP and single-process training agree" if ok else "MISMATCH")
-        if not ok:
-            sys.exit(1)
-    dist.destroy_process_group()
+        print("OK: TP and single-process training agree" if ok else "MISMATCH", flush=True)
+        return 0 if ok else 1
+    finally:
+        shutdown_distributed()
 
 
 def run(args: argparse.Namespace) -> int:
     tp = args.tensor_model_parallel_size
     _config().validate_parallel(tp)
-    mp.spawn(_rank, args=(tp, free_port(), args.steps, args.seed), nprocs=tp, join=True)
+    command = [sys.executable, "-m", "domino.demo", str(args.steps), str(args.seed)]
+    port = free_port()
+    try:
+        run_ranks([command] * tp, [local_env(r, tp, port) for r in range(tp)],
+                  label="domino demo")
+    except RankFailed as err:
+        return err.exit_code
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank(int(sys.argv[1]), int(sys.argv[2])))

@@ -21,11 +21,13 @@ from domino.tensor_parallel.random import RNGTracker
 
 @dataclass(eq=False)
 class ParallelState:
-    """Groups of one rank: ``tp`` (tensor), ``dp`` (data) and ``pp`` (pipeline) + device."""
+    """Groups of one rank: ``tp`` (tensor), ``dp`` (data), ``pp`` (pipeline) and ``world`` (every
+    rank: run-level agreement such as barriers and the autotuner's choice) + device."""
 
     tp: CommGroup = field(default_factory=CommGroup)
     dp: CommGroup = field(default_factory=CommGroup)
     pp: CommGroup = field(default_factory=CommGroup)
+    world: CommGroup = field(default_factory=CommGroup)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: object = None
     rng: RNGTracker = field(default_factory=RNGTracker)
@@ -33,7 +35,8 @@ class ParallelState:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """The single-process state: every group has size 1."""
-        return cls(device=torch.device(device))
+        device = torch.device(device)
+        return cls(*(CommGroup(device=device) for _ in range(4)), device=device)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -60,9 +63,10 @@ class ParallelState:
 
         def group(dim: str) -> CommGroup:
             return CommGroup(mesh.get_group(dim), mesh.size(mesh.mesh_dim_names.index(dim)),
-                             mesh.get_local_rank(dim))
+                             mesh.get_local_rank(dim), device=device)
 
-        state = cls(tp=group("tp"), dp=group("dp"), pp=group("pp"), device=device, mesh=mesh)
+        state = cls(tp=group("tp"), dp=group("dp"), pp=group("pp"),
+                    world=CommGroup.world(device), device=device, mesh=mesh)
         state.rng.tp_rank = state.tp.rank
         return state
 
@@ -121,6 +125,12 @@ def init_distributed(device: torch.device | str | None = None,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return device
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if there is one (end of a rank's run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---- Megatron-style module API over the one current state ---------------------------------

@@ -1,24 +1,25 @@
-"""Benchmark modes: a schedule (:class:`~domino.transformer.Plan`) plus whether TP comm runs.
+"""Benchmark modes: a schedule (:class:`~domino.plan.Plan`) plus whether TP comm runs.
 
-Grammar (case-insensitive, comma-separated in ``--modes``)::
+Grammar (case-insensitive, comma-separated in ``--modes``), the plan part being the Plan's own
+text form (``Plan.parse`` / ``str(plan)``)::
 
-    sync                                  sync TP: Plan(1, none, 1), blocking all-reduces
-    nocomm                                sync TP compute, every TP collective a no-op
-    domino:m<N>:<none|intra|cross>[:c<K>] Domino: N micro-batches, overlap kind, K column chunks
-    nocomm:m<N>:<none|intra|cross>[:c<K>] the same split with comm disabled (splitting cost)
+    sync                  sync TP: Plan(1, none, 1), blocking all-reduces
+    nocomm                sync TP compute, every TP collective a no-op
+    domino:<plan>         a Domino schedule, e.g. domino:m2:cross, domino:m4:cross:c2
+    nocomm:<plan>         the same split with comm disabled (what splitting costs)
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from domino.transformer import Plan
+from domino.plan import GRAMMAR as PLAN_GRAMMAR
+from domino.plan import SYNC, Plan
 
 __all__ = ["DEFAULT_MODES", "GRAMMAR", "Mode", "parse_mode", "parse_modes"]
 
 GRAMMAR = (
-    "sync | nocomm | domino:m<N>:<none|intra|cross>[:c<K>] | nocomm:m<N>:<none|intra|cross>[:c<K>]"
+    f"sync | nocomm | domino:{PLAN_GRAMMAR} | nocomm:{PLAN_GRAMMAR}"
     " (N micro-batches >= 1, K column chunks >= 1; e.g. domino:m4:cross:c2)"
 )
 
@@ -27,20 +28,10 @@ DEFAULT_MODES = (
     "domino:m4:cross:c2,nocomm:m2:cross,nocomm:m4:cross,nocomm:m2:cross:c2,nocomm:m4:cross:c2"
 )
 
-_OVERLAPS = {
-    "none": "none",
-    "intra": "intra_layer",
-    "intra_layer": "intra_layer",
-    "cross": "cross_layer",
-    "cross_layer": "cross_layer",
-}
-_SHORT = {"none": "none", "intra_layer": "intra", "cross_layer": "cross"}
-_SPLIT_RE = re.compile(r"^(domino|nocomm):m(\d+):([a-z_]+)(?::c(\d+))?$")
-
 
 @dataclass(frozen=True)
 class Mode:
-    """One benchmarked configuration; ``name`` is canonical (``c1`` omitted, short overlap)."""
+    """One benchmarked configuration; ``name`` is canonical (``kind:str(plan)``)."""
 
     name: str
     plan: Plan
@@ -56,29 +47,20 @@ class Mode:
         """(micro-batches, column chunks): what a comm-free run must share to be comparable."""
         return self.plan.micro_batches, self.plan.column_chunks
 
-    @property
-    def slug(self) -> str:
-        """File-name friendly form of the name."""
-        return self.name.replace(":", "_")
-
 
 def parse_mode(text: str) -> Mode:
     """Parse one mode; raise ValueError naming the grammar when it does not match."""
     norm = text.strip().lower()
-    if norm == "sync":
-        return Mode("sync", Plan(1, "none", 1), True)
-    if norm == "nocomm":
-        return Mode("nocomm", Plan(1, "none", 1), False)
-    m = _SPLIT_RE.match(norm)
-    if m is None or m.group(3) not in _OVERLAPS:
+    if norm in ("sync", "nocomm"):
+        return Mode(norm, SYNC, norm == "sync")
+    kind, _, plan_text = norm.partition(":")
+    if kind not in ("domino", "nocomm") or not plan_text:
         raise ValueError(f"unknown benchmark mode {text!r}; expected {GRAMMAR}")
-    kind, n, overlap = m.group(1), int(m.group(2)), _OVERLAPS[m.group(3)]
-    chunks = int(m.group(4)) if m.group(4) is not None else 1
-    if n < 1 or chunks < 1:
-        raise ValueError(f"benchmark mode {text!r}: micro-batches and column chunks must be >= 1; "
-                         f"expected {GRAMMAR}")
-    name = f"{kind}:m{n}:{_SHORT[overlap]}" + (f":c{chunks}" if chunks > 1 else "")
-    return Mode(name, Plan(n, overlap, chunks), kind == "domino")
+    try:
+        plan = Plan.parse(plan_text)
+    except ValueError:
+        raise ValueError(f"unknown benchmark mode {text!r}; expected {GRAMMAR}") from None
+    return Mode(f"{kind}:{plan}", plan, kind == "domino")
 
 
 def parse_modes(text: str) -> list[Mode]:

@@ -19,14 +19,15 @@ import re
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import FrameType
 from typing import Any
 
+from domino.supervisor import local_env, run_ranks
 from domino.utils import free_port
 
 __all__ = [
@@ -205,6 +206,9 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
 
 
 # ---- teardown on exit and signals ---------------------------------------------------------------
+#
+# Module-level on purpose: signal handlers and atexit hooks belong to the whole process, so the
+# list of live links they must tear down (and the handlers they chain to) does too.
 
 _live: list[EmulatedLink] = []
 _live_lock = threading.RLock()
@@ -421,29 +425,6 @@ class EmulatedLink:
 
 # ---- sanity check -------------------------------------------------------------------------------
 
-_ALLREDUCE_SCRIPT = r"""
-import json, os, sys, time
-from datetime import timedelta
-import torch
-import torch.distributed as dist
-rank, world, nbytes, iters, port, timeout = (int(a) for a in sys.argv[1:7])
-dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
-                        rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-x = torch.ones(nbytes // 4, dtype=torch.float32)
-dist.all_reduce(torch.ones(1024))  # connect all pairs before timing
-times = []
-for _ in range(iters):
-    x.fill_(1.0)
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(x)
-    times.append(time.perf_counter() - t0)
-ok = bool(x[0].item() == world and x[-1].item() == world)
-dist.barrier()
-dist.destroy_process_group()
-print(json.dumps({"rank": rank, "times": times, "ok": ok}))
-"""
-
 
 def measure_link(
     link: EmulatedLink | None,
@@ -452,49 +433,38 @@ def measure_link(
     num_ranks: int = 2,
     timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """Time a gloo all-reduce of ``nbytes`` float32 between the link's hosts.
+    """Time a gloo all-reduce of ``nbytes`` float32 between the link's hosts (the benchmark's own
+    probe, :mod:`domino.bench.probe`, one rank per host).
 
     With ``link=None`` the ranks run on loopback in the current namespace, as a baseline.
     ``seconds`` is the median over iterations of the slowest rank's time.
     """
     world = link.num_hosts if link is not None else num_ranks
     port = 29500 if link is not None else free_port()  # fresh namespaces have every port free
-    procs: list[subprocess.Popen[str]] = []
-    try:
+    with tempfile.TemporaryDirectory(prefix="domino-probe-") as tmp:
+        out = os.path.join(tmp, "probe.json")
+        argv = [sys.executable, "-m", "domino.bench.probe", out, str(nbytes), str(iters),
+                str(timeout_s)]
+        commands, envs = [], []
         for rank in range(world):
-            args = (rank, world, nbytes, iters, port, int(timeout_s))
-            argv = [sys.executable, "-c", _ALLREDUCE_SCRIPT, *map(str, args)]
-            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env = local_env(rank, world, port, OMP_NUM_THREADS="1")
             if link is not None:
                 env.update(link.env_for(rank, port))
-                argv = link.wrap(rank, argv)
+                commands.append(link.wrap(rank, argv))
             else:
-                env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(
-                subprocess.Popen(
-                    argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                )
-            )
-        deadline = time.monotonic() + timeout_s
-        results = []
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"all-reduce rank {rank} failed ({p.returncode}): {err[-2000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    per_iter = [max(r["times"][i] for r in results) for i in range(iters)]
+                env["GLOO_SOCKET_IFNAME"] = "lo"
+                commands.append(argv)
+            envs.append(env)
+        run_ranks(commands, envs, label="link probe", straggler_s=timeout_s)
+        with open(out) as f:
+            probe = json.load(f)
     result: dict[str, Any] = {
         "world_size": world,
         "nbytes": nbytes,
         "rate": link.rate if link is not None else "loopback",
-        "seconds": statistics.median(per_iter),
-        "per_iter_s": per_iter,
-        "ok": all(r["ok"] for r in results),
+        "seconds": probe["seconds"],
+        "per_iter_s": probe["per_iter_s"],
+        "ok": probe["ok"],
     }
     if link is not None:
         # Ring all-reduce sends 2(n-1)/n of the buffer over each host's link.

@@ -17,12 +17,9 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -36,10 +33,10 @@ from domino.bench.netem import (
     rate_bits_per_s,
 )
 from domino.bench.worker import DTYPES, build_config
-from domino.transformer import Plan
-from domino.utils import free_port, stop_processes
+from domino.supervisor import local_env, run_ranks
+from domino.utils import free_port
 
-__all__ = ["add_arguments", "best_plan", "compute_results", "main", "parse_modes", "run"]
+__all__ = ["add_arguments", "best_mode", "compute_results", "main", "parse_modes", "run"]
 
 TIMING_METHOD = (
     "per round, every mode once in an order rotated by one each round; per step: barrier, "
@@ -90,15 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_modes(modes: list[Mode], args: argparse.Namespace) -> None:
     for mode in modes:
-        if mode.plan.micro_batches > args.micro_batch_size:
-            raise ValueError(
-                f"mode {mode.name}: {mode.plan.micro_batches} micro-batches need a batch of at "
-                f"least that many samples, but --micro-batch-size is {args.micro_batch_size}; "
-                "lower m<N> or raise --micro-batch-size")
-        if mode.plan.column_chunks > args.hidden_size:
-            raise ValueError(
-                f"mode {mode.name}: {mode.plan.column_chunks} column chunks exceed "
-                f"--hidden-size {args.hidden_size}; lower c<K>")
+        mode.plan.check_fits(args.micro_batch_size, what=f"the micro-batches (m<N>) of {mode.name}",
+                             batch_name="--micro-batch-size")
+        mode.plan.check_width(args.hidden_size, what=f"the column chunks (c<K>) of {mode.name}",
+                              width_name="--hidden-size")
 
 
 def _resolve_device(choice: str, world: int) -> str:
@@ -167,63 +159,28 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
 # ---- launching ranks --------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the parent dies, so no orphaned rank keeps running."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _wait_all(procs: list[subprocess.Popen[bytes]], straggler_s: float) -> None:
-    """Return when every rank exited 0; raise as soon as one fails (the rest are stopped)."""
-    first_done: float | None = None
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            stop_processes(procs)
-            raise RuntimeError(f"benchmark rank {rank} exited with code {code} (see its output "
-                               "above); the other ranks were stopped")
-        if all(c == 0 for c in codes):
-            return
-        if any(c == 0 for c in codes):
-            first_done = first_done or time.monotonic()
-            if time.monotonic() - first_done > straggler_s:
-                stop_processes(procs)
-                raise RuntimeError(f"benchmark ranks {[r for r, c in enumerate(codes) if c is None]}"
-                                   f" still running {straggler_s:.0f} s after another finished")
-        time.sleep(0.05)
-
-
 def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
             worker: tuple[str, ...] = (sys.executable, "-m", "domino.bench.worker")) -> None:
-    """Run ``worker + (spec_path,)`` once per rank; raise if any rank fails."""
+    """Run ``worker + (spec_path,)`` once per rank (in the link's namespaces when given);
+    raise :class:`~domino.supervisor.RankFailed` if any rank fails."""
     world = spec["tensor_model_parallel_size"]
     # A fresh namespace has every port free; on loopback pick one that is free now.
     port = 29500 if link is not None else free_port()
     threads = str(spec["threads_per_rank"])
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       MASTER_PORT=str(port), OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-            argv = [*worker, spec_path]
-            if link is not None:
-                env.update(link.env_for(rank, port))
-                # c10d warns that it cannot resolve peer hostnames in a bare namespace: noise.
-                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-                argv = link.wrap(rank, argv)
-            else:
-                env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-            preexec = _die_with_parent if sys.platform == "linux" else None
-            procs.append(subprocess.Popen(argv, env=env, preexec_fn=preexec))
-        _wait_all(procs, straggler_s=spec["timeout"])
-    finally:
-        stop_processes(procs)
+    commands, envs = [], []
+    for rank in range(world):
+        env = local_env(rank, world, port, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        argv = [*worker, spec_path]
+        if link is not None:
+            env.update(link.env_for(rank, port))
+            # c10d warns that it cannot resolve peer hostnames in a bare namespace: noise.
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            argv = link.wrap(rank, argv)
+        else:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        commands.append(argv)
+        envs.append(env)
+    run_ranks(commands, envs, label="domino bench", straggler_s=spec["timeout"])
 
 
 # ---- figures ----------------------------------------------------------------------------------
@@ -284,17 +241,10 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     return rows
 
 
-def best_plan(results: list[dict[str, Any]] | dict[str, Any]) -> Plan:
-    """The Plan of the comm-enabled Domino mode with the lowest median step time.
-
-    Takes the ``results`` list of a report (or the whole report dict).
-    """
-    rows = results["results"] if isinstance(results, dict) else results
+def best_mode(rows: list[dict[str, Any]]) -> str | None:
+    """The comm-enabled Domino mode with the lowest median step time (None without one)."""
     domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
-    if not domino:
-        raise ValueError("no Domino mode (domino:...) among the results; run one to pick a plan")
-    best = min(domino, key=lambda r: r["step_time_s"])
-    return Plan(best["micro_batches"], best["overlap"], best["column_chunks"])
+    return min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
 
 
 def _render(raw: dict[str, Any], rows: list[dict[str, Any]], out_dir: str, link: str) -> None:
@@ -441,8 +391,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = compute_results(raw, modes, config["tokens_per_step"])
     if args.out_dir is not None:
         _render(raw, rows, args.out_dir, link)
-    domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
-    best = min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
+    best = best_mode(rows)
     # Only meaningful where the ranks' threads fill the host's CPUs (the default set-up on CPU).
     busy = (raw["device"] == "cpu" and "simulate_link" not in spec
             and args.tensor_model_parallel_size * args.threads_per_rank >= (os.cpu_count() or 1))

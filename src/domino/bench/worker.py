@@ -1,9 +1,10 @@
 """One benchmark rank: ``python -m domino.bench.worker SPEC.json`` (started by the runner).
 
 Every rank builds the same model from the same seed, then times one fwd+bwd step per mode per
-round (mode order rotated each round, a barrier before each step), measures each mode's peak
-memory in one extra step, and traces one more step per traced mode. Rank 0 writes the raw
-measurements (step times already reduced to the max over ranks) to ``spec["result_path"]``.
+round (``domino.timing.time_rotated``: mode order rotated each round, a barrier before each
+step), measures each mode's peak memory in one extra step, and traces one more step per traced
+mode. Rank 0 writes the raw measurements (step times already reduced to the max over ranks) to
+``spec["result_path"]``.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ import contextlib
 import gc
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.modes import Mode, parse_mode
+from domino.bench.probe import probe_allreduce
 from domino.bench.timeline import Timeline
 from domino.config import TransformerConfig
 from domino.enums import AttnMaskType
-from domino.parallel_state import ParallelState, init_distributed
+from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
+from domino.timing import time_rotated
+from domino.transformer.stack import using_plan
 
 __all__ = ["DTYPES", "build_config", "main"]
 
@@ -81,63 +83,49 @@ class _Bench:
             w = torch.randn(s, b, h, generator=gen).to(device, dtype)
             self._loss: Callable[[], torch.Tensor] = lambda: (stack(x, None) * w).float().sum()
         else:
-            from domino.gpt_model import GPTModel
+            from domino.models.gpt import GPTModel
 
             gpt = GPTModel(config, parallel_state=state)
             self.model = gpt
-            stack = gpt.language_model.encoder
             ids = torch.randint(0, spec["vocab_size"], (b, s + 1), generator=gen).to(device)
             tokens, labels = ids[:, :-1], ids[:, 1:]  # [b, s]
             pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
             self._loss = lambda: gpt(tokens, pos, None, labels=labels).float().mean()
-        self.stack = stack
+        self.link: SimulatedLink | None = None
         if spec.get("simulate_link"):
             from domino.bench.netem import rate_bits_per_s
-            from domino.tensor_parallel.comm import SimulatedLink
 
-            state.tp.simulated_link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
+            self.link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
+        state.tp.hook = BenchHook(link=self.link) if self.link is not None else None
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def step(self, mode: Mode) -> None:
         """Zero grads, forward, backward under ``mode``."""
-        self.stack.plan = mode.plan
-        self.state.tp.enabled = mode.comm
-        if self.state.tp.simulated_link is not None:
-            self.state.tp.simulated_link.free_at = 0.0  # each step starts on an idle link
-        try:
+        if self.link is not None:
+            self.link.free_at = 0.0  # each step starts on an idle link
+        comm = contextlib.nullcontext() if mode.comm else self.state.tp.disabled()
+        with using_plan(self.model, mode.plan), comm:
             self.model.zero_grad(set_to_none=True)
             self._loss().backward()
+
+    def traced_step(self, mode: Mode, rank: int) -> dict[str, Any]:
+        """One step of ``mode`` recorded on a timeline (as a dict)."""
+        tl = Timeline(rank)
+        before = self.state.tp.hook
+        self.state.tp.hook = BenchHook(timeline=tl, link=self.link)
+        try:
+            self.state.tp.barrier()
+            self.step(mode)
         finally:
-            self.state.tp.enabled = True
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+            self.state.tp.hook = before
+        return tl.to_dict()
 
 
 def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> dict[str, list]:
     """Per mode, this rank's time of each measured round."""
-    device = bench.state.device
-    times: dict[str, list[float]] = {m.name: [] for m in modes}
-    gc.collect()
-    gc.disable()  # a collection inside a timed step would land on whichever mode is unlucky
-    try:
-        for r in range(warmup + steps):
-            k = r % len(modes)
-            for mode in modes[k:] + modes[:k]:
-                dist.barrier()
-                _sync(device)
-                t0 = time.perf_counter()
-                bench.step(mode)
-                _sync(device)
-                dt = time.perf_counter() - t0
-                if r >= warmup:
-                    times[mode.name].append(dt)
-            gc.collect()
-    finally:
-        gc.enable()
-    return times
+    rows = time_rotated(len(modes), lambda i: bench.step(modes[i]), warmup, steps,
+                        bench.state.tp, bench.state.device)
+    return {m.name: row for m, row in zip(modes, rows, strict=True)}
 
 
 @contextlib.contextmanager
@@ -226,90 +214,22 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
     return out
 
 
-def _busy_cpu_s() -> float | None:
-    """Host-wide busy CPU seconds so far (all processes and the kernel's network work), from
-    /proc/stat: user + nice + system + irq + softirq. None where /proc/stat is missing."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:8]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def _measure_allreduce(state: ParallelState, nbytes: int = 8 << 20, windows: int = 5,
-                       window_s: float = 0.2, max_iters: int = 40) -> dict[str, float | None] | None:
-    """All-reduce of ``nbytes`` fp32 in ``windows`` windows of at least ``window_s`` (and 2 to
-    ``max_iters`` all-reduces) each.
-
-    ``seconds``: median of the slowest rank's time per all-reduce. ``cpu_s``: host-wide busy CPU
-    seconds per all-reduce (both ranks' threads and the kernel's packet work, read on rank 0),
-    i.e. what a transfer takes from compute when it overlaps it on the same host: the median
-    over windows, so one window disturbed by another process on the host does not skew it.
-    """
-    if state.tp.size < 2:
-        return None
-    x = torch.ones(nbytes // 4, device=state.device)
-    state.tp.all_reduce(torch.ones(1024, device=state.device))  # connect before timing
-    times: list[float] = []
-    cpu_windows: list[tuple[float | None, float | None, int]] = []
-    for _ in range(windows):
-        dist.barrier()
-        busy0, start, n = _busy_cpu_s(), time.perf_counter(), 0
-        while True:
-            dist.barrier()
-            _sync(state.device)
-            t0 = time.perf_counter()
-            state.tp.all_reduce(x)
-            _sync(state.device)
-            times.append(time.perf_counter() - t0)
-            n += 1
-            # Every rank must run the same number of iterations: rank 0 decides.
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
-                                   device=state.device)
-            dist.broadcast(elapsed, src=0)
-            if n >= 2 and (elapsed.item() >= window_s or n >= max_iters):
-                break
-        cpu_windows.append((busy0, _busy_cpu_s(), n))
-    # One MAX reduction over ranks for all iterations at once.
-    t = torch.tensor(times, dtype=torch.float64, device=state.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"seconds": float(statistics.median(t.tolist())), "cpu_s": cpu_per_op(cpu_windows)}
-
-
-def cpu_per_op(windows: list[tuple[float | None, float | None, int]]) -> float | None:
-    """Busy CPU seconds per operation from (busy before, busy after, operations) windows: the
-    median over windows (None if /proc/stat could not be read)."""
-    per_op = [(b1 - b0) / n for b0, b1, n in windows if b0 is not None and b1 is not None and n]
-    return statistics.median(per_op) if per_op else None
-
-
 def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
     """Run the whole measurement on this rank; rank 0 returns the raw results."""
     state = ParallelState.build(spec["tensor_model_parallel_size"], device=device)
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state)
-    allreduce = _measure_allreduce(state)
+    allreduce = probe_allreduce(state.tp)
     times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
     memory = _measure_memory(bench, modes)
     traces: dict[str, dict[str, Any]] = {}
     if spec["trace"]:
         for mode in modes:
-            if not mode.comm:
-                continue  # comm-free runs have nothing to overlap: not worth a picture
-            tl = Timeline(dist.get_rank())
-            dist.barrier()
-            state.tp.timeline = tl
-            try:
-                bench.step(mode)
-            finally:
-                state.tp.timeline = None
-            traces[mode.name] = tl.to_dict()
+            if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
+                traces[mode.name] = bench.traced_step(mode, state.world.rank)
     mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() != 0:
+    gathered = state.world.all_gather_json(mine)
+    if state.world.rank != 0:
         return None
     names = [m.name for m in modes]
     return {
@@ -350,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(raw, f)
             os.replace(tmp, spec["result_path"])
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
     return 0
 
 

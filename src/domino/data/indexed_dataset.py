@@ -64,7 +64,7 @@ class IndexedDatasetBuilder:
     def __init__(self, prefix: str | os.PathLike, dtype: npt.DTypeLike = np.uint16) -> None:
         self.prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype)
-        self._code = _dtype_code(self.dtype)
+        _dtype_code(self.dtype)  # reject a dtype the index cannot record, before writing
         parent = os.path.dirname(self.prefix)
         if parent:
             os.makedirs(parent, exist_ok=True)

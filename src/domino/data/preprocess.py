@@ -10,7 +10,7 @@ import multiprocessing as mp
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -40,9 +40,6 @@ class PreprocessStats:
     tokens: int
     bytes: int
     empty_skipped: int
-
-    def as_dict(self) -> dict[str, int | str]:
-        return asdict(self)
 
 
 def collect_files(
@@ -138,6 +135,8 @@ def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, 
         yield texts, nbytes, empty
 
 
+# Set once in each pool worker process by its initializer: a Pool hands work functions only their
+# arguments, and shipping the tokenizer with every batch would re-pickle it per call.
 _WORKER_TOKENIZER: Tokenizer | None = None
 
 

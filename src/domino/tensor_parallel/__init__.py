@@ -1,6 +1,6 @@
 """Megatron-style tensor parallelism: collectives, autograd mappings, layers, loss, RNG."""
 
-from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.tensor_parallel.comm import CommGroup, CommHook, Handle
 from domino.tensor_parallel.cross_entropy import mask_padded_logits, vocab_parallel_cross_entropy
 from domino.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -21,8 +21,9 @@ from domino.tensor_parallel.mappings import (
 from domino.tensor_parallel.random import RNGTracker, dropout
 
 __all__ = [
-    "CommGroup", "Handle", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "init_sharded", "shard_of_full", "gather_full", "is_partitioned", "mark_partitioned", "vocab_parallel_cross_entropy", "mask_padded_logits",
+    "CommGroup", "CommHook", "Handle", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "init_sharded", "shard_of_full", "gather_full", "is_partitioned",
+    "mark_partitioned", "vocab_parallel_cross_entropy", "mask_padded_logits",
     "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "RNGTracker", "dropout",

@@ -1,15 +1,22 @@
-"""Tier 1: collectives over one tensor-parallel group, with handles, device/backend agnostic.
+"""Tier 1: collectives over one process group, with handles, device/backend agnostic.
 
-Everything above this file talks to a :class:`CommGroup`; nothing else calls
-``torch.distributed`` collectives. A group can be *disabled* (every collective becomes a no-op),
-which is how the benchmark measures the ``nocomm`` ideal on the very same compute.
+Every collective in the library goes through a :class:`CommGroup` (the tensor-, data- and
+pipeline-parallel groups of a ``ParallelState``, and its ``world``); nothing else calls
+``torch.distributed`` collectives. A group can be *disabled* (every collective becomes a no-op:
+one rank of a TP group standing alone, or the same compute without communication). Objects
+cross ranks as JSON, never as pickles. Tools that trace collectives or replace their transport
+attach a :class:`CommHook`; this tier knows nothing else about them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,18 +35,37 @@ class CommStats:
         self.count, self.bytes, self.wait_s = 0, 0, 0.0
 
 
+class CommHook(Protocol):
+    """Watches a group's collectives and may stand in for their transport.
+
+    The library never implements one; a tool that needs to (the benchmark's timeline tracer and
+    its simulated link) attaches it with ``CommGroup(hook=...)`` or ``group.hook = ...``.
+    """
+
+    def launch(self, tensor: torch.Tensor, group: CommGroup) -> Any | None:
+        """At an all-reduce's launch: a work object (``wait()``, ``is_completed()``) to use
+        instead of the real collective, or None to run the real one."""
+
+    def finished(self, name: str, tags: dict[str, Any], nbytes: int, launched_s: float,
+                 wait_s: float, done_s: float) -> None:
+        """A collective of ``nbytes`` launched at ``launched_s`` was waited for from ``wait_s``
+        to ``done_s`` (``time.perf_counter()`` seconds)."""
+
+    def region(self, name: str, category: str, **tags: Any) -> AbstractContextManager[None]:
+        """A stretch of work (e.g. a schedule's compute piece) worth recording."""
+
+
 class Handle:
     """An in-flight (or finished) collective. ``wait()`` is idempotent."""
 
-    __slots__ = ("_work", "_done", "_trace", "_launch", "_stats")
+    __slots__ = ("_work", "_done", "_stats", "_trace")
 
-    def __init__(self, work: Any = None, trace: tuple | None = None,
-                 stats: CommStats | None = None) -> None:
+    def __init__(self, work: Any = None, stats: CommStats | None = None,
+                 trace: tuple | None = None) -> None:
         self._work = work
         self._done = work is None
-        self._trace = trace  # (timeline, name, args) of a traced collective
         self._stats = stats
-        self._launch = time.perf_counter() if trace is not None else 0.0
+        self._trace = trace  # (hook, name, tags, bytes, launch time) when a hook watches
 
     def wait(self) -> None:
         if self._done:
@@ -47,15 +73,12 @@ class Handle:
         t0 = time.perf_counter()
         self._work.wait()
         self._done = True
+        t1 = time.perf_counter()
         if self._stats is not None:
-            self._stats.wait_s += time.perf_counter() - t0
+            self._stats.wait_s += t1 - t0
         if self._trace is not None:
-            timeline, name, args = self._trace
-            t1 = time.perf_counter()
-            # The comm span runs from launch to the moment the waiter saw it finish.
-            timeline.record(name, "comm", self._launch, t1, **args)
-            if t1 - t0 > 1e-5:
-                timeline.record(f"wait {name}", "wait", t0, t1, **args)
+            hook, name, tags, nbytes, launched = self._trace
+            hook.finished(name, tags, nbytes, launched, t0, t1)
 
     def ready(self) -> bool:
         """True when the collective has finished (never blocks)."""
@@ -65,86 +88,68 @@ class Handle:
 DONE = Handle()
 
 
-@dataclass
-class SimulatedLink:
-    """A link that costs wall time but no CPU, for timing schedules alone.
-
-    An all-reduce of ``n`` bytes over ``size`` ranks moves ``2 (size - 1) / size * n`` bytes per
-    rank (ring); transfers queue on the one link in launch order. Tensors are left as they are
-    (like a disabled group), so only timings mean anything.
-    """
-
-    bits_per_s: float
-    free_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.bits_per_s > 0:
-            raise ValueError(f"SimulatedLink.bits_per_s={self.bits_per_s} must be > 0.")
-
-    def schedule(self, nbytes: int, size: int) -> _SimulatedWork:
-        seconds = 2 * (size - 1) / size * nbytes * 8 / self.bits_per_s
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + seconds
-        return _SimulatedWork(self.free_at)
-
-
-class _SimulatedWork:
-    __slots__ = ("done_at",)
-
-    def __init__(self, done_at: float) -> None:
-        self.done_at = done_at
-
-    def wait(self) -> None:
-        left = self.done_at - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-
-    def is_completed(self) -> bool:
-        return time.perf_counter() >= self.done_at
-
-
 @dataclass(eq=False)
 class CommGroup:
     """A process group plus this rank's place in it.
 
     ``group=None`` with ``size=1`` is the single-process case: every collective is the identity.
+    ``device`` is where the group's own buffers live (object collectives; NCCL needs CUDA).
     """
 
     group: Any = None
     size: int = 1
     rank: int = 0
     enabled: bool = True
-    timeline: Any = field(default=None, repr=False)  # set by the benchmark to trace collectives
-    # Set by the benchmark's --simulate-link: all-reduces take the link's time, no CPU, no data.
-    simulated_link: SimulatedLink | None = field(default=None, repr=False)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    hook: CommHook | None = field(default=None, repr=False)
     stats: CommStats = field(default_factory=CommStats, repr=False)
+
+    @classmethod
+    def world(cls, device: torch.device | str = "cpu") -> CommGroup:
+        """Every rank of the default process group (a group of one when it is not initialised)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(device=torch.device(device))
+        return cls(dist.group.WORLD, dist.get_world_size(), dist.get_rank(),
+                   device=torch.device(device))
 
     @property
     def active(self) -> bool:
         return self.size > 1 and self.enabled
 
-    def _handle(self, work: Any, name: str, tensor: torch.Tensor, trace: dict | None) -> Handle:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.stats.count += 1
-        self.stats.bytes += nbytes
-        if self.timeline is None:
-            return Handle(work, stats=self.stats)
-        args = dict(trace or {})
-        args["bytes"] = nbytes
-        return Handle(work, (self.timeline, name, args), self.stats)
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run the enclosed code with every collective of this group a no-op."""
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    def region(self, name: str, category: str = "compute",
+               **tags: Any) -> AbstractContextManager[None]:
+        """A stretch of work the hook may record (a no-op without a hook)."""
+        if self.hook is None:
+            return contextlib.nullcontext()
+        return self.hook.region(name, category, **tags)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
                    op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = "all_reduce",
-                   trace: dict | None = None) -> Handle:
-        """In-place all-reduce of ``tensor``; returns a handle (already done when sync)."""
+                   tags: dict | None = None) -> Handle:
+        """In-place all-reduce of ``tensor``; returns a handle (already done when sync).
+        ``tags`` describe it to the hook (e.g. micro-batch and block of a schedule)."""
         if not self.active:
             return DONE
-        if self.simulated_link is not None:
-            work: Any = self.simulated_link.schedule(tensor.numel() * tensor.element_size(),
-                                                     self.size)
-        else:
+        nbytes = tensor.numel() * tensor.element_size()
+        trace = None
+        work = None
+        if self.hook is not None:
+            trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
+            work = self.hook.launch(tensor, self)
+        if work is None:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        handle = self._handle(work, name, tensor, trace)
+        self.stats.count += 1
+        self.stats.bytes += nbytes
+        handle = Handle(work, self.stats, trace)
         if not async_op:
             handle.wait()
         return handle
@@ -172,3 +177,46 @@ class CommGroup:
             return
         src = dist.get_global_rank(self.group, src_local_rank)
         dist.broadcast(tensor, src=src, group=self.group)
+
+    def barrier(self) -> None:
+        """Return once every rank of the group got here."""
+        if self.active:
+            dist.barrier(group=self.group)
+
+    def broadcast_json(self, obj: Any, src_local_rank: int = 0) -> Any:
+        """``obj`` of rank ``src_local_rank`` on every rank (JSON-serialisable values only)."""
+        if not self.active:
+            return obj
+        data = _encode(obj, self.device) if self.rank == src_local_rank else None
+        length = torch.tensor([0 if data is None else data.numel()], device=self.device)
+        self.broadcast(length, src_local_rank)
+        if data is None:
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(data, src_local_rank)
+        return _decode(data)
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (JSON-serialisable values only)."""
+        if not self.active:
+            return [obj] * self.size
+        data = _encode(obj, self.device)
+        lengths = [torch.zeros(1, dtype=torch.int64, device=self.device)
+                   for _ in range(self.size)]
+        dist.all_gather(lengths, torch.tensor([data.numel()], device=self.device),
+                        group=self.group)
+        top = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(top, dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data
+        parts = [torch.empty(top, dtype=torch.uint8, device=self.device)
+                 for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return [_decode(p[:int(n.item())]) for p, n in zip(parts, lengths, strict=True)]
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    raw = json.dumps(obj).encode("utf-8")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    return json.loads(data.cpu().numpy().tobytes().decode("utf-8"))

@@ -17,12 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from domino.config import (
-    DOMINO_OVERLAPS,
-    NORMALIZATIONS,
-    POSITION_EMBEDDING_TYPES,
-    TransformerConfig,
-)
+from domino.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, TransformerConfig
+from domino.plan import Plan, check_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -61,7 +57,7 @@ class TrainArgs:
     init_method_std: float = _f(0.02, group="model")
     make_vocab_size_divisible_by: int = _f(128, group="model")
     domino_micro_batches: int = _f(2, group="model")
-    domino_overlap: str = _f("cross_layer", group="model", choices=DOMINO_OVERLAPS)
+    domino_overlap: str = _f("cross_layer", group="model")
     domino_column_chunks: int = _f(1, group="model")
     domino_autotune: bool = _f(
         False, "Before training, time sync TP and cross-layer Domino with 2-4 micro-batches x 1-2 "
@@ -143,6 +139,12 @@ class TrainArgs:
             choices = _meta(name).get("choices")
             if choices and value not in choices:
                 raise ValueError(f"--{flag(name)}={value!r} is not one of {', '.join(choices)}.")
+        check_fields(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks,
+                     lambda f: f"--domino-{flag(f)}")
+
+    def plan(self) -> Plan:
+        """The Domino schedule these settings ask for (before any autotuning)."""
+        return Plan(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
@@ -60,9 +59,8 @@ def save_checkpoint(run_dir: Path, iteration: int, state: Any, payload: dict[str
         tmp = path.with_suffix(".tmp")
         torch.save({"iteration": iteration, "tp_size": state.tp.size, **payload}, tmp)
         os.replace(tmp, path)  # a crash mid-write never leaves a half file under the real name
-    if dist.is_initialized():
-        dist.barrier()  # the tracker must only point at complete shards
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    state.world.barrier()  # the tracker must only point at complete shards
+    if state.world.rank == 0:
         (root / TRACKER).write_text(f"{iteration}\n")
     return path
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from domino.training import arguments
-from domino.training.checks import default_run_dir, prepare_run, under_torchrun
+from domino.training.prepare import default_run_dir, prepare_run, under_torchrun
 
 EPILOG = """examples:
   domino train                                   # built-in default (stdlib corpus, TP=2, CPU)
@@ -39,8 +39,8 @@ def run(ns: argparse.Namespace) -> int:
     if torchrun and rank0 and "--nproc" in sys.argv:
         print("domino train: under torchrun the world comes from torchrun; --nproc is ignored",
               file=sys.stderr)
-    args, _ = prepare_run(args, progress=rank0, run_dir=run_dir)  # raises before any spawn
-    from domino.training.launch import launch_local, run_worker, write_config
+    run = prepare_run(args, progress=rank0, run_dir=run_dir)  # raises before any spawn
+    from domino.training.launch import launch_local, write_config
 
     if rank0:
         where = f"{args.save}/config.toml" if args.save else "config.toml in the run folder"
@@ -48,7 +48,9 @@ def run(ns: argparse.Namespace) -> int:
         print(arguments.to_toml(args).split("\n", 1)[1].strip())
         sys.stdout.flush()
     if torchrun:
-        return run_worker(args, None)
+        from domino.training.worker import run_worker
+
+        return run_worker(run)
     assert run_dir is not None
     config_path = write_config(run_dir, args)
     code = launch_local(config_path, args.nproc or 1, args.device or "cpu")

@@ -13,15 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from domino.gpt_model import GPTModel
+from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import is_partitioned
 from domino.training.arguments import TrainArgs
 from domino.training.checkpoint import load_checkpoint, save_checkpoint
-from domino.training.checks import model_config
-from domino.training.data import build_datasets, eod_of, make_tokenizer, open_dataset, rank_batches
+from domino.training.data import rank_batches
 from domino.training.generate import generate
 from domino.training.logging import RunLogger
 from domino.training.optim import (
@@ -35,7 +33,8 @@ from domino.training.optim import (
     learning_rate,
     set_lr,
 )
-from domino.transformer.autotune import autotune, candidate_plans, plan_name
+from domino.training.prepare import Run
+from domino.transformer.autotune import autotune, candidate_plans
 
 FAIL_RANK_ENV = "DOMINO_TEST_FAIL_RANK"  # test hook: this global rank raises at FAIL_STEP
 FAIL_STEP_ENV = "DOMINO_TEST_FAIL_STEP"
@@ -60,15 +59,10 @@ def _autocast(args: TrainArgs, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _maybe_fail(step: int) -> None:
-    if os.environ.get(FAIL_RANK_ENV) == str(_global_rank()) and step == int(
+def _maybe_fail(step: int, rank: int) -> None:
+    if os.environ.get(FAIL_RANK_ENV) == str(rank) and step == int(
             os.environ.get(FAIL_STEP_ENV, "1")):
-        raise RuntimeError(f"injected failure on rank {_global_rank()} at step {step} "
-                           f"({FAIL_RANK_ENV})")
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV})")
 
 
 def _forward_loss(model, batch, args, device) -> torch.Tensor:
@@ -130,117 +124,146 @@ def _train_step(model, params, optimizer, scaler, batches, args: TrainArgs,
     return float(loss_sum) / denom, norm, exposed, overflow
 
 
-def train(args: TrainArgs, run_dir: Path, state: ParallelState | None = None) -> TrainResult:
+class Trainer:
+    """One rank's run: set-up in the constructor (model, optimiser, resume, logger), then
+    :meth:`fit` (the step loop, with evaluation and periodic checkpoints) and :meth:`finish`
+    (final checkpoint, summary, sample). The process group is initialised."""
+
+    def __init__(self, run: Run, state: ParallelState | None = None) -> None:
+        self.wall0 = time.perf_counter()
+        args = run.args
+        assert run.run_dir is not None, "the run folder is known before training starts"
+        self.run, self.args, self.run_dir = run, args, Path(run.run_dir)
+        self.state = state if state is not None else ParallelState.build(
+            args.tensor_model_parallel_size, device=args.device)
+        dp, tp = self.state.dp, self.state.tp
+        torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
+        self.state.rng.seed(args.seed)
+        self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, args)
+        self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
+                       if args.fp16 else None)
+        self.start = self._resume() if args.load else 0
+        self.rank0 = self.state.world.rank == 0
+        self.log = RunLogger(self.run_dir, args.train_iters, self.start, self.rank0,
+                             args.tensorboard)
+        if self.rank0:
+            full = sum(p.numel() * (tp.size if is_partitioned(p) else 1) for p in self.params)
+            accum = args.global_batch_size // (dp.size * args.micro_batch_size)
+            self.log.print(
+                f"model: {full:,} parameters | TP={tp.size} x DP={dp.size} | global batch "
+                f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
+                f"{args.micro_batch_size} x DP {dp.size} x {accum} accumulation step(s) | "
+                f"{len(run.train_ds):,} train samples | Domino plan {run.plan}"
+                + (" (one TP rank: runs unsplit)" if tp.size == 1 else "")
+                + f" | device {self.state.device}")
+
+    def _resume(self) -> int:
+        ckpt = load_checkpoint(self.args.load, self.state)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.state.rng.load_state_dict(ckpt["rng"])
+        return int(ckpt["iteration"])
+
+    def _batches(self, index: int) -> list[dict[str, torch.Tensor]]:
+        args, dp = self.args, self.state.dp
+        return rank_batches(self.run.train_ds, index, args.global_batch_size, dp.size, dp.rank,
+                            args.micro_batch_size, self.state.device)
+
+    def fit(self) -> TrainResult:
+        """Train from the resumed step to ``--train-iters`` (or ``--exit-interval``)."""
+        args, run = self.args, self.run
+        if args.domino_autotune and self.start < args.train_iters:
+            self._autotune()
+        result = TrainResult()
+        g, s = args.global_batch_size, args.seq_length
+        window: dict[str, float] = {}
+        for step in range(self.start + 1, args.train_iters + 1):
+            t0 = time.perf_counter()
+            set_lr(self.optimizer, lr := learning_rate(step, args))
+            batches = self._batches(step - 1)
+            _maybe_fail(step, self.state.world.rank)
+            loss, norm, exposed, overflow = _train_step(
+                self.model, self.params, self.optimizer, self.scaler, batches, args, self.state)
+            result.skipped += overflow
+            step_time = time.perf_counter() - t0
+            result.losses.append(loss)
+            result.grad_norms.append(norm)
+            self.log.step(step, loss)
+            for key, value in (("loss", loss), ("time", step_time), ("comm", exposed),
+                               ("n", 1.0)):
+                window[key] = window.get(key, 0.0) + value
+            rec: dict[str, float | int] = {}
+            stop = bool(args.exit_interval and step % args.exit_interval == 0)
+            last = stop or step == args.train_iters
+            if run.valid_ds is not None and ((args.eval_interval
+                                              and step % args.eval_interval == 0) or last):
+                val = evaluate(self.model, run.valid_ds, args, self.state)
+                result.val_losses.append((step, val))
+                rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+            if rec or last or step % args.log_interval == 0:
+                n = window["n"]
+                rec = {"step": step, "loss": window["loss"] / n, "lr": lr, "grad_norm": norm,
+                       "tokens_per_s": g * s * n / window["time"],
+                       "step_time_s": window["time"] / n, "exposed_comm_s": window["comm"] / n,
+                       "skipped": result.skipped, **rec}
+                if self.scaler is not None:
+                    rec["loss_scale"] = self.scaler.scale
+                self.log.record(rec)
+                window = {}
+            if stop:
+                break
+            if args.save_interval and step % args.save_interval == 0 and not last:
+                self._save(step)
+        return result
+
+    def finish(self, result: TrainResult) -> TrainResult:
+        """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
+        self.log.close()
+        if result.losses:
+            self._save(self.start + len(result.losses))
+        result.wall_s = time.perf_counter() - self.wall0
+        if self.rank0:
+            _summary(self.log, result, self.run_dir)
+        if self.args.sample_tokens and self.state.dp.rank == 0:
+            result.sample = _sample(self.model, self.state, self.run.tokenizer, self.run.config,
+                                    self.args, self.log, self.run_dir)
+        return result
+
+    def _autotune(self) -> None:
+        """Time the candidate plans on this rank's first micro-batch of the first step and
+        train with the fastest (gradients and RNG states are restored: training is unchanged
+        but for the plan)."""
+        args, state = self.args, self.state
+        batch = self._batches(self.start)[0]
+
+        def fwd_bwd() -> None:
+            _forward_loss(self.model, batch, args, state.device).backward()
+
+        best, times = autotune(self.model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
+        medians = {str(p): statistics.median(t) for p, t in times.items()}
+        self.log.print("autotune (median fwd+bwd ms of one micro-batch, slowest rank): "
+                       + ", ".join(f"{n} {t * 1e3:.0f}" for n, t in medians.items())
+                       + f" -> training with {best}")
+        if self.rank0:
+            (self.run_dir / "autotune.json").write_text(json.dumps(
+                {"chosen": str(best), "median_s": medians,
+                 "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
+
+    def _save(self, step: int) -> None:
+        save_checkpoint(self.run_dir, step, self.state, {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": self.state.rng.state_dict(), "args": self.args.to_dict()})
+
+
+def train(run: Run, state: ParallelState | None = None) -> TrainResult:
     """Train on this rank (the process group is initialised); returns what this rank saw."""
-    wall0 = time.perf_counter()
-    if state is None:
-        state = ParallelState.build(args.tensor_model_parallel_size, device=args.device)
-    device, dp, tp = state.device, state.dp, state.tp
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp.size
-    torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
-    state.rng.seed(args.seed)
-    tokenizer = make_tokenizer(args)
-    ds = open_dataset(args.data_path)
-    train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer))
-    config = model_config(args, tokenizer.vocab_size)
-    model = GPTModel(config, parallel_state=state)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, args)
-    scaler = DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window) if args.fp16 \
-        else None
-    start = 0
-    if args.load:
-        ckpt = load_checkpoint(args.load, state)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if scaler is not None and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        state.rng.load_state_dict(ckpt["rng"])
-        start = int(ckpt["iteration"])
-    rank0 = _global_rank() == 0
-    log = RunLogger(run_dir, args.train_iters, start, rank0, args.tensorboard)
-    if rank0:
-        full = sum(p.numel() * (tp.size if is_partitioned(p) else 1) for p in params)
-        accum = args.global_batch_size // (dp.size * args.micro_batch_size)
-        log.print(f"model: {full:,} parameters | TP={tp.size} x DP={dp.size} | global batch "
-                  f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
-                  f"{args.micro_batch_size} x DP {dp.size} x {accum} accumulation step(s) | "
-                  f"{len(train_ds):,} train samples | device {device}")
-    if args.domino_autotune and start < args.train_iters:
-        _autotune(model, train_ds, start, args, state, log, Path(run_dir), rank0)
-    result = TrainResult()
-    g, s = args.global_batch_size, args.seq_length
-    window: dict[str, float] = {}
-    for step in range(start + 1, args.train_iters + 1):
-        t0 = time.perf_counter()
-        set_lr(optimizer, lr := learning_rate(step, args))
-        batches = rank_batches(train_ds, step - 1, g, dp.size, dp.rank, args.micro_batch_size,
-                               device)
-        _maybe_fail(step)
-        loss, norm, exposed, overflow = _train_step(model, params, optimizer, scaler, batches,
-                                                    args, state)
-        result.skipped += overflow
-        step_time = time.perf_counter() - t0
-        result.losses.append(loss)
-        result.grad_norms.append(norm)
-        log.step(step, loss)
-        for key, value in (("loss", loss), ("time", step_time), ("comm", exposed), ("n", 1.0)):
-            window[key] = window.get(key, 0.0) + value
-        rec: dict[str, float | int] = {}
-        stop = bool(args.exit_interval and step % args.exit_interval == 0)
-        last = stop or step == args.train_iters
-        if valid_ds is not None and ((args.eval_interval and step % args.eval_interval == 0)
-                                     or last):
-            val = evaluate(model, valid_ds, args, state)
-            result.val_losses.append((step, val))
-            rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-        if rec or last or step % args.log_interval == 0:
-            n = window["n"]
-            rec = {"step": step, "loss": window["loss"] / n, "lr": lr, "grad_norm": norm,
-                   "tokens_per_s": g * s * n / window["time"], "step_time_s": window["time"] / n,
-                   "exposed_comm_s": window["comm"] / n, "skipped": result.skipped, **rec}
-            if scaler is not None:
-                rec["loss_scale"] = scaler.scale
-            log.record(rec)
-            window = {}
-        if stop:
-            break
-        if args.save_interval and step % args.save_interval == 0 and not last:
-            _save(run_dir, step, state, model, optimizer, scaler, args)
-    log.close()
-    if result.losses:
-        _save(run_dir, start + len(result.losses), state, model, optimizer, scaler, args)
-    result.wall_s = time.perf_counter() - wall0
-    if rank0:
-        _summary(log, result, run_dir)
-    if args.sample_tokens and dp.rank == 0:
-        result.sample = _sample(model, state, tokenizer, config, args, log, Path(run_dir))
-    return result
-
-
-def _autotune(model, train_ds, step: int, args: TrainArgs, state: ParallelState, log: RunLogger,
-              run_dir: Path, rank0: bool) -> None:
-    """Time the candidate plans on this rank's first micro-batch of the first step and keep the
-    fastest (gradients and RNG states are restored: training is unchanged but for the plan)."""
-    batch = rank_batches(train_ds, step, args.global_batch_size, state.dp.size, state.dp.rank,
-                         args.micro_batch_size, state.device)[0]
-
-    def fwd_bwd() -> None:
-        _forward_loss(model, batch, args, state.device).backward()
-
-    best, times = autotune(model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
-    args.domino_micro_batches = best.micro_batches
-    args.domino_overlap = best.overlap
-    args.domino_column_chunks = best.column_chunks
-    medians = {plan_name(p): statistics.median(t) for p, t in times.items()}
-    log.print("autotune (median fwd+bwd ms of one micro-batch, slowest rank): "
-              + ", ".join(f"{n} {t * 1e3:.0f}" for n, t in medians.items())
-              + f" -> training with {plan_name(best)}")
-    if rank0:
-        (run_dir / "autotune.json").write_text(json.dumps(
-            {"chosen": plan_name(best), "median_s": medians,
-             "times_s": {plan_name(p): t for p, t in times.items()}}, indent=2) + "\n")
+    trainer = Trainer(run, state)
+    return trainer.finish(trainer.fit())
 
 
 def _sample(model, state: ParallelState, tokenizer, config, args: TrainArgs, log: RunLogger,
@@ -257,13 +280,6 @@ def _sample(model, state: ParallelState, tokenizer, config, args: TrainArgs, log
         log.print(f"\n--- sample ({len(ids)} tokens, {kind}, KV cache) ---\n{text}\n---")
         (run_dir / "sample.txt").write_text(text, encoding="utf-8")
     return text
-
-
-def _save(run_dir, step, state, model, optimizer, scaler, args) -> None:
-    save_checkpoint(Path(run_dir), step, state, {
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "rng": state.rng.state_dict(), "args": args.to_dict()})
 
 
 def _summary(log: RunLogger, result: TrainResult, run_dir: Path) -> None:

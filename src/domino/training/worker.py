@@ -1,13 +1,53 @@
-"""Entry point of one locally launched rank: ``python -m domino.training.worker CONFIG.json``."""
+"""One rank of a `domino train` run: its body (:func:`run_worker`, also what a torchrun rank
+runs) and the entry point of a locally launched rank,
+``python -m domino.training.worker RUN/config.json``."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
+import torch
+
+from domino.parallel_state import init_distributed, shutdown_distributed
+from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
-from domino.training.launch import run_worker
+from domino.training.launch import write_config
+from domino.training.loop import train
+from domino.training.prepare import Run, build_run, default_run_dir
+
+
+def run_worker(run: Run) -> int:
+    """Train on this rank; returns its exit code (1 on an error, reported with the rank)."""
+    rank = int(os.environ.get("RANK", "0"))
+    args = run.args
+    try:
+        device = init_distributed(args.device, args.distributed_timeout_minutes * 60.0)
+        if device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        world = CommGroup.world(device)
+        if run.run_dir is None:  # torchrun: every rank must use rank 0's folder name
+            run.run_dir = Path(world.broadcast_json(args.save or str(default_run_dir())))
+            args.save = str(run.run_dir)
+            if rank == 0:
+                write_config(run.run_dir, args)
+        args.device = str(device)
+        train(run)
+        world.barrier()  # DP rank 0's TP group may still be sampling: leave together
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # report with the rank, then fail: the launcher stops the rest
+        sys.stderr.write(f"[rank {rank}] {type(err).__name__}: {err}\n")
+        if not isinstance(err, ValueError):
+            traceback.print_exc()
+        return 1
+    finally:
+        shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = Path(argv[0])
     args = TrainArgs(**json.loads(path.read_text(encoding="utf-8")))
-    return run_worker(args, path.parent)
+    try:
+        run = build_run(args, path.parent)
+    except ValueError as err:
+        print(f"[rank {os.environ.get('RANK', '0')}] ValueError: {err}", file=sys.stderr)
+        return 1
+    return run_worker(run)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """Self and cross attention, tensor-parallel over heads, with GQA, RoPE, masks and a KV cache.
 
-Each module exposes ``core(x, mb) -> context`` (everything from the column-parallel entry to the
-input of the row-parallel ``dense``) so that a schedule can run ``dense`` in column chunks and
-own the all-reduce. Heads are split over TP ranks; the fused QKV weight is laid out per query
+Each module is a block op (:class:`~domino.transformer.layer.BlockOp`): ``core(x, mb, stash)``
+runs everything from the column-parallel entry to the input of the row-parallel ``dense``, so
+that a schedule can run ``dense`` in column chunks and own the all-reduce. Heads are split over TP ranks; the fused QKV weight is laid out per query
 group as ``[q heads of the group | k | v]`` so that a contiguous TP shard holds whole groups.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -18,13 +17,10 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_to_tensor_model_parallel_region,
-    dropout,
-)
+from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear, dropout
+from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.rope import apply_rotary
+from domino.transformer.schedule import MicroBatch
 from domino.utils import divide
 
 
@@ -37,22 +33,6 @@ class InferenceParams:
     sequence_len_offset: int = 0
     batch_size_offset: int = 0
     key_value_memory_dict: dict = field(default_factory=dict)
-
-
-@dataclass
-class MicroBatch:
-    """What the pieces of one micro-batch need besides their input tensor."""
-
-    index: int = 0
-    batch_start: int = 0  # first sample of this micro-batch in the full batch
-    batch_size: int = 0  # samples in this micro-batch
-    self_mask: torch.Tensor | None = None  # bool, True = masked, broadcastable [b, 1, sq, sk]
-    causal: bool = False
-    cross_mask: torch.Tensor | None = None
-    rotary: torch.Tensor | None = None  # [s, b, 1, rot_dim]
-    memory: torch.Tensor | None = None  # encoder output [s_enc, b, h] for cross attention
-    inference_params: InferenceParams | None = None
-    wgrad_stash: list | None = None  # set by a schedule per piece: deferred entry dW GEMMs
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -139,16 +119,6 @@ class _AttentionBase(nn.Module):
         return core_attention(q, k, v, mask, causal, self.dropout_p, self.training, gen,
                               self.softmax_fp32)
 
-    def forward(self, x: torch.Tensor, mb: MicroBatch | None = None):
-        """Plain (unscheduled) use: returns ``(output, bias)`` with the all-reduce done."""
-        mb = mb or MicroBatch()
-        group = self.dense.group
-        if mb.memory is not None:
-            mb = dataclasses.replace(
-                mb, memory=copy_to_tensor_model_parallel_region(mb.memory, group))
-        ctx = self.core(copy_to_tensor_model_parallel_region(x, group), mb)
-        return self.dense(ctx)
-
 
 class SelfAttention(_AttentionBase):
     """Multi-head / grouped-query self attention; heads split over TP ranks."""
@@ -161,9 +131,9 @@ class SelfAttention(_AttentionBase):
             config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
 
-    def core(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
         sq, b, _ = x.shape
-        qkv, _ = self.query_key_value(x, reduce_input_grad=False, wgrad_stash=mb.wgrad_stash)
+        qkv, _ = self.query_key_value(x, reduce_input_grad=False, wgrad_stash=stash)
         qkv = qkv.view(sq, b, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.q_per_group].reshape(sq, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, groups, d]
@@ -208,15 +178,14 @@ class CrossAttention(_AttentionBase):
             bias=config.add_bias_linear, init_method=config.init_method,
             params_dtype=config.params_dtype, device=device)
 
-    def core(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
         if mb.memory is None:
             raise ValueError("cross attention needs the encoder output (enc_hidden_states or an "
                              "encoder in the model).")
         sq, b, _ = x.shape
         sk = mb.memory.shape[0]
-        q, _ = self.query(x, reduce_input_grad=False, wgrad_stash=mb.wgrad_stash)
-        kv, _ = self.key_value(mb.memory, reduce_input_grad=False,
-                                wgrad_stash=mb.wgrad_stash)
+        q, _ = self.query(x, reduce_input_grad=False, wgrad_stash=stash)
+        kv, _ = self.key_value(mb.memory, reduce_input_grad=False, wgrad_stash=stash)
         q = q.view(sq, b, self.heads, self.head_dim)
         kv = kv.view(sk, b, self.groups, 2, self.head_dim)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]

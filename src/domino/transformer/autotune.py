@@ -12,7 +12,6 @@ that would have used the chosen plan from the start.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,17 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from domino.parallel_state import ParallelState
-from domino.transformer.schedule import Plan
-from domino.transformer.stack import DominoTransformer
+from domino.plan import SYNC, Plan
+from domino.timing import time_rotated
+from domino.transformer.stack import set_plan, stacks_of, using_plan
 
-__all__ = ["autotune", "candidate_plans", "choose", "plan_name"]
-
-_SHORT = {"none": "none", "intra_layer": "intra", "cross_layer": "cross"}
-
-
-def plan_name(plan: Plan) -> str:
-    """``m<micro-batches>:<none|intra|cross>:c<column chunks>``, e.g. ``m2:cross:c1``."""
-    return f"m{plan.micro_batches}:{_SHORT[plan.overlap]}:c{plan.column_chunks}"
+__all__ = ["autotune", "candidate_plans", "choose"]
 
 
 def candidate_plans(batch_size: int, max_micro_batches: int = 4,
@@ -39,7 +32,7 @@ def candidate_plans(batch_size: int, max_micro_batches: int = 4,
     each column-chunk count."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1.")
-    plans = [Plan(1, "none", 1)]
+    plans = [SYNC]
     for m in range(2, min(max_micro_batches, batch_size) + 1):
         plans += [Plan(m, "cross_layer", c) for c in column_chunks]
     return plans
@@ -52,65 +45,40 @@ def choose(times: dict[Plan, list[float]]) -> Plan:
     return min(times, key=lambda p: statistics.median(times[p]))
 
 
-def _stacks(model: nn.Module) -> list[DominoTransformer]:
-    stacks = [m for m in model.modules() if isinstance(m, DominoTransformer)]
-    if not stacks:
-        raise ValueError("autotune: the model has no DominoTransformer to schedule.")
-    return stacks
-
-
 def autotune(model: nn.Module, step: Callable[[], object], state: ParallelState,
              candidates: Sequence[Plan], warmup: int = 1, trials: int = 3,
              ) -> tuple[Plan, dict[Plan, list[float]]]:
-    """Time ``step()`` (one forward + backward of ``model``) under each candidate plan and set
-    the fastest on every DominoTransformer in ``model``.
+    """Time ``step()`` (one forward + backward of ``model``) under each candidate plan, then put
+    every DominoTransformer in ``model`` on the fastest (:func:`set_plan`: the one change this
+    makes to the model; on an error the plans are left as they were).
 
     Returns the chosen plan and, per candidate, the measured round times (max over all ranks).
-    Every rank of the default process group must call this with the same candidates.
+    Every rank of ``state.world`` must call this with the same candidates.
     """
     if not candidates:
         raise ValueError("autotune needs at least one candidate plan.")
     if warmup < 0 or trials < 1:
         raise ValueError(f"warmup={warmup} must be >= 0 and trials={trials} >= 1.")
-    stacks = _stacks(model)
+    stacks_of(model)  # fail before timing anything
     device = state.device
-    distributed = dist.is_available() and dist.is_initialized()
     saved_rng = (torch.get_rng_state(), state.rng.state_dict(),
                  torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-    saved_plans = [s.plan for s in stacks]
-    rows: list[list[float]] = [[] for _ in candidates]
+
+    def run(i: int) -> None:
+        with using_plan(model, candidates[i]):
+            step()
+
     try:
-        for r in range(warmup + trials):
-            k = r % len(candidates)  # rotate the order: no plan always runs first
-            for i in [*range(k, len(candidates)), *range(k)]:
-                for s in stacks:
-                    s.plan = candidates[i]
-                if distributed:
-                    dist.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if r >= warmup:
-                    rows[i].append(time.perf_counter() - t0)
-    except BaseException:
-        for s, p in zip(stacks, saved_plans, strict=True):
-            s.plan = p
-        raise
+        rows = time_rotated(len(candidates), run, warmup, trials, state.world, device)
     finally:
         model.zero_grad(set_to_none=True)
         torch.set_rng_state(saved_rng[0])
         state.rng.load_state_dict(saved_rng[1])
         if saved_rng[2] is not None:
             torch.cuda.set_rng_state(saved_rng[2], device)
-    table = torch.tensor(rows, dtype=torch.float64)
-    if distributed:
-        table = table.to(device)
-        dist.all_reduce(table, op=dist.ReduceOp.MAX)  # identical table -> identical choice
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
+    state.world.all_reduce(table, op=dist.ReduceOp.MAX, name="autotune")  # same table, same pick
     times = {plan: table[i].tolist() for i, plan in enumerate(candidates)}
     best = choose(times)
-    for s in stacks:
-        s.plan = best
+    set_plan(model, best)
     return best, times

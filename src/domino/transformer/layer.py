@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -22,12 +23,29 @@ from torch import nn
 from domino.config import TransformerConfig
 from domino.enums import LayerType
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel import dropout
+from domino.tensor_parallel import RowParallelLinear, dropout
+from domino.tensor_parallel.layers import WgradStash
 from domino.tensor_parallel.random import RNGTracker
-from domino.transformer.attention import CrossAttention, MicroBatch, SelfAttention
+from domino.transformer.attention import CrossAttention, SelfAttention
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
+from domino.transformer.schedule import MicroBatch
 from domino.utils import even_splits
+
+
+class BlockOp(Protocol):
+    """The TP region of a block (attention or MLP), as a schedule drives it."""
+
+    training: bool
+
+    @property
+    def dense(self) -> RowParallelLinear:
+        """The row-parallel exit whose partial sums the schedule all-reduces."""
+
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
+        """Everything from the column-parallel entry to ``dense``'s input: [s, b, h] ->
+        [s, b, width/tp]. The entry leaves dL/dx unreduced (the schedule reduces it) and, with
+        ``stash``, defers its weight-gradient GEMMs there."""
 
 
 @dataclass(eq=False)
@@ -37,7 +55,7 @@ class Block:
     layer: int
     kind: str  # "self_attn" | "cross_attn" | "mlp"
     norm: nn.Module
-    op: nn.Module  # has .core(ln, mb) and .dense (RowParallelLinear)
+    op: BlockOp
     hidden_dropout: float
     residual_post_norm: bool
     rng: RNGTracker
@@ -46,16 +64,18 @@ class Block:
         ln = self.norm(h)
         return ln, (ln if self.residual_post_norm else h)
 
-    def partials(self, ln: torch.Tensor, mb: MicroBatch, chunks: int) -> Iterator[torch.Tensor]:
+    def partials(self, ln: torch.Tensor, mb: MicroBatch, chunks: int,
+                 stash: WgradStash | None) -> Iterator[torch.Tensor]:
         """Row-parallel partial sums [s, b, h_c], one per column chunk, produced lazily so the
-        caller can launch chunk c's all-reduce before chunk c+1's GEMM runs."""
-        core = self.op.core(ln, mb)  # [s, b, width/tp]
+        caller can launch chunk c's all-reduce before chunk c+1's GEMM runs. With ``stash`` the
+        weight-gradient GEMMs of the whole TP region are deferred to it."""
+        core = self.op.core(ln, mb, stash)  # [s, b, width/tp]
         dense = self.op.dense
         if chunks == 1:
-            yield dense.partial(core, wgrad_stash=mb.wgrad_stash)
+            yield dense.partial(core, wgrad_stash=stash)
             return
         for cols in column_chunks(dense.output_size, chunks):
-            yield dense.partial(core, cols, wgrad_stash=mb.wgrad_stash)
+            yield dense.partial(core, cols, wgrad_stash=stash)
 
     def exit(self, reduced: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         bias = self.op.dense.bias

@@ -8,11 +8,9 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_to_tensor_model_parallel_region,
-)
+from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.schedule import MicroBatch
 
 
 class MLP(nn.Module):
@@ -39,14 +37,10 @@ class MLP(nn.Module):
         """The row-parallel exit, under the name every block uses."""
         return self.dense_4h_to_h
 
-    def core(self, x: torch.Tensor, mb=None) -> torch.Tensor:
-        stash = mb.wgrad_stash if mb is not None else None
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
+        """fc1 and the activation (a :class:`~domino.transformer.layer.BlockOp`)."""
         h, _ = self.dense_h_to_4h(x, reduce_input_grad=False, wgrad_stash=stash)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h)
-
-    def forward(self, x: torch.Tensor):
-        """Plain (unscheduled) use: returns ``(output, bias)`` with the all-reduce done."""
-        return self.dense(self.core(copy_to_tensor_model_parallel_region(x, self.dense.group)))

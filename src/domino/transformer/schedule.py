@@ -1,5 +1,10 @@
 """Domino schedules: the order of (piece, micro-batch) steps and where the waits go.
 
+The executor runs a stack of blocks under a :class:`~domino.plan.Plan` and hands each piece what
+it needs as arguments: a read-only :class:`MicroBatch` (its slice of the batch, masks, RoPE
+angles, encoder memory, KV cache) and, when training, the stash its weight-gradient GEMMs are
+deferred to (``Block.partials``; a block's TP region implements ``layer.BlockOp``).
+
 A stack of B blocks (see ``layer.py``) has, per micro-batch m, pieces
 
     local(0, m), par(0, m), local(1, m), par(1, m), ..., par(B-1, m), local(B, m)
@@ -27,48 +32,46 @@ gradients accumulate into ``.grad`` directly).
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from domino.config import DOMINO_OVERLAPS as OVERLAPS
+from domino.plan import Plan
 from domino.tensor_parallel.comm import CommGroup, Handle
 from domino.tensor_parallel.layers import WgradStash
-from domino.transformer.attention import MicroBatch
-from domino.transformer.layer import Block
 from domino.utils import even_splits
+
+if TYPE_CHECKING:
+    from domino.transformer.attention import InferenceParams
+    from domino.transformer.layer import Block
 
 # Column chunks of the forward's last piece (see Executor._chunks): measured on a simulated
 # CPU-free 1 Gbit/s link, 2 micro-batches, the forward's exposed tail fell from 17 to 11 ms.
 TAIL_CHUNKS = 2
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A schedule: micro-batch count, overlap kind and column chunks."""
+@dataclass(frozen=True, eq=False)
+class MicroBatch:
+    """What the pieces of one micro-batch read besides their input tensor (read-only: the
+    executor hands pieces a new one rather than writing into it)."""
 
-    micro_batches: int = 1
-    overlap: str = "none"
-    column_chunks: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batches", "column_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Plan.{name}={value!r} must be a positive integer.")
-        if self.overlap not in OVERLAPS:
-            raise ValueError(f"Plan.overlap={self.overlap!r} is not one of {', '.join(OVERLAPS)}.")
+    index: int = 0
+    batch_start: int = 0  # first sample of this micro-batch in the full batch
+    batch_size: int = 0  # samples in this micro-batch
+    self_mask: torch.Tensor | None = None  # bool, True = masked, broadcastable [b, 1, sq, sk]
+    causal: bool = False
+    cross_mask: torch.Tensor | None = None
+    rotary: torch.Tensor | None = None  # [s, b, 1, rot_dim]
+    memory: torch.Tensor | None = None  # encoder output [s_enc, b, h] for cross attention
+    inference_params: InferenceParams | None = None
 
 
 def split_batch(batch: int, micro_batches: int) -> list[tuple[int, int]]:
     """[start, stop) of each micro-batch along the batch dim; sizes differ by at most one."""
-    if micro_batches > batch:
-        raise ValueError(
-            f"domino_micro_batches={micro_batches} is larger than the batch size {batch}: each "
-            "micro-batch needs at least one sample; lower domino_micro_batches or use a larger "
-            "batch.")
+    Plan(micro_batches).check_fits(batch)
     return even_splits(batch, micro_batches)
 
 
@@ -113,13 +116,12 @@ class _Record:
 class Executor:
     """Runs a stack of blocks under a :class:`Plan` (forward, and backward when training)."""
 
-    def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None, group: CommGroup,
-                 plan: Plan) -> None:
+    def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None,
+                 group: CommGroup, plan: Plan) -> None:
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
 
     def _span(self, name: str, m: int):
-        tl = self.group.timeline
-        return contextlib.nullcontext() if tl is None else tl.span(name, "compute", mb=m)
+        return self.group.region(name, "compute", mb=m)
 
     def _syncs_before(self, j: int) -> bool:
         """intra_layer: every all-reduce of the previous layer finishes before block j runs."""
@@ -133,7 +135,7 @@ class Executor:
             buf = t.detach()  # reduced in place: no autograd node saved these outputs
             bufs.append(buf)
             handles.append(self.group.all_reduce(buf, async_op=True, name=f"{direction} b{j}",
-                                                 trace={"mb": m, "block": j, "chunk": c}))
+                                                 tags={"mb": m, "block": j, "chunk": c}))
         pending = _Pending(bufs, handles)
         if self.plan.overlap == "none":
             pending.wait()
@@ -150,14 +152,16 @@ class Executor:
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, mbs: list[MicroBatch], graph: bool):
         """Run the stack on x [s, b, h]; returns (y, record if ``graph`` else None)."""
+        if graph:  # each micro-batch's inputs become leaves: its backward starts there
+            mbs = [mb if mb.memory is None else
+                   dataclasses.replace(mb, memory=mb.memory.detach().requires_grad_())
+                   for mb in mbs]
         B, M = len(self.blocks), len(mbs)
         rec = _Record(mbs)
         for mb in mbs:
             xm = x[:, mb.batch_start:mb.batch_start + mb.batch_size]  # [s, b/m, h]
             if graph:
                 xm = xm.detach().requires_grad_()
-                if mb.memory is not None:
-                    mb.memory = mb.memory.detach().requires_grad_()
             rec.x_leaves.append(xm)
             rec.mem_leaves.append(mb.memory)
         pending: dict[tuple[int, int], _Pending] = {}
@@ -190,10 +194,8 @@ class Executor:
                 with self._span(f"fwd par {j}", m):
                     parts: list[torch.Tensor] = []
                     stash = WgradStash() if graph else None
-                    mbs[m].wgrad_stash = stash
-                    gen = self.blocks[j].partials(ln, mbs[m], self._chunks(j, m, B, M))
+                    gen = self.blocks[j].partials(ln, mbs[m], self._chunks(j, m, B, M), stash)
                     pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
-                    mbs[m].wgrad_stash = None
                     if graph:
                         rec.par[(j, m)] = (parts, stash)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)

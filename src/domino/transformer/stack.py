@@ -1,6 +1,14 @@
-"""DominoTransformer: a stack of layers run by a Domino schedule."""
+"""DominoTransformer: a stack of layers run by a Domino schedule (a :class:`~domino.plan.Plan`).
+
+The plan is passed in at construction and changes only through :meth:`DominoTransformer.set_plan`
+or, for every stack of a model at once, :func:`set_plan` and the :func:`using_plan` context
+manager (which puts the previous plans back).
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -8,10 +16,11 @@ from torch import nn
 from domino.config import TransformerConfig
 from domino.enums import AttnMaskType, LayerType
 from domino.parallel_state import ParallelState, resolve
-from domino.transformer.attention import InferenceParams, MicroBatch
+from domino.plan import SYNC, Plan
+from domino.transformer.attention import InferenceParams
 from domino.transformer.layer import TransformerLayer
 from domino.transformer.norms import build_norm
-from domino.transformer.schedule import Executor, Plan, split_batch
+from domino.transformer.schedule import Executor, MicroBatch, split_batch
 
 
 class _ScheduledStack(torch.autograd.Function):
@@ -42,22 +51,20 @@ class _ScheduledStack(torch.autograd.Function):
         return (None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
 
-_UNSPLIT = Plan(1, "none", 1)
-
-
 class DominoTransformer(nn.Module):
     """Transformer stack whose TP all-reduces overlap with computation (the Domino schedule).
 
-    The schedule comes from ``config.domino_micro_batches``, ``domino_overlap`` and
-    ``domino_column_chunks``; :attr:`plan` can be replaced at any time (same weights, another
-    schedule). Input and output are [s, b, h].
+    ``plan`` is the schedule (default: ``Plan.from_config(config)``, the config's ``domino_*``
+    fields); :meth:`set_plan` swaps it (same weights, another schedule). Input and output are
+    [s, b, h].
     """
 
     def __init__(self, config: TransformerConfig, parallel_state: ParallelState | None = None,
                  layer_type: LayerType = LayerType.encoder,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.padding,
                  pre_process: bool = True, post_process: bool = True,
-                 num_layers: int | None = None, device: torch.device | str | None = None) -> None:
+                 num_layers: int | None = None, device: torch.device | str | None = None, *,
+                 plan: Plan | None = None) -> None:
         super().__init__()
         state = resolve(parallel_state)
         config.validate_parallel(state.tp.size)
@@ -71,9 +78,22 @@ class DominoTransformer(nn.Module):
             TransformerLayer(config, state, i + 1, layer_type, device) for i in range(n))
         self.final_layernorm = (build_norm(config, device)
                                 if post_process and config.final_layernorm else None)
-        self.plan = Plan(config.domino_micro_batches, config.domino_overlap,
-                         config.domino_column_chunks)
+        self._plan = SYNC
+        self.set_plan(plan if plan is not None else Plan.from_config(config))
         self.input_tensor: torch.Tensor | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The schedule this stack was given (see :meth:`effective_plan` for the one it runs)."""
+        return self._plan
+
+    def set_plan(self, plan: Plan) -> None:
+        """Run later forwards (and their backwards) under ``plan``."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a domino.plan.Plan, got {type(plan).__name__}; "
+                            "build one with Plan(...) or Plan.parse('m2:cross').")
+        plan.check_width(self.config.hidden_size, what="the plan's column_chunks")
+        self._plan = plan
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline stages without pre-processing receive their input here."""
@@ -83,14 +103,14 @@ class DominoTransformer(nn.Module):
         """The schedule the stack runs: :attr:`plan`, except with a single TP rank, where there
         is no TP communication to hide and splitting would only cost (kernel launches, smaller
         GEMMs), so the stack runs unsplit."""
-        return self.plan if self.state.tp.size > 1 else _UNSPLIT
+        return self.plan if self.state.tp.size > 1 else SYNC
 
     def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
                        inference_params, rotary_pos_emb, training: bool) -> list[MicroBatch]:
         if training:
             # The configured count must fit the batch even where it is not used (TP=1), so a
             # config that fails at TP=2 fails the same way in a single-process test.
-            split_batch(batch, self.plan.micro_batches)
+            self.plan.check_fits(batch)
         count = self.effective_plan().micro_batches
         if not training:
             # Inference on small batches (e.g. generation): the split only changes speed, so cap
@@ -147,3 +167,32 @@ def check_mask(mask: torch.Tensor | None, batch: int, name: str) -> None:
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1:
         raise ValueError(f"{name} has shape {tuple(mask.shape)}; it must broadcast to "
                          f"[b={batch}, 1, s_q, s_k] with a batch dim of 1 or {batch}.")
+
+
+def stacks_of(model: nn.Module) -> list[DominoTransformer]:
+    """Every DominoTransformer in ``model`` (ValueError when there is none)."""
+    stacks = [m for m in model.modules() if isinstance(m, DominoTransformer)]
+    if not stacks:
+        raise ValueError(f"{type(model).__name__} has no DominoTransformer to schedule.")
+    return stacks
+
+
+def set_plan(model: nn.Module, plan: Plan) -> None:
+    """Put every DominoTransformer of ``model`` on ``plan``."""
+    for stack in stacks_of(model):
+        stack.set_plan(plan)
+
+
+@contextlib.contextmanager
+def using_plan(model: nn.Module, plan: Plan) -> Iterator[None]:
+    """Run the enclosed code with every DominoTransformer of ``model`` on ``plan``; their own
+    plans are back afterwards, also when the code raises."""
+    stacks = stacks_of(model)
+    saved = [s.plan for s in stacks]
+    try:
+        for s in stacks:
+            s.set_plan(plan)
+        yield
+    finally:
+        for s, p in zip(stacks, saved, strict=True):
+            s.set_plan(p)

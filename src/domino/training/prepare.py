@@ -1,15 +1,22 @@
-"""Validate a run completely before any process starts, and fill in derived settings."""
+"""What a run is made of, built once: :class:`Run` (settings, model config, plan, tokenizer,
+datasets), and :func:`prepare_run`, which checks everything that can be checked before any
+process starts and fills in the derived settings.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from domino.config import TransformerConfig
+from domino.data.tokenizer import Tokenizer
 from domino.parallel_state import check_sizes
+from domino.plan import Plan
 from domino.training.arguments import TrainArgs
 from domino.training.data import (
     build_datasets,
@@ -20,6 +27,20 @@ from domino.training.data import (
     open_dataset,
     prepare_default_corpus,
 )
+
+
+@dataclass(eq=False)
+class Run:
+    """One run's inputs: resolved settings (``args``), the model config, the Domino plan, the
+    tokenizer and the train / validation datasets, and the run folder (None until known)."""
+
+    args: TrainArgs
+    config: TransformerConfig
+    plan: Plan
+    tokenizer: Tokenizer
+    train_ds: Any
+    valid_ds: Any
+    run_dir: Path | None = None
 
 
 def under_torchrun() -> bool:
@@ -38,9 +59,7 @@ def model_config(args: TrainArgs, vocab_size: int) -> TransformerConfig:
         normalization=args.normalization, activation="swiglu" if args.swiglu else "gelu",
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        domino_micro_batches=args.domino_micro_batches, domino_overlap=args.domino_overlap,
-        domino_column_chunks=args.domino_column_chunks)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
 
 
 def default_run_dir() -> Path:
@@ -99,11 +118,11 @@ def _check_batches(args: TrainArgs, dp: int) -> None:
             f"--global-batch-size={args.global_batch_size} is not a positive multiple of "
             f"--micro-batch-size={args.micro_batch_size} x data-parallel size {dp} = {per_step}; "
             "gradient accumulation needs a whole number of micro-batches per rank.")
-    if args.domino_micro_batches > args.micro_batch_size:
-        raise ValueError(
-            f"--domino-micro-batches={args.domino_micro_batches} is larger than "
-            f"--micro-batch-size={args.micro_batch_size}: every Domino micro-batch needs at least "
-            "one sample; raise --micro-batch-size or lower --domino-micro-batches.")
+    plan = args.plan()
+    plan.check_fits(args.micro_batch_size, what="--domino-micro-batches",
+                    batch_name="--micro-batch-size")
+    plan.check_width(args.hidden_size, what="--domino-column-chunks",
+                     width_name="--hidden-size")
 
 
 def _check_load(args: TrainArgs) -> None:
@@ -115,9 +134,10 @@ def _check_load(args: TrainArgs) -> None:
 
 
 def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool = True,
-                run_dir: Path | None = None) -> tuple[TrainArgs, TransformerConfig]:
-    """Check everything that can be checked without starting processes; fills in nproc, device,
-    save, data_path, global_batch_size and max_position_embeddings. Raises ValueError."""
+                run_dir: Path | None = None) -> Run:
+    """Check everything that can be checked without starting processes and build the run; fills
+    in nproc, device, save, data_path, tokenizer, global_batch_size and max_position_embeddings.
+    Raises ValueError."""
     _check_scalars(args)
     tp = args.tensor_model_parallel_size
     if world_size is None:
@@ -131,6 +151,7 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
         args.save = str(run_dir)
     if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
         args.max_position_embeddings = args.seq_length
+    _check_batches(args, world_size // tp)
 
     # Data first: the vocabulary size comes from the tokenizer.
     if args.tokenizer_type is None:
@@ -142,13 +163,18 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
         scratch = Path(args.save) if args.save else default_run_dir()
         args.data_path = prepare_default_corpus(args, scratch, progress)
     args.data_path = normalize_prefix(args.data_path)
+    run = build_run(args, run_dir)
+    _check_load(args)
+    return run
+
+
+def build_run(args: TrainArgs, run_dir: Path | None = None) -> Run:
+    """The run of already resolved settings (what :func:`prepare_run` returns; a locally
+    launched rank builds its own from the saved settings)."""
     tokenizer = make_tokenizer(args)
     ds = open_dataset(args.data_path)
     check_tokenizer(ds, tokenizer)
-
     config = model_config(args, tokenizer.vocab_size)
-    config.validate_parallel(tp)
-    _check_batches(args, world_size // tp)
-    build_datasets(args, ds, eod_of(ds, tokenizer))  # split, size and sample checks
-    _check_load(args)
-    return args, config
+    config.validate_parallel(args.tensor_model_parallel_size)
+    train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer))  # split/size checks
+    return Run(args, config, args.plan(), tokenizer, train_ds, valid_ds, run_dir)

@@ -1,0 +1,120 @@
+"""The all-reduce probe: how long an all-reduce of a fixed size takes between the ranks, and how
+much host CPU it costs. Every benchmark run measures it (``worker.py``); ``netem.measure_link``
+runs it on its own as ``python -m domino.bench.probe RESULT.json NBYTES ITERS TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from domino.parallel_state import init_distributed, shutdown_distributed
+from domino.tensor_parallel import CommGroup
+from domino.timing import device_sync
+
+
+def busy_cpu_s() -> float | None:
+    """Host-wide busy CPU seconds so far (all processes and the kernel's network work), from
+    /proc/stat: user + nice + system + irq + softirq. None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_op(windows: list[tuple[float | None, float | None, int]]) -> float | None:
+    """Busy CPU seconds per operation from (busy before, busy after, operations) windows: the
+    median over windows (None if /proc/stat could not be read)."""
+    per_op = [(b1 - b0) / n for b0, b1, n in windows if b0 is not None and b1 is not None and n]
+    return statistics.median(per_op) if per_op else None
+
+
+def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
+                    window_s: float = 0.2, min_iters: int = 2, max_iters: int = 40,
+                    check: bool = False) -> dict[str, object] | None:
+    """All-reduces of ``nbytes`` fp32 ones in ``windows`` windows of at least ``window_s`` and
+    ``min_iters`` to ``max_iters`` all-reduces each (rank 0 decides when a window ends, so
+    every rank runs the same number).
+
+    ``seconds``: median of the slowest rank's time per all-reduce (``per_iter_s``: all of them).
+    ``cpu_s``: host-wide busy CPU seconds per all-reduce (both ranks' threads and the kernel's
+    packet work, read on rank 0), i.e. what a transfer takes from compute when it overlaps it
+    on the same host: the median over windows, so one window disturbed by another process on
+    the host does not skew it. With ``check``, every all-reduce starts from ones (refilled
+    outside the timed part, inside the CPU window) and ``ok`` says whether each summed to the
+    group size. None for a group of one.
+    """
+    if group.size < 2:
+        return None
+    device = group.device
+    x = torch.ones(nbytes // 4, device=device)
+    group.all_reduce(torch.ones(1024, device=device))  # connect before timing
+    times: list[float] = []
+    cpu_windows: list[tuple[float | None, float | None, int]] = []
+    ok = True
+    for _ in range(windows):
+        group.barrier()
+        busy0, start, n = busy_cpu_s(), time.perf_counter(), 0
+        while True:
+            if check:
+                x.fill_(1.0)
+            group.barrier()
+            device_sync(device)
+            t0 = time.perf_counter()
+            group.all_reduce(x)
+            device_sync(device)
+            times.append(time.perf_counter() - t0)
+            n += 1
+            if check:
+                ok = ok and float(x[0]) == group.size and float(x[-1]) == group.size
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                                   device=device)
+            group.broadcast(elapsed)
+            if n >= min_iters and (elapsed.item() >= window_s or n >= max_iters):
+                break
+        cpu_windows.append((busy0, busy_cpu_s(), n))
+    # One MAX reduction over ranks for all iterations at once.
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    group.all_reduce(t, op=dist.ReduceOp.MAX)
+    per_iter = t.tolist()
+    result: dict[str, object] = {"seconds": float(statistics.median(per_iter)),
+                                 "per_iter_s": per_iter, "cpu_s": cpu_per_op(cpu_windows)}
+    if check:
+        flag = torch.tensor([0.0 if ok else 1.0], device=device)
+        group.all_reduce(flag, op=dist.ReduceOp.MAX)
+        result["ok"] = flag.item() == 0.0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 4:
+        print("usage: python -m domino.bench.probe RESULT.json NBYTES ITERS TIMEOUT_S",
+              file=sys.stderr)
+        return 2
+    out, nbytes, iters, timeout = argv[0], int(argv[1]), int(argv[2]), float(argv[3])
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s=timeout)
+    try:
+        group = CommGroup.world()
+        result = probe_allreduce(group, nbytes, windows=1, window_s=0.0, min_iters=iters,
+                                 max_iters=iters, check=True)
+        if group.rank == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

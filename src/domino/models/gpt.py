@@ -1,0 +1,81 @@
+"""GPT: a causal decoder-only language model on the Domino transformer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from domino.config import TransformerConfig
+from domino.enums import AttnMaskType
+from domino.models.language_model import get_language_model, parallel_lm_logits
+from domino.parallel_state import ParallelState, resolve
+from domino.plan import Plan
+from domino.tensor_parallel import (
+    gather_from_tensor_model_parallel_region,
+    mask_padded_logits,
+    vocab_parallel_cross_entropy,
+)
+from domino.tensor_parallel.layers import init_sharded, mark_partitioned
+
+
+class GPTModel(nn.Module):
+    """Causal LM. ``forward`` returns the per-token loss [b, s] when ``labels`` are given, else
+    logits [b, s, padded_vocab/tp] (``parallel_output``) or [b, s, vocab]."""
+
+    def __init__(self, config: TransformerConfig, num_tokentypes: int = 0,
+                 parallel_output: bool = True, pre_process: bool = True,
+                 post_process: bool = True, *, parallel_state: ParallelState | None = None,
+                 label_smoothing: float = 0.0, plan: Plan | None = None) -> None:
+        super().__init__()
+        state = resolve(parallel_state)
+        self.config, self.state = config, state
+        self.parallel_output = parallel_output
+        self.pre_process, self.post_process = pre_process, post_process
+        self.label_smoothing = label_smoothing
+        self.language_model, _ = get_language_model(
+            config, num_tokentypes, add_pooler=False, encoder_attn_mask_type=AttnMaskType.causal,
+            pre_process=pre_process, post_process=post_process, parallel_state=state, plan=plan)
+        if post_process and not pre_process and not config.untie_embeddings_and_output_weights:
+            # Last pipeline stage with tied weights: its own copy, drawn like the embedding;
+            # a pipeline trainer keeps the two in sync (Megatron's word-embedding group).
+            padded = config.padded_vocab_size(state.tp.size)
+            self.word_embeddings = nn.Parameter(init_sharded(
+                (padded, config.hidden_size), config.init_method, 0, state.tp,
+                config.params_dtype, state.device, valid_rows=config.vocab_size))
+            mark_partitioned(self.word_embeddings, 0)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def output_weight(self) -> torch.Tensor:
+        """This rank's vocabulary shard of the output projection (tied or not)."""
+        lm = self.language_model
+        if self.config.untie_embeddings_and_output_weights:
+            return lm.output_layer.weight
+        if self.pre_process:
+            return lm.embedding.word_embeddings.weight
+        return self.word_embeddings
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None, labels: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None, inference_params=None) -> torch.Tensor:
+        hidden = self.language_model(input_ids, position_ids, attention_mask,
+                                     tokentype_ids=tokentype_ids,
+                                     inference_params=inference_params)  # [s, b, h]
+        if not self.post_process:
+            return hidden
+        tp = self.state.tp
+        logits = parallel_lm_logits(hidden, self.output_weight(), True,
+                                    parallel_state=self.state)  # [s, b, v/tp]
+        logits = mask_padded_logits(logits, self.config.vocab_size, tp)
+        if labels is None:
+            logits = logits.transpose(0, 1).contiguous()  # [b, s, v/tp]
+            if self.parallel_output:
+                return logits
+            return gather_from_tensor_model_parallel_region(logits, tp)[..., :self.config.vocab_size]
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels have shape {tuple(labels.shape)} but input_ids have "
+                             f"{tuple(input_ids.shape)}; they must match [b, s].")
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.label_smoothing,
+                                            group=tp, vocab_size=self.config.vocab_size)
+        return loss.transpose(0, 1).contiguous()  # [b, s]

@@ -1,0 +1,287 @@
+"""The seed's language-model API: Embedding, Pooler, TransformerLanguageModel,
+parallel_lm_logits and get_language_model, over Domino transformers.
+
+Shapes: token ids and position ids are [b, s] at the API edge; hidden states are [s, b, h].
+Every constructor also takes an optional ``parallel_state`` (default: the current one from
+``domino.parallel_state``, or single-process when none was initialised); the models also take
+``plan`` (the Domino schedule of their transformers; default from the config's ``domino_*``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from domino.config import TransformerConfig
+from domino.enums import AttnMaskType, LayerType
+from domino.parallel_state import ParallelState, resolve
+from domino.plan import Plan
+from domino.tensor_parallel import (
+    ColumnParallelLinear,
+    CommGroup,
+    VocabParallelEmbedding,
+    dropout,
+    gather_from_tensor_model_parallel_region,
+)
+from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad
+from domino.transformer import DominoTransformer, InferenceParams
+from domino.transformer.rope import RotaryEmbedding
+
+
+def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor,
+                       parallel_output: bool, bias: torch.Tensor | None = None, *,
+                       parallel_state: ParallelState | None = None) -> torch.Tensor:
+    """Logits [..., vocab/tp] (``parallel_output``) or [..., vocab] from hidden states [..., h]
+    and this rank's vocabulary shard of the (tied or output) weight."""
+    group = resolve(parallel_state).tp
+    # The input-gradient all-reduce runs under the vocabulary shard's weight-gradient GEMM.
+    logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group)
+    return logits if parallel_output else gather_from_tensor_model_parallel_region(logits, group)
+
+
+class Pooler(nn.Module):
+    """tanh(W h[sequence_index] + b): a sequence-level representation [b, h]."""
+
+    def __init__(self, hidden_size: int, init_method, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.dense.weight.copy_(init_sharded((hidden_size, hidden_size), init_method, 0,
+                                                 CommGroup(), dtype, device))
+            self.dense.bias.zero_()
+
+    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden_states[sequence_index]))
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel), learned position and token-type embeddings + dropout -> [s, b, h].
+
+    ``vocab_size`` is the padded size (a multiple of the TP size); ``config.vocab_size`` (when
+    set) is the real vocabulary, used to reject out-of-range ids and to keep padded rows zero.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, max_sequence_length: int,
+                 embedding_dropout_prob: float, config: TransformerConfig, num_tokentypes: int = 0,
+                 embedding_weights_in_fp32: bool = False, *,
+                 parallel_state: ParallelState | None = None) -> None:
+        super().__init__()
+        state = resolve(parallel_state)
+        self.state, self.config = state, config
+        self.hidden_size, self.num_tokentypes = hidden_size, num_tokentypes
+        self.real_vocab_size = config.vocab_size or vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.dropout_p = embedding_dropout_prob
+        self.embedding_weights_in_fp32 = embedding_weights_in_fp32
+        wdtype = torch.float32 if embedding_weights_in_fp32 else config.params_dtype
+        device = state.device
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, hidden_size, group=state.tp, init_method=config.init_method,
+            real_num_embeddings=self.real_vocab_size, params_dtype=wdtype, device=device)
+        self.add_position_embedding = config.position_embedding_type == "learned_absolute"
+        if self.add_position_embedding:
+            self.position_embeddings = nn.Embedding(max_sequence_length, hidden_size,
+                                                    dtype=wdtype, device=device)
+            _init_replicated(self.position_embeddings.weight, config.init_method)
+        self.tokentype_embeddings = None
+        if num_tokentypes > 0:
+            self.add_tokentype_embeddings(num_tokentypes)
+
+    def add_tokentype_embeddings(self, num_tokentypes: int) -> None:
+        """Add (or replace) token-type embeddings, e.g. when fine-tuning a pretrained model."""
+        self.num_tokentypes = num_tokentypes
+        self.tokentype_embeddings = nn.Embedding(
+            num_tokentypes, self.hidden_size, dtype=self.word_embeddings.weight.dtype,
+            device=self.word_embeddings.weight.device)
+        _init_replicated(self.tokentype_embeddings.weight, self.config.init_method)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                tokentype_ids: torch.Tensor | None = None,
+                use_tokentypes: bool = True) -> torch.Tensor:
+        """``use_tokentypes=False`` skips token types (a decoder's input has none)."""
+        _check_ids(input_ids, self.real_vocab_size, "input_ids", "vocab_size")
+        emb = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.add_position_embedding:
+            if position_ids is None:
+                position_ids = default_position_ids(input_ids)
+            _check_ids(position_ids, self.max_sequence_length, "position_ids",
+                       "max_position_embeddings")
+            emb = emb + self.position_embeddings(position_ids)
+        if tokentype_ids is not None:
+            if self.tokentype_embeddings is None:
+                raise ValueError("tokentype_ids were given but the model has no token-type "
+                                 "embeddings: build it with num_tokentypes > 0.")
+            _check_ids(tokentype_ids, self.num_tokentypes, "tokentype_ids", "num_tokentypes")
+            emb = emb + self.tokentype_embeddings(tokentype_ids)
+        elif self.tokentype_embeddings is not None and use_tokentypes:
+            raise ValueError("this model has token-type embeddings: pass tokentype_ids.")
+        emb = emb.transpose(0, 1).contiguous().to(self.config.params_dtype)  # [s, b, h]
+        return dropout(emb, self.dropout_p, self.training, self.state.rng.replicated(emb.device))
+
+
+class TransformerLanguageModel(nn.Module):
+    """Embedding -> Domino encoder [-> Domino decoder with cross attention] [-> pooler]."""
+
+    def __init__(self, config: TransformerConfig, encoder_attn_mask_type: AttnMaskType,
+                 num_tokentypes: int = 0, add_encoder: bool = True, add_decoder: bool = False,
+                 decoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 add_pooler: bool = False, pre_process: bool = True, post_process: bool = True,
+                 *, parallel_state: ParallelState | None = None, plan: Plan | None = None) -> None:
+        super().__init__()
+        state = resolve(parallel_state)
+        config.validate_parallel(state.tp.size)
+        if not (add_encoder or add_decoder):
+            raise ValueError("a language model needs add_encoder or add_decoder (or both).")
+        if config.vocab_size <= 0 and pre_process:
+            raise ValueError("config.vocab_size must be set (> 0) for a model with embeddings.")
+        self.config, self.state = config, state
+        self.pre_process, self.post_process = pre_process, post_process
+        self.add_encoder, self.add_decoder = add_encoder, add_decoder
+        self.add_pooler, self.num_tokentypes = add_pooler, num_tokentypes
+        self.encoder_attn_mask_type = encoder_attn_mask_type
+        self.decoder_attn_mask_type = decoder_attn_mask_type
+        self.padded_vocab_size = config.padded_vocab_size(state.tp.size)
+        self.untie_embeddings_and_output_weights = config.untie_embeddings_and_output_weights
+        if pre_process:
+            self.embedding = Embedding(config.hidden_size, self.padded_vocab_size,
+                                       config.max_position_embeddings, config.hidden_dropout,
+                                       config, num_tokentypes, parallel_state=state)
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base,
+                config.rotary_seq_len_interpolation_factor, device=state.device)
+        self.encoder = (DominoTransformer(config, state, LayerType.encoder, encoder_attn_mask_type,
+                                          pre_process, post_process, plan=plan)
+                        if add_encoder else None)
+        self.decoder = (DominoTransformer(config, state, LayerType.decoder, decoder_attn_mask_type,
+                                          pre_process, post_process, plan=plan)
+                        if add_decoder else None)
+        if post_process and add_pooler:
+            self.pooler = Pooler(config.hidden_size, config.init_method,
+                                 dtype=config.params_dtype, device=state.device)
+        if post_process and config.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, group=state.tp, bias=False,
+                init_method=config.init_method, params_dtype=config.params_dtype,
+                device=state.device)
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list | None) -> None:
+        """Input of a pipeline stage built with ``pre_process=False``."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        target = self.encoder if self.add_encoder else self.decoder
+        target.set_input_tensor(input_tensor)
+
+    def _rotary(self, position_ids: torch.Tensor | None, ids: torch.Tensor | None,
+                hidden: torch.Tensor | None, inference_params: InferenceParams | None):
+        if self.rotary_pos_emb is None:
+            return None
+        if position_ids is None:
+            if ids is not None:
+                position_ids = default_position_ids(ids)
+            else:
+                s, b = hidden.shape[0], hidden.shape[1]
+                position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
+            if inference_params is not None:
+                position_ids = position_ids + inference_params.sequence_len_offset
+        return self.rotary_pos_emb(position_ids)
+
+    def forward(self, enc_input_ids, enc_position_ids, enc_attn_mask, dec_input_ids=None,
+                dec_position_ids=None, dec_attn_mask=None, enc_dec_attn_mask=None,
+                tokentype_ids=None, inference_params=None, pooling_sequence_index=0,
+                enc_hidden_states=None, output_enc_hidden=False):
+        """Encoder output [s, b, h] (plus pooled [b, h] with a pooler); with a decoder,
+        ``(decoder_output, encoder_output[, pooled])``."""
+        encoder_output = enc_hidden_states
+        enc_position_ids = _cache_positions(enc_position_ids, enc_input_ids, inference_params)
+        dec_position_ids = _cache_positions(dec_position_ids, dec_input_ids, inference_params)
+        if encoder_output is None and self.add_encoder:
+            enc_in = (self.embedding(enc_input_ids, enc_position_ids, tokentype_ids)
+                      if self.pre_process else None)
+            rot = self._rotary(enc_position_ids, enc_input_ids if self.pre_process else None,
+                               enc_in if enc_in is not None else self.encoder.input_tensor,
+                               inference_params)
+            encoder_output = self.encoder(enc_in, enc_attn_mask,
+                                          inference_params=inference_params, rotary_pos_emb=rot)
+        pooled = None
+        if self.post_process and self.add_pooler and encoder_output is not None:
+            pooled = self.pooler(encoder_output, pooling_sequence_index)
+        if not self.add_decoder or output_enc_hidden:
+            return (encoder_output, pooled) if pooled is not None else encoder_output
+        dec_in = (self.embedding(dec_input_ids, dec_position_ids, use_tokentypes=False)
+                  if self.pre_process else None)
+        rot = self._rotary(dec_position_ids, dec_input_ids if self.pre_process else None,
+                           dec_in if dec_in is not None else self.decoder.input_tensor,
+                           inference_params)
+        decoder_output = self.decoder(dec_in, dec_attn_mask, encoder_output=encoder_output,
+                                      enc_dec_attn_mask=enc_dec_attn_mask,
+                                      inference_params=inference_params, rotary_pos_emb=rot)
+        if pooled is not None:
+            return decoder_output, encoder_output, pooled
+        return decoder_output, encoder_output
+
+    _PARTS = ("embedding", "encoder", "decoder", "pooler", "output_layer")
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Megatron's layout: one state dict per part ('embedding', 'encoder', ...)."""
+        out = {}
+        for name in self._PARTS:
+            part = getattr(self, name, None)
+            if part is not None:
+                out[name] = part.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load either the per-part layout of :meth:`state_dict_for_save_checkpoint` or a flat
+        ``state_dict()``."""
+        if state_dict and all(k in self._PARTS and isinstance(v, dict)
+                              for k, v in state_dict.items()):
+            flat = {f"{part}.{k}": v for part, sd in state_dict.items() for k, v in sd.items()}
+            return super().load_state_dict(flat, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def get_language_model(config: TransformerConfig, num_tokentypes: int, add_pooler: bool,
+                       encoder_attn_mask_type: AttnMaskType, add_encoder: bool = True,
+                       add_decoder: bool = False,
+                       decoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                       pre_process: bool = True, post_process: bool = True, *,
+                       parallel_state: ParallelState | None = None, plan: Plan | None = None):
+    """Build a :class:`TransformerLanguageModel`; returns ``(model, "language_model")``."""
+    model = TransformerLanguageModel(
+        config, encoder_attn_mask_type, num_tokentypes=num_tokentypes, add_encoder=add_encoder,
+        add_decoder=add_decoder, decoder_attn_mask_type=decoder_attn_mask_type,
+        add_pooler=add_pooler, pre_process=pre_process, post_process=post_process,
+        parallel_state=parallel_state, plan=plan)
+    return model, "language_model"
+
+
+def default_position_ids(ids: torch.Tensor) -> torch.Tensor:
+    """0..s-1 for every sample of ids [b, s]."""
+    b, s = ids.shape
+    return torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+
+
+def _cache_positions(position_ids: torch.Tensor | None, ids: torch.Tensor | None,
+                     inference_params: InferenceParams | None) -> torch.Tensor | None:
+    """Default positions while decoding with a KV cache continue from the cache offset."""
+    if position_ids is not None or ids is None or inference_params is None:
+        return position_ids
+    return default_position_ids(ids) + inference_params.sequence_len_offset
+
+
+def _check_ids(ids: torch.Tensor, limit: int, name: str, field: str) -> None:
+    if ids.numel() and (bool((ids < 0).any()) or bool((ids >= limit).any())):
+        lo, hi = int(ids.min()), int(ids.max())
+        raise ValueError(f"{name} range from {lo} to {hi}, outside [0, {limit}) set by {field}; "
+                         f"check the data/tokenizer or raise {field}.")
+
+
+def _init_replicated(weight: torch.Tensor, init_method) -> None:
+    """Init a replicated weight from the default generator (same on every rank)."""
+    with torch.no_grad():
+        # A group of one: init_sharded draws and returns the full tensor.
+        weight.copy_(init_sharded(tuple(weight.shape), init_method, 0, CommGroup(), weight.dtype,
+                                  weight.device))

@@ -1,0 +1,99 @@
+"""Start one process per rank on this host and supervise them: the one launcher behind
+``domino train`` (local ranks), ``domino bench`` and the link probe.
+
+Each rank runs in its own session, so a terminal's Ctrl-C reaches only the parent, which then
+stops every rank itself. On Linux each rank also gets SIGTERM when the parent dies, however it
+dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher. When a rank exits non-zero the
+others are stopped at once (the process-group timeout is only a backstop for ranks on other
+hosts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from domino.utils import stop_processes
+
+GRACE_S = 5.0  # SIGTERM first; SIGKILL whatever is left after this long
+
+
+class RankFailed(RuntimeError):
+    """A rank exited non-zero (or outlived another rank by too long); the others were stopped."""
+
+    def __init__(self, message: str, rank: int, code: int | None) -> None:
+        super().__init__(message)
+        self.rank, self.code = rank, code
+
+    @property
+    def exit_code(self) -> int:
+        """What the launcher should exit with: the rank's code, 1 for a signal or a straggler."""
+        return self.code if self.code is not None and self.code > 0 else 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_ranks(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
+              label: str, straggler_s: float | None = None, grace_s: float = GRACE_S,
+              poll_s: float = 0.05) -> None:
+    """Run ``commands[r]`` with environment ``envs[r]`` for every rank r; return when all exit 0.
+
+    The first rank to fail stops the others and raises :class:`RankFailed` (so does a rank still
+    running ``straggler_s`` after another finished). KeyboardInterrupt stops every rank and
+    propagates. Every rank has exited when this returns or raises.
+    """
+    if len(commands) != len(envs):
+        raise ValueError(f"{len(commands)} commands but {len(envs)} environments")
+    preexec = _die_with_parent if sys.platform == "linux" else None
+    procs: list[subprocess.Popen] = []
+    try:
+        for argv, env in zip(commands, envs, strict=True):
+            procs.append(subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                                          preexec_fn=preexec))
+        _watch(procs, label, straggler_s, grace_s, poll_s)
+    finally:
+        stop_processes(procs, grace_s)
+
+
+def _watch(procs: list[subprocess.Popen], label: str, straggler_s: float | None,
+           grace_s: float, poll_s: float) -> None:
+    first_done: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            print(f"{label}: rank {rank} exited with code {code}; stopping the other ranks",
+                  file=sys.stderr, flush=True)
+            stop_processes(procs, grace_s)
+            raise RankFailed(f"{label}: rank {rank} exited with code {code} (see its output "
+                             "above); the other ranks were stopped", rank, code)
+        if all(c == 0 for c in codes):
+            return
+        if straggler_s is not None and any(c == 0 for c in codes):
+            first_done = first_done or time.monotonic()
+            if time.monotonic() - first_done > straggler_s:
+                late = [r for r, c in enumerate(codes) if c is None]
+                stop_processes(procs, grace_s)
+                raise RankFailed(f"{label}: ranks {late} still running {straggler_s:.0f} s after "
+                                 "another finished; stopped them", late[0], None)
+        time.sleep(poll_s)
+
+
+def local_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """This process's environment plus torchrun's variables for local rank ``rank``."""
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                **extra)
