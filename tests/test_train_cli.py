@@ -45,7 +45,7 @@ def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
     assert "hidden_size = 64" in (run / "config.toml").read_text()
     assert (run / "sample.txt").read_text().startswith("def")
     assert 'tokenizer_type = "bpe"' in (run / "config.toml").read_text()
-    assert (run / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 6
     assert any((tmp_path / "cache").glob("stdlib-*/stdlib_bpe_*.bin"))
     assert any((tmp_path / "cache").glob("stdlib-*/bpe-*/merges.txt"))
 

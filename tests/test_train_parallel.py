@@ -82,7 +82,7 @@ def _generation(data: str, tp: int) -> dict:
     top-k sampled ids, from a freshly initialised model (TP-invariant init)."""
     from domino.gpt_model import GPTModel
     from domino.parallel_state import ParallelState
-    from domino.training.generate import generate
+    from domino.inference.sampling import generate
     from domino.training.prepare import model_config
 
     args = _args(data, tensor_model_parallel_size=tp)
@@ -140,6 +140,7 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
     assert single["resumed"]["losses"] == pytest.approx(ref["losses"][3:], rel=1e-5)
     metrics = (tmp_path / "tp2" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == STEPS
-    assert (tmp_path / "tp2" / "checkpoint" / "iter_0000006" / "mp_rank_01").is_dir()
-    assert not (tmp_path / "dp2" / "checkpoint" / "iter_0000006" / "mp_rank_01").exists()
+    step6 = Path("checkpoints") / "step_0000006"
+    assert (tmp_path / "tp2" / step6 / "model-tp01-pp00.safetensors").is_file()
+    assert not (tmp_path / "dp2" / step6 / "model-tp01-pp00.safetensors").exists()
     assert dataclasses.asdict(_args(data))  # settings stay plain data (picklable, JSON-able)

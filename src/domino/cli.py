@@ -1,4 +1,5 @@
-"""The ``domino`` command: ``train``, ``preprocess``, ``bench``, ``demo``.
+"""The ``domino`` command: ``train``, ``generate``, ``eval``, ``convert``, ``export``,
+``import``, ``preprocess``, ``bench``, ``demo``.
 
 Each subcommand lives with its feature and exposes ``add_arguments(parser)`` and ``run(args)``;
 this file only wires them together (imports are lazy so ``--help`` stays fast).
@@ -12,6 +13,11 @@ import sys
 
 SUBCOMMANDS = {
     "train": ("domino.training.cli", "Train a GPT model with Domino tensor parallelism."),
+    "generate": ("domino.inference.generate_cmd", "Generate text from a saved model."),
+    "eval": ("domino.inference.eval_cmd", "Loss and perplexity of a saved model on a dataset."),
+    "convert": ("domino.checkpoint.convert", "Reshard a checkpoint to another TP size."),
+    "export": ("domino.checkpoint.hf_export", "Export a checkpoint as a transformers model."),
+    "import": ("domino.checkpoint.hf_import", "Import a transformers GPT-2 / Llama model."),
     "preprocess": ("domino.data.cli", "Tokenize text/JSONL into a Megatron .bin/.idx dataset."),
     "bench": ("domino.bench.runner", "Measure sync TP vs Domino vs no-comm step times."),
     "demo": ("domino.demo", "Tiny GPT forward/backward/SGD at TP=2 on CPU (sanity check)."),
@@ -52,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         except RankFailed as err:  # the rank's own output above says why
             print(f"domino {name}: error: {err}", file=sys.stderr)
             return err.exit_code
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
             print(f"domino {name}: interrupted", file=sys.stderr)
-            return 130
+            return getattr(err, "exit_code", 130)
         return result if isinstance(result, int) else 0
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -7,9 +7,11 @@ settings carry over. Checks that depend on the tensor-parallel size live in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,7 +20,8 @@ from domino.utils import init_method_normal, scaled_init_method_normal
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ROPE_SCALING_TYPES = ("llama3",)
 
 
 @dataclass(kw_only=True)
@@ -51,11 +54,25 @@ class TransformerConfig:
         default="learned_absolute", metadata={"help": "learned_absolute, rope or none."})
     rotary_percent: float = field(
         default=1.0, metadata={"help": "Fraction of each head's channels that RoPE rotates."})
-    rotary_base: int = field(default=10000, metadata={"help": "RoPE base period."})
+    rotary_base: float = field(default=10000.0, metadata={"help": "RoPE base period (theta)."})
     rotary_seq_len_interpolation_factor: float | None = field(
         default=None, metadata={"help": "Divide RoPE positions by this (position interpolation)."})
+    rope_scaling_type: str | None = field(
+        default=None, metadata={"help": "RoPE frequency scaling: llama3 (Llama 3.1's), or none."})
+    rope_scaling_factor: float = field(
+        default=8.0, metadata={"help": "llama3 RoPE scaling: how much longer the context gets."})
+    rope_low_freq_factor: float = field(
+        default=1.0, metadata={"help": "llama3 RoPE scaling: low-frequency factor."})
+    rope_high_freq_factor: float = field(
+        default=4.0, metadata={"help": "llama3 RoPE scaling: high-frequency factor."})
+    rope_original_max_position_embeddings: int = field(
+        default=8192,
+        metadata={"help": "llama3 RoPE scaling: the context length before scaling."})
     normalization: str = field(default="LayerNorm", metadata={"help": "LayerNorm or RMSNorm."})
-    activation: str = field(default="gelu", metadata={"help": "MLP activation: gelu or swiglu."})
+    activation: str = field(
+        default="gelu",
+        metadata={"help": "MLP activation: gelu (exact), gelu_tanh (GPT-2's tanh approximation) "
+                          "or swiglu."})
     add_bias_linear: bool = field(default=True, metadata={"help": "Bias in the linear layers."})
     hidden_dropout: float = field(default=0.1, metadata={"help": "Dropout after attention/MLP."})
     attention_dropout: float = field(default=0.1, metadata={"help": "Dropout on attention probs."})
@@ -123,6 +140,19 @@ class TransformerConfig:
                 raise ValueError(
                     f"RoPE rotates int(kv_channels * rotary_percent) = {rot} channels per head; "
                     "it must be even and >= 2: change rotary_percent or kv_channels.")
+        if not (isinstance(self.rotary_base, int | float) and math.isfinite(self.rotary_base)
+                and self.rotary_base > 1):
+            raise ValueError(f"rotary_base={self.rotary_base!r} must be a finite number > 1.")
+        self.rotary_base = float(self.rotary_base)
+        if self.rope_scaling_type is not None:
+            _choice(self, "rope_scaling_type", ROPE_SCALING_TYPES)
+            if not (self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor
+                    < self.rope_high_freq_factor and self.rope_original_max_position_embeddings > 0):
+                raise ValueError(
+                    "llama3 RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor "
+                    "< rope_high_freq_factor and rope_original_max_position_embeddings > 0; got "
+                    f"{self.rope_scaling_factor}, {self.rope_low_freq_factor}, "
+                    f"{self.rope_high_freq_factor}, {self.rope_original_max_position_embeddings}.")
         if (self.rotary_seq_len_interpolation_factor is not None
                 and self.rotary_seq_len_interpolation_factor <= 0):
             raise ValueError(
@@ -159,10 +189,66 @@ class TransformerConfig:
                     f"{name}={value} is not divisible by tensor_model_parallel_size={tp_size}; "
                     f"choose a TP size that divides {name} (or change {name}).")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config as JSON-able values (the init callables are left out: they only matter
+        when weights are drawn, and a checkpoint or export carries the weights)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name in _NOT_SAVED:
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = str(value).removeprefix("torch.") if f.name == "params_dtype" else value
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error (ValueError)."""
+        known = {f.name for f in dataclasses.fields(cls)} - _NOT_SAVED
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields {unknown}")
+        values = dict(values)
+        if "params_dtype" in values:
+            dtype = getattr(torch, str(values["params_dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"params_dtype={values['params_dtype']!r} is not a torch dtype")
+            values["params_dtype"] = dtype
+        return cls(**values)
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that decide the weights' shapes and the model's math: two configs with the
+        same architecture can load each other's weights (at any TP size). Settings that do not
+        apply (RoPE's without RoPE, the position table's with RoPE) are left out."""
+        out = {name: getattr(self, name) for name in ARCHITECTURE_FIELDS}
+        if self.position_embedding_type != "learned_absolute":
+            del out["max_position_embeddings"]
+        if self.position_embedding_type != "rope":
+            for name in [n for n in out if n.startswith(("rotary_", "rope_"))]:
+                del out[name]
+        elif self.rope_scaling_type is None:
+            for name in [n for n in out if n.startswith("rope_") and n != "rope_scaling_type"]:
+                del out[name]
+        return out
+
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp_size."""
         multiple = self.make_vocab_size_divisible_by * tp_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+_NOT_SAVED = {"init_method", "output_layer_init_method"}
+
+# What a set of weights is: shapes and math (not dropout, init, sequence length or the schedule).
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
+    "kv_channels", "num_query_groups", "decoder_num_layers", "max_position_embeddings",
+    "position_embedding_type", "rotary_percent", "rotary_base",
+    "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
+    "normalization", "activation", "add_bias_linear", "layernorm_epsilon",
+    "apply_residual_connection_post_layernorm", "final_layernorm",
+    "untie_embeddings_and_output_weights",
+)
 
 
 def _positive(cfg: TransformerConfig, *names: str) -> None:

@@ -22,6 +22,22 @@ from domino.utils import stop_processes
 GRACE_S = 5.0  # SIGTERM first; SIGKILL whatever is left after this long
 
 
+class Interrupted(KeyboardInterrupt):
+    """The launcher was interrupted (Ctrl-C or SIGTERM); every rank has exited."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _Terminate(BaseException):
+    """Raised in the main thread by the launcher's SIGTERM handler."""
+
+
 class RankFailed(RuntimeError):
     """A rank exited non-zero (or outlived another rank by too long); the others were stopped."""
 
@@ -47,24 +63,62 @@ def _die_with_parent() -> None:
 
 def run_ranks(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
               label: str, straggler_s: float | None = None, grace_s: float = GRACE_S,
-              poll_s: float = 0.05) -> None:
+              wind_down_s: float | None = None, poll_s: float = 0.05) -> None:
     """Run ``commands[r]`` with environment ``envs[r]`` for every rank r; return when all exit 0.
 
     The first rank to fail stops the others and raises :class:`RankFailed` (so does a rank still
-    running ``straggler_s`` after another finished). KeyboardInterrupt stops every rank and
-    propagates. Every rank has exited when this returns or raises.
+    running ``straggler_s`` after another finished). Ctrl-C or SIGTERM to this process raises
+    :class:`Interrupted` once every rank is stopped; with ``wind_down_s`` the ranks first get
+    SIGTERM and that long to finish on their own (a trainer checkpoints at its next step
+    boundary), a second Ctrl-C cutting it short. Every rank has exited when this returns or
+    raises.
     """
     if len(commands) != len(envs):
         raise ValueError(f"{len(commands)} commands but {len(envs)} environments")
     preexec = _die_with_parent if sys.platform == "linux" else None
     procs: list[subprocess.Popen] = []
+    previous = _on_sigterm_raise()
     try:
         for argv, env in zip(commands, envs, strict=True):
             procs.append(subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
                                           preexec_fn=preexec))
         _watch(procs, label, straggler_s, grace_s, poll_s)
+    except (KeyboardInterrupt, _Terminate) as exc:
+        signum = signal.SIGTERM if isinstance(exc, _Terminate) else signal.SIGINT
+        if wind_down_s and any(p.poll() is None for p in procs):
+            print(f"{label}: {signal.Signals(signum).name}: interrupted; the ranks stop at their "
+                  f"next step boundary with a checkpoint (waiting up to {wind_down_s:.0f} s; "
+                  "Ctrl-C again to stop them now)", file=sys.stderr, flush=True)
+            _wind_down(procs, wind_down_s)
+        raise Interrupted(signum) from None
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         stop_processes(procs, grace_s)
+
+
+def _on_sigterm_raise():
+    """In the main thread: SIGTERM raises _Terminate (returns the previous handler)."""
+    def handler(_signum, _frame):
+        raise _Terminate
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave SIGTERM as it is
+        return None
+
+
+def _wind_down(procs: list[subprocess.Popen], wait_s: float) -> None:
+    """SIGTERM every live rank and wait up to ``wait_s`` for them to exit by themselves."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+    except (KeyboardInterrupt, _Terminate):
+        pass  # a second interrupt: stop_processes kills what is left
 
 
 def _watch(procs: list[subprocess.Popen], label: str, straggler_s: float | None,

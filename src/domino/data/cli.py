@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Text files, folders (searched recursively) or .jsonl/.json files.")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
                         help="Write PREFIX.bin, PREFIX.idx and the PREFIX.json sidecar.")
-    parser.add_argument("--tokenizer-type", default="byte", choices=("byte", "bpe"),
-                        help="byte: UTF-8 bytes + EOD (no files); bpe: byte-level BPE. "
-                        "[default: byte]")
+    parser.add_argument("--tokenizer-type", default="byte", choices=("byte", "bpe", "hf"),
+                        help="byte: UTF-8 bytes + EOD (no files); bpe: byte-level BPE; hf: the "
+                        "tokenizer.json of an imported model (--tokenizer-dir). [default: byte]")
     parser.add_argument("--vocab-file", metavar="FILE", help="BPE vocab.json (GPT-2 style).")
     parser.add_argument("--merge-file", metavar="FILE", help="BPE merges.txt (GPT-2 style).")
     parser.add_argument("--tokenizer-dir", metavar="DIR",
@@ -60,6 +60,11 @@ def _tokenizer(args: argparse.Namespace, files: list[str]) -> tuple[Tokenizer, l
             raise ValueError("--vocab-file/--merge-file/--train-bpe-vocab-size need "
                              "--tokenizer-type bpe")
         return build_tokenizer("byte"), ["--tokenizer-type", "byte"]
+    if args.tokenizer_type == "hf":
+        if args.vocab_file or args.merge_file or args.train_bpe_vocab_size:
+            raise ValueError("--tokenizer-type hf takes only --tokenizer-dir")
+        tok = build_tokenizer("hf", tokenizer_dir=args.tokenizer_dir)
+        return tok, ["--tokenizer-type", "hf", "--tokenizer-dir", args.tokenizer_dir]
     if args.train_bpe_vocab_size is not None:
         if args.vocab_file or args.merge_file:
             raise ValueError("pass either --train-bpe-vocab-size or --vocab-file/--merge-file")

@@ -13,6 +13,8 @@ from typing import Any
 EOD_TOKEN = "<|endoftext|>"
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_SIDECAR = "domino.json"
 
 
 class Tokenizer(ABC):
@@ -209,6 +211,99 @@ class BPETokenizer(Tokenizer):
         return _sha256(payload.encode("utf-8"))
 
 
+class HFTokenizer(Tokenizer):
+    """Any Hugging Face ``tokenizer.json`` (e.g. an imported Llama's), via HF `tokenizers`.
+
+    ``vocab_size`` is the model's vocabulary (its embedding rows), which may exceed the
+    tokenizer's own; ``eod`` is the model's end-of-text id. Both are kept in ``domino.json``
+    next to ``tokenizer.json``.
+    """
+
+    name = "hf"
+
+    def __init__(self, tokenizer: Any, eod: int, vocab_size: int) -> None:
+        self._tok, self._eod, self._vocab_size = tokenizer, int(eod), int(vocab_size)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> HFTokenizer:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        d = Path(directory)
+        for name in (HF_TOKENIZER_FILE, HF_SIDECAR):
+            if not (d / name).is_file():
+                raise ValueError(f"tokenizer kind 'hf': {d / name} is missing; pass the folder "
+                                 f"holding {HF_TOKENIZER_FILE} and {HF_SIDECAR}")
+        try:
+            info = json.loads((d / HF_SIDECAR).read_text(encoding="utf-8"))
+            tok = RustTokenizer.from_file(str(d / HF_TOKENIZER_FILE))
+            return cls(tok, int(info["eod"]), int(info["vocab_size"]))
+        except (ValueError, KeyError, TypeError, Exception) as err:
+            raise ValueError(f"tokenizer kind 'hf': cannot read {d}: {err}") from None
+
+    def save(self, directory: str | os.PathLike) -> list[str]:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(d / HF_TOKENIZER_FILE))
+        (d / HF_SIDECAR).write_text(json.dumps({"eod": self._eod,
+                                                "vocab_size": self._vocab_size}) + "\n")
+        return [str(d / HF_TOKENIZER_FILE), str(d / HF_SIDECAR)]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [list(e.ids) for e in encs]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def vocab_hash(self) -> str:
+        payload = json.dumps({"tokenizer": json.loads(self._tok.to_str()), "eod": self._eod,
+                              "vocab_size": self._vocab_size}, sort_keys=True)
+        return _sha256(payload.encode("utf-8"))
+
+    @property
+    def rust(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+
+def byte_level_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (what byte-level BPE vocabularies
+    spell tokens with): printable Latin-1 bytes map to themselves, the rest to U+0100 on."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def as_rust_tokenizer(tokenizer: Tokenizer) -> Any:
+    """A ``tokenizers.Tokenizer`` that encodes exactly as ``tokenizer`` (for export): the BPE's
+    own, or, for bytes, a byte-level BPE without merges whose ids are the byte values."""
+    if isinstance(tokenizer, BPETokenizer | HFTokenizer):
+        return tokenizer._tok
+    if isinstance(tokenizer, ByteTokenizer):
+        vocab = {ch: b for b, ch in byte_level_unicode().items()}
+        tok = BPETokenizer._empty(vocab, [])
+        tok.add_special_tokens([EOD_TOKEN])
+        assert tok.token_to_id(EOD_TOKEN) == tokenizer.eod
+        return tok
+    raise ValueError(f"a {tokenizer.name} tokenizer cannot be exported")
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
@@ -220,10 +315,16 @@ def build_tokenizer(
     merges_file: str | os.PathLike | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
 ) -> Tokenizer:
-    """Make a tokenizer: "byte" (no files) or "bpe" (vocab_file+merges_file, or tokenizer_dir)."""
+    """Make a tokenizer: "byte" (no files), "bpe" (vocab_file+merges_file, or tokenizer_dir)
+    or "hf" (tokenizer_dir holding a Hugging Face tokenizer.json, e.g. from `domino import`)."""
     kind = kind.lower()
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "hf":
+        if tokenizer_dir is None:
+            raise ValueError("tokenizer kind 'hf' needs tokenizer_dir= (a folder with "
+                             f"{HF_TOKENIZER_FILE} and {HF_SIDECAR}, as `domino import` writes)")
+        return HFTokenizer.load(tokenizer_dir)
     if kind == "bpe":
         if tokenizer_dir is not None:
             vocab_file = vocab_file or Path(tokenizer_dir) / VOCAB_FILE
@@ -240,4 +341,4 @@ def build_tokenizer(
                     f"pass {what}= pointing at an existing file"
                 )
         return BPETokenizer.from_files(vocab_file, merges_file)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of: 'byte', 'bpe'")
+    raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of: 'byte', 'bpe', 'hf'")

@@ -42,7 +42,7 @@ class GPTModel(nn.Module):
             self.word_embeddings = nn.Parameter(init_sharded(
                 (padded, config.hidden_size), config.init_method, 0, state.tp,
                 config.params_dtype, state.device, valid_rows=config.vocab_size))
-            mark_partitioned(self.word_embeddings, 0)
+            mark_partitioned(self.word_embeddings, 0, vocab_rows=config.vocab_size)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)

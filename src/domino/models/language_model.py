@@ -23,9 +23,9 @@ from domino.tensor_parallel import (
     dropout,
     gather_from_tensor_model_parallel_region,
 )
-from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad
+from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad, mark_partitioned
 from domino.transformer import DominoTransformer, InferenceParams
-from domino.transformer.rope import RotaryEmbedding
+from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
 
 
 def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor,
@@ -149,9 +149,14 @@ class TransformerLanguageModel(nn.Module):
                                        config, num_tokentypes, parallel_state=state)
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
+            scaling = None
+            if config.rope_scaling_type == "llama3":
+                scaling = Llama3Scaling(config.rope_scaling_factor, config.rope_low_freq_factor,
+                                        config.rope_high_freq_factor,
+                                        config.rope_original_max_position_embeddings)
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base,
-                config.rotary_seq_len_interpolation_factor, device=state.device)
+                config.rotary_seq_len_interpolation_factor, device=state.device, scaling=scaling)
         self.encoder = (DominoTransformer(config, state, LayerType.encoder, encoder_attn_mask_type,
                                           pre_process, post_process, plan=plan)
                         if add_encoder else None)
@@ -166,6 +171,7 @@ class TransformerLanguageModel(nn.Module):
                 config.hidden_size, self.padded_vocab_size, group=state.tp, bias=False,
                 init_method=config.init_method, params_dtype=config.params_dtype,
                 device=state.device)
+            mark_partitioned(self.output_layer.weight, 0, vocab_rows=config.vocab_size)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list | None) -> None:
         """Input of a pipeline stage built with ``pre_process=False``."""

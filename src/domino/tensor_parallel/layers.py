@@ -45,6 +45,10 @@ def init_sharded(full_shape: tuple[int, ...], init_method: InitMethod, dim: int,
     ``valid_rows`` (vocabulary padding): only the first rows are drawn, the rest are zero, so the
     random stream - and thus every real row - does not depend on how much padding TP needs.
     """
+    if device is not None and torch.device(device).type == "meta":  # shapes only (sizing)
+        shape = list(full_shape)
+        shape[dim] //= group.size
+        return torch.empty(shape, dtype=dtype, device="meta")
     rows = full_shape[0] if valid_rows is None else valid_rows
     full = torch.zeros(full_shape, dtype=torch.float32)
     with torch.no_grad():
@@ -55,11 +59,15 @@ def init_sharded(full_shape: tuple[int, ...], init_method: InitMethod, dim: int,
     return shard.to(device=device, dtype=dtype)
 
 
-def mark_partitioned(param: torch.Tensor, dim: int, stride: int = 1) -> None:
-    """Tag a TP-sharded parameter with how it was cut (see :func:`gather_full`)."""
+def mark_partitioned(param: torch.Tensor, dim: int, stride: int = 1,
+                     vocab_rows: int | None = None) -> None:
+    """Tag a TP-sharded parameter with how it was cut (see :func:`gather_full`);
+    ``vocab_rows``: a vocabulary table whose rows past this many are padding (their number
+    depends on the TP size, so checkpoints reshard them)."""
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = dim  # type: ignore[attr-defined]
     param.partition_stride = stride  # type: ignore[attr-defined]
+    param.vocab_rows = vocab_rows  # type: ignore[attr-defined]
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -272,7 +280,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(init_sharded((num_embeddings, embedding_dim), init_method, 0,
                                                 group, params_dtype, device,
                                                 valid_rows=self.real_num_embeddings))
-        mark_partitioned(self.weight, 0)
+        mark_partitioned(self.weight, 0, vocab_rows=self.real_num_embeddings)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

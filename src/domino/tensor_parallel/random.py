@@ -25,11 +25,13 @@ class RNGTracker:
     def __init__(self, seed: int | None = None, tp_rank: int = 0) -> None:
         self._seed = seed
         self.tp_rank = tp_rank
+        self._salt = 0  # moves the TP-distinct streams (see load_state_dict)
         self._generators: dict[tuple[str, str], torch.Generator] = {}
 
     def seed(self, seed: int) -> None:
         """Reset both streams from ``seed``."""
         self._seed = int(seed)
+        self._salt = 0
         self._generators.clear()
 
     def _get(self, kind: str, device: torch.device) -> torch.Generator:
@@ -38,7 +40,7 @@ class RNGTracker:
         if gen is None:
             base = self._seed if self._seed is not None else torch.initial_seed()
             if kind == "model_parallel":
-                base = base + _MODEL_PARALLEL_OFFSET + self.tp_rank
+                base = base + _MODEL_PARALLEL_OFFSET + self.tp_rank + self._salt
             gen = torch.Generator(device=device)
             gen.manual_seed(base % (2**63))
             self._generators[key] = gen
@@ -54,12 +56,26 @@ class RNGTracker:
         return {"seed": self._seed,
                 "states": {f"{k[0]}|{k[1]}": g.get_state() for k, g in self._generators.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, reseed_model_parallel: int | None = None,
+                        device: torch.device | None = None) -> None:
+        """Restore what :meth:`state_dict` returned. ``reseed_model_parallel``: the saved
+        TP-distinct streams do not fit this rank (another TP size), so they restart from the
+        seed moved by this amount (e.g. the step). With ``device``, only the streams of that
+        device type are restored (a CPU state cannot seed a CUDA generator); the others start
+        from the seed."""
         self._seed = state["seed"]
+        self._salt = 0 if reseed_model_parallel is None else 1 + int(reseed_model_parallel)
         self._generators.clear()
         for key, value in state["states"].items():
-            kind, device = key.split("|")
-            self._get(kind, torch.device(device)).set_state(value)
+            kind, dev = key.split("|")
+            if reseed_model_parallel is not None and kind == "model_parallel":
+                continue
+            target = torch.device(dev)
+            if device is not None:
+                if target.type != device.type:
+                    continue
+                target = device
+            self._get(kind, target).set_state(value)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator) -> torch.Tensor:

@@ -52,6 +52,19 @@ class TrainArgs:
     normalization: str = _f("LayerNorm", group="model", choices=NORMALIZATIONS)
     swiglu: bool = _f(False, "Use the SwiGLU activation in the MLP instead of GeLU.", "model")
     untie_embeddings_and_output_weights: bool = _f(False, group="model")
+    openai_gelu: bool = _f(False, "GeLU with the tanh approximation (GPT-2's gelu_new) instead "
+                           "of the exact one.", "model")
+    disable_bias_linear: bool = _f(False, "No biases in the linear layers (Llama).", "model")
+    kv_channels: int | None = _f(None, group="model")
+    norm_epsilon: float = _f(1e-5, "Epsilon of the LayerNorm / RMSNorm layers.", "model")
+    rotary_base: float = _f(10000.0, group="model")
+    rotary_percent: float = _f(1.0, group="model")
+    rotary_seq_len_interpolation_factor: float | None = _f(None, group="model")
+    rope_scaling_type: str | None = _f(None, group="model", choices=("llama3",))
+    rope_scaling_factor: float = _f(8.0, group="model")
+    rope_low_freq_factor: float = _f(1.0, group="model")
+    rope_high_freq_factor: float = _f(4.0, group="model")
+    rope_original_max_position_embeddings: int = _f(8192, group="model")
     hidden_dropout: float = _f(0.0, group="model")
     attention_dropout: float = _f(0.0, group="model")
     init_method_std: float = _f(0.02, group="model")
@@ -99,7 +112,8 @@ class TrainArgs:
     split: str = _f("98,2,0", "Train/valid/test document weights.", "data")
     tokenizer_type: str | None = _f(
         None, "Tokenizer the data was made with; default byte with --data-path, and a BPE "
-        "trained on the built-in corpus without it.", "data", ("byte", "bpe"))
+        "trained on the built-in corpus without it; hf: an imported model's tokenizer.json "
+        "(--tokenizer-dir).", "data", ("byte", "bpe", "hf"))
     vocab_file: str | None = _f(None, "BPE vocab.json (GPT-2 style).", "data")
     merge_file: str | None = _f(None, "BPE merges.txt (GPT-2 style).", "data")
     tokenizer_dir: str | None = _f(None, "Folder holding vocab.json + merges.txt.", "data")
@@ -110,11 +124,24 @@ class TrainArgs:
     log_interval: int = _f(10, "Steps per log line / metrics.jsonl record.", "output")
     eval_interval: int = _f(100, "Steps between validation runs (0 = only at the end).", "output")
     eval_iters: int = _f(5, "Global batches per validation run (0 = no validation).", "output")
-    save: str | None = _f(None, "Run folder (config, metrics, plots, checkpoint); default "
+    save: str | None = _f(None, "Run folder (config, metrics, plots, checkpoints); default "
                           "runs/<timestamp>.", "output")
-    load: str | None = _f(None, "Run or checkpoint folder to resume from.", "output")
-    save_interval: int = _f(0, "Also checkpoint every this many steps (0 = only at the end).",
-                            "output")
+    load: str | None = _f(None, "Run, checkpoints or step folder to resume from (a checkpoint "
+                          "without optimizer state, e.g. from `domino import`, starts a fresh "
+                          "run from its weights).", "output")
+    load_fallback: bool = _f(False, "When the --load checkpoint is damaged, resume from the "
+                             "newest intact one instead of stopping.", "output")
+    overwrite: bool = _f(False, "--save may hold an earlier run: delete its checkpoints and "
+                         "metrics and start over.", "output")
+    save_interval: int = _f(1000, "Checkpoint every this many steps (0 = off; the end of "
+                            "training and a SIGTERM / Ctrl-C always checkpoint).", "output")
+    save_interval_minutes: float = _f(30.0, "Also checkpoint when this many minutes passed "
+                                      "since the last one (0 = off).", "output")
+    keep_checkpoints: int = _f(3, "Keep only the newest this many checkpoints (0 = all).",
+                               "output")
+    max_nonfinite_steps: int = _f(10, "Stop (exit 1, without saving) after this many "
+                                  "consecutive steps whose loss or gradients are NaN/inf "
+                                  "(0 = never).", "output")
     exit_interval: int = _f(0, "Checkpoint and stop once the step is a multiple of this (0 = "
                             "off); resume later with --load.", "output")
     tensorboard: bool = _f(True, "Write TensorBoard events when tensorboard is installed.",
@@ -125,7 +152,7 @@ class TrainArgs:
     temperature: float = _f(0.8, "Sampling temperature.", "output")
 
     def __post_init__(self) -> None:
-        for name, kind in _field_types().items():
+        for name, kind in field_types().items():
             value = getattr(self, name)
             if value is None:
                 if not _optional(name):
@@ -158,7 +185,8 @@ def _meta(name: str) -> dict:
     return _FIELDS[name].metadata
 
 
-def _field_types() -> dict[str, type]:
+def field_types() -> dict[str, type]:
+    """Each setting's type (its optional-ness removed)."""
     return {name: _base_type(hint) for name, hint in _HINTS.items()}
 
 
@@ -190,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
                         help="TOML file of settings (keys = flag names, '-' or '_'); flags win.")
     groups = {key: parser.add_argument_group(title) for key, title in _GROUPS.items()}
-    for name, kind in _field_types().items():
+    for name, kind in field_types().items():
         default = _FIELDS[name].default
         shown = ("on" if default else "off") if kind is bool else default
         text = help_text(name) + ("" if default is None else f" [default: {shown}]")

@@ -107,6 +107,9 @@ def make_tokenizer(args: TrainArgs) -> Tokenizer:
     if args.tokenizer_type == "bpe" and not (args.vocab_file or args.tokenizer_dir):
         raise ValueError("--tokenizer-type bpe needs --vocab-file and --merge-file (or "
                          "--tokenizer-dir) with the vocabulary the data was made with")
+    if args.tokenizer_type == "hf" and not args.tokenizer_dir:
+        raise ValueError("--tokenizer-type hf needs --tokenizer-dir (a folder with "
+                         "tokenizer.json, e.g. the tokenizer/ of an imported checkpoint)")
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                            merges_file=args.merge_file, tokenizer_dir=args.tokenizer_dir)
 
@@ -163,29 +166,33 @@ def eod_of(ds: IndexedDataset, tokenizer: Tokenizer) -> int:
     return int(info["eod"]) if info and "eod" in info else tokenizer.eod
 
 
-def build_datasets(args: TrainArgs, ds: IndexedDataset, eod: int):
-    """(train, valid) GPT datasets sized for the whole run; valid holds the fixed validation
-    batches (the same ones every evaluation, so the numbers compare across steps)."""
+def build_datasets(args: TrainArgs, ds: IndexedDataset, eod: int, start_step: int = 0,
+                   consumed_samples: int = 0):
+    """(train, valid) GPT datasets sized for the whole run (a resumed one continues at
+    ``consumed_samples``); valid holds the fixed validation batches (the same ones every
+    evaluation, so the numbers compare across steps)."""
     from domino.data.gpt_dataset import build_train_valid_datasets
 
     assert args.global_batch_size is not None
+    needed = consumed_samples + max(args.train_iters - start_step, 0) * args.global_batch_size
     return build_train_valid_datasets(
-        ds.prefix, args.seq_length, args.train_iters * args.global_batch_size,
+        ds.prefix, args.seq_length, max(needed, args.global_batch_size),
         args.eval_iters * args.global_batch_size, seed=args.seed, splits=args.split,
         eod_token=eod, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.reset_attention_mask)
 
 
-def rank_batches(dataset, batch_index: int, global_batch: int, dp_size: int, dp_rank: int,
+def rank_batches(dataset, first_sample: int, global_batch: int, dp_size: int, dp_rank: int,
                  micro_batch: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """This DP rank's micro-batches of global batch ``batch_index``.
+    """This DP rank's micro-batches of the global batch of samples ``first_sample`` ..
+    ``first_sample + global_batch - 1``.
 
-    Samples are picked by global index (batch_index * global_batch + ...): DP rank r takes the
-    r-th contiguous slice, so the set of samples per step does not depend on the DP size.
+    Samples are picked by global index: DP rank r takes the r-th contiguous slice, so the set of
+    samples per step does not depend on the DP size.
     """
     per_rank = global_batch // dp_size
-    first = batch_index * global_batch + dp_rank * per_rank
+    first = first_sample + dp_rank * per_rank
     out = []
     for start in range(first, first + per_rank, micro_batch):
         items = [dataset[i] for i in range(start, start + micro_batch)]

@@ -13,9 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-from domino.supervisor import RankFailed, local_env, run_ranks
+from domino.supervisor import Interrupted, RankFailed, local_env, run_ranks
 from domino.training.arguments import TrainArgs, to_toml
 from domino.utils import free_port
+
+# After Ctrl-C / SIGTERM the ranks get this long to reach a step boundary and checkpoint.
+WIND_DOWN_S = 120.0
 
 
 def launch_local(config_path: Path, nproc: int, device: str) -> int:
@@ -27,12 +30,12 @@ def launch_local(config_path: Path, nproc: int, device: str) -> int:
     command = [sys.executable, "-m", "domino.training.worker", str(config_path)]
     try:
         run_ranks([command] * nproc, [local_env(r, nproc, port, **extra) for r in range(nproc)],
-                  label="domino train")
+                  label="domino train", wind_down_s=WIND_DOWN_S)
     except RankFailed as err:
         return err.exit_code
-    except KeyboardInterrupt:
-        print("domino train: interrupted; stopped all ranks", file=sys.stderr)
-        return 130
+    except Interrupted as err:
+        print("domino train: interrupted; all ranks stopped", file=sys.stderr)
+        return err.exit_code
     return 0
 
 

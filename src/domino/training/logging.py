@@ -25,7 +25,18 @@ class RunLogger:
         if not active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        if start_step > 0 and path.exists():
+            # Continuing this run from a checkpoint: records of steps after it are undone.
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            for rec in map(json.loads, kept):
+                if "loss" in rec:
+                    self.train_curve.append((rec["step"], rec["loss"]))
+                if "val_loss" in rec:
+                    self.val_curve.append((rec["step"], rec["val_loss"]))
+        self.metrics = open(path, "a", encoding="utf-8")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                         dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
         if tensorboard:
@@ -41,6 +52,10 @@ class RunLogger:
         if self.active:
             tqdm.write(text, file=sys.stdout)
             sys.stdout.flush()
+
+    def note(self, step: int, text: str) -> None:
+        """An event line (e.g. a checkpoint written), printed but not a metrics record."""
+        self.print(f"step {step}: {text}")
 
     def step(self, step: int, loss: float) -> None:
         if not self.active:

@@ -1,139 +1,71 @@
-"""The training loop of one rank: data, model, optimisation steps, evaluation, checkpoint,
-summary and the final sample."""
+"""The training run of one rank: set-up and resume, the step loop with evaluation, logging and
+checkpoints, and the finish (final checkpoint, summary, sample).
+
+Ranks agree on every decision that changes what they do next (skip a step, stop on a signal,
+save on the clock, stop on a diverged loss) in one small collective per step, so they never
+disagree and hang.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
+import signal
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+import domino
+from domino.checkpoint import Meta, load_model, load_optimizer, load_rng, save
+from domino.inference.sampling import generate
 from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
+from domino.plan import Plan
 from domino.tensor_parallel import is_partitioned
-from domino.training.arguments import TrainArgs
-from domino.training.checkpoint import load_checkpoint, save_checkpoint
 from domino.training.data import rank_batches
-from domino.training.generate import generate
 from domino.training.logging import RunLogger
-from domino.training.optim import (
-    DynamicLossScaler,
-    allreduce_grads,
-    any_rank_true,
-    build_optimizer,
-    clip_grads,
-    global_grad_norm,
-    grads_of,
-    learning_rate,
-    set_lr,
-)
+from domino.training.optim import DynamicLossScaler, agree, build_optimizer, learning_rate, set_lr
 from domino.training.prepare import Run
+from domino.training.step import (
+    TrainResult,
+    evaluate,
+    forward_loss,
+    maybe_fail,
+    train_step,
+)
 from domino.transformer.autotune import autotune, candidate_plans
+from domino.transformer.stack import set_plan, stacks_of
 
-FAIL_RANK_ENV = "DOMINO_TEST_FAIL_RANK"  # test hook: this global rank raises at FAIL_STEP
-FAIL_STEP_ENV = "DOMINO_TEST_FAIL_STEP"
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients stayed NaN/inf for ``--max-nonfinite-steps`` steps."""
 
 
 @dataclass
-class TrainResult:
-    """What a rank saw: per-step global losses and grad norms, validation, sample, timing."""
+class StopRequest:
+    """Set (by a signal handler) to stop at the next step boundary with a checkpoint."""
 
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    val_losses: list[tuple[int, float]] = field(default_factory=list)
-    sample: str | None = None
-    wall_s: float = 0.0
-    skipped: int = 0
+    signum: int | None = None
 
-
-def _autocast(args: TrainArgs, device: torch.device):
-    if args.bf16 or args.fp16:
-        dtype = torch.bfloat16 if args.bf16 else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
-    return contextlib.nullcontext()
-
-
-def _maybe_fail(step: int, rank: int) -> None:
-    if os.environ.get(FAIL_RANK_ENV) == str(rank) and step == int(
-            os.environ.get(FAIL_STEP_ENV, "1")):
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV})")
-
-
-def _forward_loss(model, batch, args, device) -> torch.Tensor:
-    """Sum of the masked per-token losses of one micro-batch (fp32)."""
-    with _autocast(args, device):
-        per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                          labels=batch["labels"])  # [b, s]
-    return (per_token.float() * batch["loss_mask"]).sum()
-
-
-@torch.no_grad()
-def evaluate(model, dataset, args: TrainArgs, state: ParallelState) -> float:
-    """Mean loss per token over the fixed validation batches (all DP ranks contribute)."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=state.device)
-    for k in range(args.eval_iters):
-        for batch in rank_batches(dataset, k, args.global_batch_size, state.dp.size,
-                                  state.dp.rank, args.micro_batch_size, state.device):
-            total[0] += _forward_loss(model, batch, args, state.device).double()
-            total[1] += batch["loss_mask"].sum().double()
-    state.dp.all_reduce(total, name="eval loss")
-    model.train()
-    return float(total[0] / total[1].clamp(min=1))
-
-
-def _train_step(model, params, optimizer, scaler, batches, args: TrainArgs,
-                state: ParallelState) -> tuple[float, float, float, bool]:
-    """One optimizer step over this rank's micro-batches; returns (global mean loss, global
-    grad norm, seconds blocked on TP collectives in forward/backward, skipped)."""
-    dp, tp, device = state.dp, state.tp, state.device
-    comm0 = tp.stats.wait_s
-    # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
-    # exact global mean, whatever the DP size or accumulation layout.
-    n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
-    dp.all_reduce(n_tokens, name="token count")
-    denom = float(n_tokens.clamp(min=1))
-    scale = scaler.scale if scaler is not None else 1.0
-    optimizer.zero_grad(set_to_none=False)
-    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    for batch in batches:  # gradient accumulation: the schedule adds into .grad
-        lsum = _forward_loss(model, batch, args, device)
-        (lsum * (scale / denom)).backward()
-        loss_sum += lsum.detach().double()
-    exposed = tp.stats.wait_s - comm0
-    grads = grads_of(params)
-    allreduce_grads(grads, dp)
-    dp.all_reduce(loss_sum, name="loss")
-    if scaler is not None:
-        for grad in grads:
-            grad.mul_(1.0 / scale)
-    norm = global_grad_norm(params, tp)
-    # Every rank must agree to skip, or the replicas would diverge.
-    overflow = any_rank_true(not math.isfinite(norm), (tp, dp), device)
-    if not overflow:
-        clip_grads(params, args.clip_grad, norm)
-        optimizer.step()
-    if scaler is not None:
-        scaler.update(overflow)
-    return float(loss_sum) / denom, norm, exposed, overflow
+    def request(self, signum: int) -> None:
+        self.signum = signum
 
 
 class Trainer:
     """One rank's run: set-up in the constructor (model, optimiser, resume, logger), then
-    :meth:`fit` (the step loop, with evaluation and periodic checkpoints) and :meth:`finish`
-    (final checkpoint, summary, sample). The process group is initialised."""
+    :meth:`fit` (the step loop, with evaluation and checkpoints) and :meth:`finish` (final
+    checkpoint, summary, sample). The process group is initialised."""
 
-    def __init__(self, run: Run, state: ParallelState | None = None) -> None:
+    def __init__(self, run: Run, state: ParallelState | None = None,
+                 stop: StopRequest | None = None) -> None:
         self.wall0 = time.perf_counter()
         args = run.args
         assert run.run_dir is not None, "the run folder is known before training starts"
         self.run, self.args, self.run_dir = run, args, Path(run.run_dir)
+        self.stop = stop if stop is not None else StopRequest()
         self.state = state if state is not None else ParallelState.build(
             args.tensor_model_parallel_size, device=args.device)
         dp, tp = self.state.dp, self.state.tp
@@ -144,104 +76,185 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, args)
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
-        self.start = self._resume() if args.load else 0
         self.rank0 = self.state.world.rank == 0
+        self.start, self.consumed = 0, 0
+        notes = self._resume() if run.resume is not None else []
         self.log = RunLogger(self.run_dir, args.train_iters, self.start, self.rank0,
                              args.tensorboard)
+        self.last_saved = self.start if run.resume is not None and self.start else None
+        self.last_save_t = time.monotonic()
         if self.rank0:
+            for note in notes:
+                self.log.print(note)
             full = sum(p.numel() * (tp.size if is_partitioned(p) else 1) for p in self.params)
             accum = args.global_batch_size // (dp.size * args.micro_batch_size)
             self.log.print(
                 f"model: {full:,} parameters | TP={tp.size} x DP={dp.size} | global batch "
                 f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
                 f"{args.micro_batch_size} x DP {dp.size} x {accum} accumulation step(s) | "
-                f"{len(run.train_ds):,} train samples | Domino plan {run.plan}"
+                f"{len(run.train_ds):,} train samples | Domino plan {self.plan}"
                 + (" (one TP rank: runs unsplit)" if tp.size == 1 else "")
                 + f" | device {self.state.device}")
 
-    def _resume(self) -> int:
-        ckpt = load_checkpoint(self.args.load, self.state)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        if self.scaler is not None and ckpt.get("scaler"):
-            self.scaler.load_state_dict(ckpt["scaler"])
-        self.state.rng.load_state_dict(ckpt["rng"])
-        return int(ckpt["iteration"])
+    @property
+    def plan(self) -> Plan:
+        return stacks_of(self.model)[0].plan
 
-    def _batches(self, index: int) -> list[dict[str, torch.Tensor]]:
-        args, dp = self.args, self.state.dp
-        return rank_batches(self.run.train_ds, index, args.global_batch_size, dp.size, dp.rank,
-                            args.micro_batch_size, self.state.device)
+    def _resume(self) -> list[str]:
+        resume = self.run.resume
+        assert resume is not None
+        load_model(resume.step_dir, resume.meta, self.model, self.state)
+        if resume.weights_only:
+            return [f"initialised from the weights of {resume.step_dir} (no optimizer state): a "
+                    "new run from step 0"]
+        load_optimizer(resume.step_dir, resume.meta, self.optimizer, self.model, self.state)
+        load_rng(resume.step_dir, resume.meta, self.state)
+        if self.scaler is not None and resume.meta.scaler:
+            self.scaler.load_state_dict(resume.meta.scaler)
+        self.start, self.consumed = resume.start_step, resume.consumed
+        same = resume.meta.layout["tp"] == self.state.tp.size
+        return [f"resumed from {resume.step_dir} (step {self.start}, saved at TP="
+                f"{resume.meta.layout['tp']} x DP={resume.meta.layout['dp']}"
+                + ("" if same else "; resharded, TP-distinct dropout streams restart") + ")"]
 
+    # -- the step loop ------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        """Train from the resumed step to ``--train-iters`` (or ``--exit-interval``)."""
+        """Train from the resumed step to ``--train-iters`` (or ``--exit-interval``, or a
+        SIGTERM / Ctrl-C, which checkpoint at the step boundary)."""
         args, run = self.args, self.run
         if args.domino_autotune and self.start < args.train_iters:
-            self._autotune()
+            self._choose_plan()
         result = TrainResult()
         g, s = args.global_batch_size, args.seq_length
         window: dict[str, float] = {}
+        bad_since: int | None = None
         for step in range(self.start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             set_lr(self.optimizer, lr := learning_rate(step, args))
-            batches = self._batches(step - 1)
-            _maybe_fail(step, self.state.world.rank)
-            loss, norm, exposed, overflow = _train_step(
-                self.model, self.params, self.optimizer, self.scaler, batches, args, self.state)
-            result.skipped += overflow
+            dp = self.state.dp
+            batches = rank_batches(run.train_ds, self.consumed, g, dp.size, dp.rank,
+                                   args.micro_batch_size, self.state.device)
+            maybe_fail(step, self.state.world.rank)
+            clock_due = bool(args.save_interval_minutes
+                             and time.monotonic() - self.last_save_t
+                             >= args.save_interval_minutes * 60)
+            out = train_step(self.model, self.params, self.optimizer, self.scaler, batches, args,
+                             self.state, requests=(self.stop.signum is not None, clock_due))
+            stop_requested, save_due = out.requests
+            self.consumed += g
+            result.skipped += out.skipped
             step_time = time.perf_counter() - t0
-            result.losses.append(loss)
-            result.grad_norms.append(norm)
-            self.log.step(step, loss)
-            for key, value in (("loss", loss), ("time", step_time), ("comm", exposed),
-                               ("n", 1.0)):
+            result.losses.append(out.loss)
+            result.grad_norms.append(out.grad_norm)
+            self.log.step(step, out.loss)
+            for key, value in (("loss", out.loss), ("time", step_time),
+                               ("comm", out.exposed_comm_s), ("n", 1.0)):
                 window[key] = window.get(key, 0.0) + value
+            bad = not math.isfinite(out.loss) or (out.skipped and (
+                self.scaler is None or self.scaler.scale <= self.scaler.min_scale))
+            bad_since = (bad_since or step) if bad else None
+            if bad_since is not None and args.max_nonfinite_steps \
+                    and step - bad_since + 1 >= args.max_nonfinite_steps:
+                self.log.close()
+                raise TrainingDiverged(
+                    f"the loss or the gradients were NaN/inf for {step - bad_since + 1} "
+                    f"consecutive steps ({bad_since}-{step}); stopped without saving (the last "
+                    f"checkpoint, {self._last_checkpoint()}, is untouched). Lower --lr, check "
+                    "the data, or raise --max-nonfinite-steps")
             rec: dict[str, float | int] = {}
-            stop = bool(args.exit_interval and step % args.exit_interval == 0)
-            last = stop or step == args.train_iters
-            if run.valid_ds is not None and ((args.eval_interval
-                                              and step % args.eval_interval == 0) or last):
-                val = evaluate(self.model, run.valid_ds, args, self.state)
+            exit_now = bool(args.exit_interval and step % args.exit_interval == 0)
+            last = exit_now or step == args.train_iters
+            if run.valid_ds is not None and not stop_requested and (
+                    (args.eval_interval and step % args.eval_interval == 0) or last):
+                val, _ = evaluate(self.model, run.valid_ds, args, self.state)
                 result.val_losses.append((step, val))
                 rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-            if rec or last or step % args.log_interval == 0:
+            if rec or last or stop_requested or step % args.log_interval == 0:
                 n = window["n"]
-                rec = {"step": step, "loss": window["loss"] / n, "lr": lr, "grad_norm": norm,
-                       "tokens_per_s": g * s * n / window["time"],
+                rec = {"step": step, "loss": window["loss"] / n, "lr": lr,
+                       "grad_norm": out.grad_norm, "tokens_per_s": g * s * n / window["time"],
                        "step_time_s": window["time"] / n, "exposed_comm_s": window["comm"] / n,
                        "skipped": result.skipped, **rec}
                 if self.scaler is not None:
                     rec["loss_scale"] = self.scaler.scale
                 self.log.record(rec)
                 window = {}
-            if stop:
+            if stop_requested:
+                self.save(step)
+                result.stopped_at = step
                 break
-            if args.save_interval and step % args.save_interval == 0 and not last:
-                self._save(step)
+            if exit_now:
+                break
+            if not last and ((args.save_interval and step % args.save_interval == 0)
+                             or save_due):
+                self.save(step)
         return result
 
     def finish(self, result: TrainResult) -> TrainResult:
         """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
         self.log.close()
-        if result.losses:
-            self._save(self.start + len(result.losses))
+        if result.losses and result.stopped_at is None:
+            self.save(self.start + len(result.losses))
         result.wall_s = time.perf_counter() - self.wall0
         if self.rank0:
             _summary(self.log, result, self.run_dir)
-        if self.args.sample_tokens and self.state.dp.rank == 0:
+        if result.stopped_at is not None:
+            if self.rank0:
+                name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal"
+                self.log.print(f"stopped by {name} after step {result.stopped_at}; resume with "
+                               f"--load {self.run_dir}")
+        elif self.args.sample_tokens and self.state.dp.rank == 0:
             result.sample = _sample(self.model, self.state, self.run.tokenizer, self.run.config,
                                     self.args, self.log, self.run_dir)
         return result
 
-    def _autotune(self) -> None:
-        """Time the candidate plans on this rank's first micro-batch of the first step and
-        train with the fastest (gradients and RNG states are restored: training is unchanged
-        but for the plan)."""
+    # -- checkpoints ------------------------------------------------------------------------
+    def save(self, step: int) -> bool:
+        """Checkpoint ``step`` (every rank calls this); False when the weights are not finite
+        (the previous checkpoint stays the latest)."""
+        if self.last_saved == step:
+            return True
+        finite = all(bool(torch.isfinite(p).all()) for p in self.params)
+        (broken,) = agree([not finite], self.state.world, self.state.device)
+        if broken:
+            self.log.print(f"not saving step {step}: the weights are NaN/inf (the last "
+                           f"checkpoint, {self._last_checkpoint()}, stays the latest)")
+            return False
+        t0 = time.perf_counter()
+        meta = Meta(step=step, consumed_samples=self.consumed, config=self.run.config.to_dict(),
+                    layout={}, tensors={}, files={}, plan=str(self.plan),
+                    args=self.args.to_dict(),
+                    scaler=self.scaler.state_dict() if self.scaler is not None else None,
+                    library_version=domino.__version__)
+        folder = save(self.run_dir, step, self.state, self.model, self.optimizer, meta,
+                      keep=self.args.keep_checkpoints, tokenizer=self.run.tokenizer)
+        self.last_saved, self.last_save_t = step, time.monotonic()
+        if self.rank0:
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            self.log.note(step, f"checkpoint {folder.name}: {size / 2**20:.1f} MiB in "
+                                f"{time.perf_counter() - t0:.2f} s")
+        return True
+
+    def _last_checkpoint(self) -> str:
+        return f"step {self.last_saved}" if self.last_saved is not None else "none"
+
+    def _choose_plan(self) -> None:
+        """``--domino-autotune``: a resumed run keeps the plan it was tuned to (the same plan
+        is what makes the resume exact); a new one times the candidates on this rank's first
+        micro-batch and keeps the fastest (gradients and RNG states are restored)."""
+        resume = self.run.resume
+        if resume is not None and not resume.weights_only and resume.meta.plan:
+            plan = Plan.parse(resume.meta.plan)
+            set_plan(self.model, plan)
+            self.log.print(f"autotune: keeping the checkpoint's plan {plan}")
+            return
         args, state = self.args, self.state
-        batch = self._batches(self.start)[0]
+        batch = rank_batches(self.run.train_ds, self.consumed, args.global_batch_size,
+                             state.dp.size, state.dp.rank, args.micro_batch_size,
+                             state.device)[0]
 
         def fwd_bwd() -> None:
-            _forward_loss(self.model, batch, args, state.device).backward()
+            forward_loss(self.model, batch, args, state.device).backward()
 
         best, times = autotune(self.model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
         medians = {str(p): statistics.median(t) for p, t in times.items()}
@@ -253,20 +266,15 @@ class Trainer:
                 {"chosen": str(best), "median_s": medians,
                  "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
 
-    def _save(self, step: int) -> None:
-        save_checkpoint(self.run_dir, step, self.state, {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": self.state.rng.state_dict(), "args": self.args.to_dict()})
 
-
-def train(run: Run, state: ParallelState | None = None) -> TrainResult:
+def train(run: Run, state: ParallelState | None = None,
+          stop: StopRequest | None = None) -> TrainResult:
     """Train on this rank (the process group is initialised); returns what this rank saw."""
-    trainer = Trainer(run, state)
+    trainer = Trainer(run, state, stop)
     return trainer.finish(trainer.fit())
 
 
-def _sample(model, state: ParallelState, tokenizer, config, args: TrainArgs, log: RunLogger,
+def _sample(model, state: ParallelState, tokenizer, config, args, log: RunLogger,
             run_dir: Path) -> str:
     """Generate from the trained model (the TP group of DP rank 0); rank 0 prints it."""
     prompt = tokenizer.encode(args.sample_prompt) or [tokenizer.eod]

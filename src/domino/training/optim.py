@@ -114,12 +114,11 @@ def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> 
                 p.grad.mul_(coeff)
 
 
-def any_rank_true(flag: bool, groups: Sequence[CommGroup], device: torch.device) -> bool:
-    """True when ``flag`` is set on any rank of ``groups`` (TP then DP covers the world)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    for group in groups:
-        group.all_reduce(t, op=dist.ReduceOp.MAX, name="found inf")
-    return bool(t.item() > 0)
+def agree(flags: Sequence[bool], group: CommGroup, device: torch.device) -> list[bool]:
+    """Each flag, true when it is set on any rank of ``group`` (one small collective)."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+    group.all_reduce(t, op=dist.ReduceOp.MAX, name="agree")
+    return [bool(v > 0) for v in t.tolist()]
 
 
 class DynamicLossScaler:

@@ -5,6 +5,7 @@ process starts and fills in the derived settings.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from domino.config import TransformerConfig
 from domino.data.tokenizer import Tokenizer
 from domino.parallel_state import check_sizes
 from domino.plan import Plan
-from domino.training.arguments import TrainArgs
+from domino.training.arguments import TrainArgs, field_types
 from domino.training.data import (
     build_datasets,
     check_tokenizer,
@@ -26,6 +27,13 @@ from domino.training.data import (
     normalize_prefix,
     open_dataset,
     prepare_default_corpus,
+)
+from domino.training.resume import (
+    Resume,
+    check_compatible,
+    check_free_space,
+    check_save_dir,
+    open_resume,
 )
 
 
@@ -41,6 +49,7 @@ class Run:
     train_ds: Any
     valid_ds: Any
     run_dir: Path | None = None
+    resume: Resume | None = None  # the checkpoint this run continues from
 
 
 def under_torchrun() -> bool:
@@ -49,14 +58,25 @@ def under_torchrun() -> bool:
 
 def model_config(args: TrainArgs, vocab_size: int) -> TransformerConfig:
     """The TransformerConfig of a run (raises ValueError with the field's message)."""
+    if args.swiglu and args.openai_gelu:
+        raise ValueError("--swiglu and --openai-gelu pick different activations; pass one.")
+    activation = "swiglu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu"
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, vocab_size=vocab_size,
         ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
-        normalization=args.normalization, activation="swiglu" if args.swiglu else "gelu",
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling_type=args.rope_scaling_type, rope_scaling_factor=args.rope_scaling_factor,
+        rope_low_freq_factor=args.rope_low_freq_factor,
+        rope_high_freq_factor=args.rope_high_freq_factor,
+        rope_original_max_position_embeddings=args.rope_original_max_position_embeddings,
+        normalization=args.normalization, activation=activation,
+        add_bias_linear=not args.disable_bias_linear, layernorm_epsilon=args.norm_epsilon,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
@@ -79,10 +99,16 @@ def _positive(args: TrainArgs, *names: str, allow_zero: bool = False) -> None:
 
 
 def _check_scalars(args: TrainArgs) -> None:
+    for name, kind in field_types().items():
+        value = getattr(args, name)
+        if kind is float and value is not None and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be a finite number.")
     _positive(args, "micro_batch_size", "train_iters", "log_interval", "lr", "seq_length",
               "distributed_timeout_minutes")
     _positive(args, "eval_interval", "eval_iters", "min_lr", "lr_warmup_iters", "weight_decay",
-              "clip_grad", "save_interval", "exit_interval", "sample_tokens", allow_zero=True)
+              "clip_grad", "save_interval", "exit_interval", "sample_tokens",
+              "save_interval_minutes", "keep_checkpoints", "max_nonfinite_steps",
+              allow_zero=True)
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr={args.min_lr} is larger than --lr={args.lr}.")
     if args.top_k < 1:
@@ -125,14 +151,6 @@ def _check_batches(args: TrainArgs, dp: int) -> None:
                      width_name="--hidden-size")
 
 
-def _check_load(args: TrainArgs) -> None:
-    if args.load is None:
-        return
-    from domino.training.checkpoint import find_checkpoint
-
-    find_checkpoint(args.load, args.tensor_model_parallel_size)  # raises ValueError
-
-
 def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool = True,
                 run_dir: Path | None = None) -> Run:
     """Check everything that can be checked without starting processes and build the run; fills
@@ -163,18 +181,33 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
         scratch = Path(args.save) if args.save else default_run_dir()
         args.data_path = prepare_default_corpus(args, scratch, progress)
     args.data_path = normalize_prefix(args.data_path)
-    run = build_run(args, run_dir)
-    _check_load(args)
+    resume = None
+    if args.load is not None:
+        # Rank 0 of each host hashes every file; the other local ranks check sizes only.
+        hashes = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        resume = open_resume(args, hashes=hashes, progress=progress)
+    if args.save is not None:
+        check_save_dir(args, resume)
+    run = build_run(args, run_dir, resume)
+    if resume is not None:
+        check_compatible(args, run, resume)
+    if args.save is not None:
+        check_free_space(args, run.config)
     return run
 
 
-def build_run(args: TrainArgs, run_dir: Path | None = None) -> Run:
+def build_run(args: TrainArgs, run_dir: Path | None = None,
+              resume: Resume | None = None) -> Run:
     """The run of already resolved settings (what :func:`prepare_run` returns; a locally
     launched rank builds its own from the saved settings)."""
+    if resume is None and args.load is not None:
+        resume = open_resume(args, hashes=False, progress=False)
     tokenizer = make_tokenizer(args)
     ds = open_dataset(args.data_path)
     check_tokenizer(ds, tokenizer)
     config = model_config(args, tokenizer.vocab_size)
     config.validate_parallel(args.tensor_model_parallel_size)
-    train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer))  # split/size checks
-    return Run(args, config, args.plan(), tokenizer, train_ds, valid_ds, run_dir)
+    start, consumed = (0, 0) if resume is None else (resume.start_step, resume.consumed)
+    train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer),  # split/size checks
+                                        start_step=start, consumed_samples=consumed)
+    return Run(args, config, args.plan(), tokenizer, train_ds, valid_ds, run_dir, resume)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -16,14 +17,31 @@ from domino.parallel_state import init_distributed, shutdown_distributed
 from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
 from domino.training.launch import write_config
-from domino.training.loop import train
+from domino.training.loop import StopRequest, TrainingDiverged, train
 from domino.training.prepare import Run, build_run, default_run_dir
 
 
+def _stop_on_signals() -> StopRequest:
+    """SIGTERM (what launchers and clusters send before preemption) or SIGINT: checkpoint at
+    the next step boundary and exit 128 + signal; a second one stops at once."""
+    stop = StopRequest()
+
+    def handler(signum: int, _frame) -> None:
+        if stop.signum is not None:
+            raise KeyboardInterrupt
+        stop.request(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return stop
+
+
 def run_worker(run: Run) -> int:
-    """Train on this rank; returns its exit code (1 on an error, reported with the rank)."""
+    """Train on this rank; returns its exit code (1 on an error, reported with the rank;
+    128 + signal after a SIGTERM / SIGINT checkpoint)."""
     rank = int(os.environ.get("RANK", "0"))
     args = run.args
+    stop = _stop_on_signals()
     try:
         device = init_distributed(args.device, args.distributed_timeout_minutes * 60.0)
         if device.type == "cpu":
@@ -36,14 +54,16 @@ def run_worker(run: Run) -> int:
             if rank == 0:
                 write_config(run.run_dir, args)
         args.device = str(device)
-        train(run)
+        result = train(run, stop=stop)
         world.barrier()  # DP rank 0's TP group may still be sampling: leave together
+        if result.stopped_at is not None:
+            return 128 + (stop.signum or signal.SIGTERM)
         return 0
     except KeyboardInterrupt:
         return 130
     except Exception as err:  # report with the rank, then fail: the launcher stops the rest
         sys.stderr.write(f"[rank {rank}] {type(err).__name__}: {err}\n")
-        if not isinstance(err, ValueError):
+        if not isinstance(err, ValueError | TrainingDiverged):
             traceback.print_exc()
         return 1
     finally:

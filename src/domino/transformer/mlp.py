@@ -21,6 +21,7 @@ class MLP(nn.Module):
                  device: torch.device | None = None) -> None:
         super().__init__()
         self.swiglu = config.activation == "swiglu"
+        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         width = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
@@ -43,4 +44,4 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
-        return F.gelu(h)
+        return F.gelu(h, approximate=self.gelu_approximate)

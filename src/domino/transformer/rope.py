@@ -1,27 +1,62 @@
-"""Rotary position embeddings (RoPE), with partial rotation and position interpolation."""
+"""Rotary position embeddings (RoPE), with partial rotation, position interpolation and Llama 3's
+frequency scaling.
+
+Channels are rotated in halves (``x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]``, the
+convention of GPT-NeoX and Hugging Face's Llama), so Llama weights map over without permutation.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3``): wavelengths longer than the
+    original context / ``low_freq_factor`` are stretched by ``factor``, those shorter than the
+    original context / ``high_freq_factor`` are kept, and the band between is interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        old = float(self.original_max_position_embeddings)
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
 
 
 class RotaryEmbedding(nn.Module):
     """Angles for RoPE. ``forward(position_ids [b, s])`` returns angles [s, b, 1, rot_dim].
 
     Positions are divided by ``seq_len_interpolation_factor`` when set (position interpolation),
-    so a model can run on sequences longer than it was trained on.
+    so a model can run on sequences longer than it was trained on; ``scaling`` rescales the
+    frequencies instead (Llama 3).
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: int = 10000,
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0,
                  seq_len_interpolation_factor: float | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 scaling: Llama3Scaling | None = None) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         self.interpolation = seq_len_interpolation_factor
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32,
-                                                  device=device) / self.dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64).to(torch.float32) / self.dim
+        inv_freq = 1.0 / (float(base) ** exponents)
+        if scaling is not None:
+            inv_freq = scaling.apply(inv_freq)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         # Angles live where the positions are (the activations' device).

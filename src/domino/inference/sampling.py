@@ -1,4 +1,5 @@
-"""Text generation with the KV cache, run by every rank of one TP group in lockstep."""
+"""Text generation with the KV cache, run by every rank of one TP group in lockstep (the final
+sample of `domino train`, and `domino generate`)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ from domino.transformer import InferenceParams
 @torch.no_grad()
 def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int],
              max_new_tokens: int, vocab_size: int, max_context: int, top_k: int = 1,
-             temperature: float = 1.0, seed: int = 0, banned: tuple[int, ...] = ()) -> list[int]:
+             temperature: float = 1.0, seed: int = 0, banned: tuple[int, ...] = (),
+             top_p: float = 1.0, stop: tuple[int, ...] = (),
+             use_cache: bool = True) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns only the new ones.
 
-    Greedy when ``top_k == 1``, else top-k sampling with a generator seeded by ``seed``. Tokens
-    are chosen on TP rank 0 and broadcast, so every TP rank feeds the same ids. When the context
+    Greedy when ``top_k == 1``, else sampling at ``temperature`` from the ``top_k`` most likely
+    tokens (0: all) within nucleus ``top_p``, with a generator seeded by ``seed``. Tokens are
+    chosen on TP rank 0 and broadcast, so every TP rank feeds the same ids. When the context
     fills the position table the cache is rebuilt from the last half of the text (a sliding
-    window), so samples can be longer than the training sequence. ``banned`` ids (e.g. EOD)
-    are never chosen.
+    window), so samples can be longer than the training sequence. ``banned`` ids (e.g. EOD) are
+    never chosen; generation ends after a ``stop`` id (kept in the output). Without
+    ``use_cache`` every step recomputes the whole window (a check of the cache).
     """
     was_training = model.training
     model.eval()
@@ -38,29 +43,39 @@ def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int]
                     window_start = len(tokens) - max(max_context // 2, 1)
                 params = InferenceParams(max_batch_size=1, max_sequence_length=max_context)
                 fed = 0
+            if not use_cache:  # the whole window, every step, no cache
+                fed = 0
             chunk = tokens[window_start + fed:]
             ids = torch.tensor([chunk], dtype=torch.long, device=device)
             pos = torch.arange(fed, fed + len(chunk), device=device).unsqueeze(0)
-            logits = model(ids, pos, None, inference_params=params)  # [1, n, v/tp]
+            logits = model(ids, pos, None, inference_params=params if use_cache else None)
             params.sequence_len_offset += len(chunk)
             fed += len(chunk)
             last = state.tp.all_gather_last_dim(logits[:, -1].float())[0, :vocab_size]
             if banned:
                 last[list(banned)] = float("-inf")
-            nxt = _choose(last, top_k, temperature, gen)
+            nxt = _choose(last, top_k, top_p, temperature, gen)
             state.tp.broadcast(nxt)
             token = int(nxt.item())
             tokens.append(token)
             new.append(token)
+            if token in stop:
+                break
     finally:
         model.train(was_training)
     return new
 
 
-def _choose(logits: torch.Tensor, top_k: int, temperature: float,
+def _choose(logits: torch.Tensor, top_k: int, top_p: float, temperature: float,
             gen: torch.Generator) -> torch.Tensor:
-    if top_k <= 1:
+    if top_k == 1:
         return logits.argmax().reshape(1)
-    values, index = torch.topk(logits / temperature, min(top_k, logits.numel()))
+    k = logits.numel() if top_k <= 0 else min(top_k, logits.numel())
+    values, index = torch.topk(logits / temperature, k)  # sorted, most likely first
     probs = torch.softmax(values, dim=-1)
+    if top_p < 1.0:
+        # The smallest head of the ranking whose mass reaches top_p (at least one token).
+        keep = (probs.cumsum(-1) - probs) < top_p
+        probs = probs * keep
+        probs = probs / probs.sum()
     return index[torch.multinomial(probs, 1, generator=gen)].reshape(1)

@@ -1,0 +1,347 @@
+"""Hugging Face ``transformers`` interop: our GPT as GPT-2 (LayerNorm, GELU, learned positions,
+biases) or Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention), both ways.
+
+Written from the two formats' documented layouts (``config.json`` keys, weight names and
+shapes), so neither export nor import needs ``transformers`` installed. Weight layouts:
+
+* our fused QKV rows are grouped per query group, ``[q heads of group g | k_g | v_g]``; GPT-2's
+  ``c_attn`` is ``[all q | all k | all v]`` (and, as a ``Conv1D``, stored transposed); Llama
+  keeps ``q_proj`` / ``k_proj`` / ``v_proj`` apart;
+* our SwiGLU ``fc1`` is ``[gate; up]`` (Llama's ``gate_proj`` and ``up_proj``);
+* vocabulary tables are padded here (to a multiple of 128 x TP) and exact there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from domino.config import TransformerConfig
+
+ARCHITECTURES = ("gpt2", "llama")
+_GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                 "gelu_fast": "gelu_tanh"}
+
+
+def choose_architecture(config: TransformerConfig) -> str:
+    """``gpt2`` or ``llama`` by the model's features; ValueError naming what neither has."""
+    common = []
+    if config.apply_residual_connection_post_layernorm:
+        common.append("the residual taken after the norm (post-LN)")
+    if not config.final_layernorm:
+        common.append("no final norm")
+    gpt2 = list(common)
+    if config.normalization != "LayerNorm":
+        gpt2.append(f"{config.normalization} (GPT-2 has LayerNorm)")
+    if config.activation not in ("gelu", "gelu_tanh"):
+        gpt2.append(f"{config.activation} (GPT-2 has GELU)")
+    if config.position_embedding_type != "learned_absolute":
+        gpt2.append(f"{config.position_embedding_type} positions (GPT-2 has learned ones)")
+    if not config.add_bias_linear:
+        gpt2.append("no linear biases (GPT-2 has them)")
+    if config.num_query_groups != config.num_attention_heads:
+        gpt2.append("grouped-query attention (GPT-2 has one K/V per head)")
+    if config.kv_channels * config.num_attention_heads != config.hidden_size:
+        gpt2.append("heads x head size != hidden size")
+    if not gpt2:
+        return "gpt2"
+    llama = list(common)
+    if config.normalization != "RMSNorm":
+        llama.append(f"{config.normalization} (Llama has RMSNorm)")
+    if config.activation != "swiglu":
+        llama.append(f"{config.activation} (Llama has SwiGLU)")
+    if config.position_embedding_type != "rope":
+        llama.append(f"{config.position_embedding_type} positions (Llama has RoPE)")
+    elif config.rotary_percent != 1.0:
+        llama.append(f"RoPE on {config.rotary_percent:.0%} of each head (Llama rotates all)")
+    if config.rope_scaling_type is not None and config.rotary_seq_len_interpolation_factor:
+        llama.append("both RoPE position interpolation and llama3 scaling")
+    if not llama:
+        return "llama"
+    raise ValueError("neither GPT-2 nor Llama can express this model: as GPT-2 it has "
+                     + "; ".join(gpt2) + ". As Llama it has " + "; ".join(llama) + ".")
+
+
+# ---- configs ----------------------------------------------------------------------------------
+
+
+def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
+    """The ``config.json`` of the exported model."""
+    tie = not config.untie_embeddings_and_output_weights
+    if arch == "gpt2":
+        return {
+            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
+            "n_embd": config.hidden_size, "n_layer": config.num_layers,
+            "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
+            "activation_function": "gelu" if config.activation == "gelu"
+            else "gelu_pytorch_tanh",
+            "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
+            "attn_pdrop": config.attention_dropout,
+            "layer_norm_epsilon": config.layernorm_epsilon,
+            "initializer_range": config.init_method_std, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": tie, "bos_token_id": eod, "eos_token_id": eod,
+            "torch_dtype": "float32",
+        }
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling_type == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": config.rotary_base,
+                "factor": config.rope_scaling_factor,
+                "low_freq_factor": config.rope_low_freq_factor,
+                "high_freq_factor": config.rope_high_freq_factor,
+                "original_max_position_embeddings": config.rope_original_max_position_embeddings}
+    elif config.rotary_seq_len_interpolation_factor:
+        rope = {"rope_type": "linear", "rope_theta": config.rotary_base,
+                "factor": config.rotary_seq_len_interpolation_factor}
+    legacy = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
+        "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
+        "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
+        "attention_dropout": config.attention_dropout, "tie_word_embeddings": tie,
+        "rope_parameters": rope,
+        # transformers < 5 reads these two instead of rope_parameters
+        "rope_theta": config.rotary_base,
+        "rope_scaling": None if rope["rope_type"] == "default" else legacy,
+        "bos_token_id": eod, "eos_token_id": eod, "pretraining_tp": 1,
+        "torch_dtype": "float32",
+    }
+
+
+def _get(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    return default
+
+
+def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | None]:
+    """(architecture, our config, end-of-text id) of a ``config.json``; ValueError naming the
+    setting we cannot represent."""
+    arch = raw.get("model_type")
+    eos = raw.get("eos_token_id")
+    eod = eos[0] if isinstance(eos, list) and eos else eos
+    if arch == "gpt2":
+        for key, ok in (("scale_attn_by_inverse_layer_idx", False),
+                        ("reorder_and_upcast_attn", False), ("add_cross_attention", False),
+                        ("scale_attn_weights", True)):
+            if raw.get(key, ok) != ok:
+                raise ValueError(f"GPT-2 config {key}={raw[key]!r} is not supported (only {ok})")
+        act = raw.get("activation_function", "gelu_new")
+        if act not in _GELU_FROM_HF:
+            raise ValueError(f"GPT-2 activation_function={act!r} is not supported; one of "
+                             f"{', '.join(_GELU_FROM_HF)}")
+        hidden, positions = int(_get(raw, "n_embd", "hidden_size")), int(
+            _get(raw, "n_positions", "max_position_embeddings"))
+        config = TransformerConfig(
+            num_layers=int(_get(raw, "n_layer", "num_hidden_layers")), hidden_size=hidden,
+            num_attention_heads=int(_get(raw, "n_head", "num_attention_heads")),
+            vocab_size=int(raw["vocab_size"]), ffn_hidden_size=_get(raw, "n_inner"),
+            max_position_embeddings=positions, seq_length=positions,
+            activation=_GELU_FROM_HF[act],
+            layernorm_epsilon=float(raw.get("layer_norm_epsilon", 1e-5)),
+            hidden_dropout=float(raw.get("resid_pdrop", 0.0)),
+            attention_dropout=float(raw.get("attn_pdrop", 0.0)),
+            init_method_std=float(raw.get("initializer_range", 0.02)),
+            untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", True))
+        return arch, config, eod
+    if arch == "llama":
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Llama hidden_act={act!r} is not supported (only silu: SwiGLU)")
+        if raw.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"Llama pretraining_tp={raw['pretraining_tp']} is not supported")
+        bias = bool(raw.get("attention_bias", False))
+        if bool(raw.get("mlp_bias", False)) != bias:
+            raise ValueError("Llama attention_bias != mlp_bias is not supported (one flag here)")
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        extra: dict[str, Any] = {}
+        if kind == "llama3":
+            extra = dict(rope_scaling_type="llama3", rope_scaling_factor=float(rope["factor"]),
+                         rope_low_freq_factor=float(rope["low_freq_factor"]),
+                         rope_high_freq_factor=float(rope["high_freq_factor"]),
+                         rope_original_max_position_embeddings=int(
+                             rope["original_max_position_embeddings"]))
+        elif kind == "linear":
+            extra = dict(rotary_seq_len_interpolation_factor=float(rope["factor"]))
+        elif kind != "default":
+            raise ValueError(f"Llama RoPE type {kind!r} is not supported (default, linear, "
+                             "llama3)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("Llama partial_rotary_factor != 1 is not supported")
+        heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+        positions = int(raw.get("max_position_embeddings", 2048))
+        config = TransformerConfig(
+            num_layers=int(raw["num_hidden_layers"]), hidden_size=hidden,
+            num_attention_heads=heads, vocab_size=int(raw["vocab_size"]),
+            ffn_hidden_size=int(raw["intermediate_size"]),
+            num_query_groups=int(raw.get("num_key_value_heads") or heads),
+            kv_channels=int(raw.get("head_dim") or hidden // heads),
+            max_position_embeddings=positions, seq_length=min(positions, 4096),
+            position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
+            activation="swiglu", add_bias_linear=bias,
+            layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)), hidden_dropout=0.0,
+            attention_dropout=float(raw.get("attention_dropout", 0.0)),
+            init_method_std=float(raw.get("initializer_range", 0.02)),
+            untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", False),
+            **extra)
+        return arch, config, eod
+    raise ValueError(f"model_type {arch!r} is not supported; `domino import` reads gpt2 and "
+                     "llama models")
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+_LM = "language_model."
+_ENC = _LM + "encoder."
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    heads: int
+    groups: int
+    head_dim: int
+
+    @property
+    def per_group(self) -> int:
+        return self.heads // self.groups
+
+
+def _shapes(config: TransformerConfig) -> _Shapes:
+    return _Shapes(config.num_attention_heads, config.num_query_groups, config.kv_channels)
+
+
+def _qkv_to_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Shapes) -> torch.Tensor:
+    """[q (heads*d) ; k (groups*d) ; v] rows (any trailing dims) -> our per-group layout."""
+    tail = q.shape[1:]
+    qg = q.reshape(s.groups, s.per_group * s.head_dim, *tail)
+    kg = k.reshape(s.groups, s.head_dim, *tail)
+    vg = v.reshape(s.groups, s.head_dim, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def _qkv_from_ours(w: torch.Tensor, s: _Shapes) -> tuple[torch.Tensor, ...]:
+    tail = w.shape[1:]
+    g = w.reshape(s.groups, (s.per_group + 2) * s.head_dim, *tail)
+    q, k, v = g.split([s.per_group * s.head_dim, s.head_dim, s.head_dim], dim=1)
+    return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
+
+
+def to_hf(ours: dict[str, torch.Tensor], config: TransformerConfig, arch: str
+          ) -> dict[str, torch.Tensor]:
+    """Our full (TP=1) weights -> the HF model's state dict (vocabulary padding dropped)."""
+    s, v = _shapes(config), config.vocab_size
+    out: dict[str, torch.Tensor] = {}
+    tie = not config.untie_embeddings_and_output_weights
+    if arch == "gpt2":
+        out["transformer.wte.weight"] = ours[_LM + "embedding.word_embeddings.weight"][:v]
+        out["transformer.wpe.weight"] = ours[_LM + "embedding.position_embeddings.weight"]
+        for i in range(config.num_layers):
+            a, h = f"{_ENC}layers.{i}.", f"transformer.h.{i}."
+            for ours_norm, hf_norm in (("input_layernorm", "ln_1"),
+                                       ("post_attention_layernorm", "ln_2")):
+                out[h + hf_norm + ".weight"] = ours[a + ours_norm + ".weight"]
+                out[h + hf_norm + ".bias"] = ours[a + ours_norm + ".bias"]
+            q, k, vv = _qkv_from_ours(ours[a + "self_attention.query_key_value.weight"], s)
+            out[h + "attn.c_attn.weight"] = torch.cat([q, k, vv]).t()  # Conv1D: [in, out]
+            qb, kb, vb = _qkv_from_ours(ours[a + "self_attention.query_key_value.bias"], s)
+            out[h + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
+            out[h + "attn.c_proj.weight"] = ours[a + "self_attention.dense.weight"].t()
+            out[h + "attn.c_proj.bias"] = ours[a + "self_attention.dense.bias"]
+            out[h + "mlp.c_fc.weight"] = ours[a + "mlp.dense_h_to_4h.weight"].t()
+            out[h + "mlp.c_fc.bias"] = ours[a + "mlp.dense_h_to_4h.bias"]
+            out[h + "mlp.c_proj.weight"] = ours[a + "mlp.dense_4h_to_h.weight"].t()
+            out[h + "mlp.c_proj.bias"] = ours[a + "mlp.dense_4h_to_h.bias"]
+        out["transformer.ln_f.weight"] = ours[_ENC + "final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = ours[_ENC + "final_layernorm.bias"]
+        if not tie:
+            out["lm_head.weight"] = ours[_LM + "output_layer.weight"][:v]
+        return {k: t.contiguous() for k, t in out.items()}
+    out["model.embed_tokens.weight"] = ours[_LM + "embedding.word_embeddings.weight"][:v]
+    bias = config.add_bias_linear
+    for i in range(config.num_layers):
+        a, h = f"{_ENC}layers.{i}.", f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = ours[a + "input_layernorm.weight"]
+        out[h + "post_attention_layernorm.weight"] = ours[a + "post_attention_layernorm.weight"]
+        for suffix in ("weight", "bias") if bias else ("weight",):
+            q, k, vv = _qkv_from_ours(ours[a + "self_attention.query_key_value." + suffix], s)
+            out[h + "self_attn.q_proj." + suffix] = q
+            out[h + "self_attn.k_proj." + suffix] = k
+            out[h + "self_attn.v_proj." + suffix] = vv
+            out[h + "self_attn.o_proj." + suffix] = ours[a + "self_attention.dense." + suffix]
+            gate, up = ours[a + "mlp.dense_h_to_4h." + suffix].chunk(2, dim=0)
+            out[h + "mlp.gate_proj." + suffix] = gate
+            out[h + "mlp.up_proj." + suffix] = up
+            out[h + "mlp.down_proj." + suffix] = ours[a + "mlp.dense_4h_to_h." + suffix]
+    out["model.norm.weight"] = ours[_ENC + "final_layernorm.weight"]
+    if not tie:
+        out["lm_head.weight"] = ours[_LM + "output_layer.weight"][:v]
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def from_hf(hf: dict[str, torch.Tensor], config: TransformerConfig, arch: str,
+            padded_vocab: int) -> dict[str, torch.Tensor]:
+    """An HF state dict -> our full (TP=1) weights; KeyError names a missing weight."""
+    s = _shapes(config)
+    tie = not config.untie_embeddings_and_output_weights
+    if arch == "gpt2":
+        hf = {k.removeprefix("transformer."): t for k, t in hf.items()}
+        ours = {_LM + "embedding.word_embeddings.weight": _pad_rows(hf["wte.weight"],
+                                                                     padded_vocab),
+                _LM + "embedding.position_embeddings.weight": hf["wpe.weight"]}
+        for i in range(config.num_layers):
+            a, h = f"{_ENC}layers.{i}.", f"h.{i}."
+            for ours_norm, hf_norm in (("input_layernorm", "ln_1"),
+                                       ("post_attention_layernorm", "ln_2")):
+                ours[a + ours_norm + ".weight"] = hf[h + hf_norm + ".weight"]
+                ours[a + ours_norm + ".bias"] = hf[h + hf_norm + ".bias"]
+            wq, wk, wv = hf[h + "attn.c_attn.weight"].t().chunk(3, dim=0)
+            ours[a + "self_attention.query_key_value.weight"] = _qkv_to_ours(wq, wk, wv, s)
+            bq, bk, bv = hf[h + "attn.c_attn.bias"].chunk(3, dim=0)
+            ours[a + "self_attention.query_key_value.bias"] = _qkv_to_ours(bq, bk, bv, s)
+            ours[a + "self_attention.dense.weight"] = hf[h + "attn.c_proj.weight"].t()
+            ours[a + "self_attention.dense.bias"] = hf[h + "attn.c_proj.bias"]
+            ours[a + "mlp.dense_h_to_4h.weight"] = hf[h + "mlp.c_fc.weight"].t()
+            ours[a + "mlp.dense_h_to_4h.bias"] = hf[h + "mlp.c_fc.bias"]
+            ours[a + "mlp.dense_4h_to_h.weight"] = hf[h + "mlp.c_proj.weight"].t()
+            ours[a + "mlp.dense_4h_to_h.bias"] = hf[h + "mlp.c_proj.bias"]
+        ours[_ENC + "final_layernorm.weight"] = hf["ln_f.weight"]
+        ours[_ENC + "final_layernorm.bias"] = hf["ln_f.bias"]
+        if not tie:
+            ours[_LM + "output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab)
+        return {k: t.contiguous() for k, t in ours.items()}
+    ours = {_LM + "embedding.word_embeddings.weight": _pad_rows(
+        hf["model.embed_tokens.weight"], padded_vocab)}
+    bias = config.add_bias_linear
+    for i in range(config.num_layers):
+        a, h = f"{_ENC}layers.{i}.", f"model.layers.{i}."
+        ours[a + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        ours[a + "post_attention_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        for suffix in ("weight", "bias") if bias else ("weight",):
+            ours[a + "self_attention.query_key_value." + suffix] = _qkv_to_ours(
+                hf[h + "self_attn.q_proj." + suffix], hf[h + "self_attn.k_proj." + suffix],
+                hf[h + "self_attn.v_proj." + suffix], s)
+            ours[a + "self_attention.dense." + suffix] = hf[h + "self_attn.o_proj." + suffix]
+            ours[a + "mlp.dense_h_to_4h." + suffix] = torch.cat(
+                [hf[h + "mlp.gate_proj." + suffix], hf[h + "mlp.up_proj." + suffix]])
+            ours[a + "mlp.dense_4h_to_h." + suffix] = hf[h + "mlp.down_proj." + suffix]
+    ours[_ENC + "final_layernorm.weight"] = hf["model.norm.weight"]
+    if not tie:
+        ours[_LM + "output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab)
+    return {k: t.contiguous() for k, t in ours.items()}

@@ -1,0 +1,337 @@
+"""Where a checkpoint's files are, what its JSON says, and how to tell an intact one.
+
+::
+
+    RUN/checkpoints/
+      latest.json                       {"step": 300, "dir": "step_0000300"}, replaced last
+      step_0000300/
+        checkpoint.json                 everything but tensors: format, library version, step,
+                                        consumed samples, model config, plan, settings, tokenizer,
+                                        TP x PP x DP layout, every tensor's name, full shape, dtype,
+                                        how it is split (dim, stride, vocabulary padding) and which
+                                        file holds which part, every file's size and SHA-256
+        model-tp00-pp00.safetensors     one per (TP rank, PP stage): that rank's weights
+        optim-tp00-pp00.safetensors     its AdamW state (exp_avg / exp_avg_sq / step per weight)
+        rng-tp00-pp00.safetensors       its dropout generators' states
+        tokenizer/                      vocab.json + merges.txt (BPE), tokenizer.json (HF), or none
+      step_0000400.tmp/                 a save in progress (or interrupted: removed at next start)
+
+Tensors are only ever read from safetensors files and everything else from JSON: nothing on the
+load path unpickles. A checkpoint directory gets its final name only once every rank's files
+and ``checkpoint.json`` are complete, so a crash mid-save leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "domino-checkpoint"
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+LATEST = "latest.json"
+META = "checkpoint.json"
+TOKENIZER_DIR = "tokenizer"
+TMP_SUFFIX = ".tmp"
+_STEP_RE = re.compile(r"^step_(\d{7,})$")
+_MAX_JSON_BYTES = 256 << 20  # a checkpoint.json of a huge model is a few MiB
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def model_file(tp_rank: int, pp_rank: int = 0) -> str:
+    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def optim_file(tp_rank: int, pp_rank: int = 0) -> str:
+    return f"optim-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def rng_file(tp_rank: int, pp_rank: int = 0) -> str:
+    return f"rng-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+# ---- JSON -----------------------------------------------------------------------------------
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``; CheckpointError naming the file when it is not one."""
+    try:
+        size = path.stat().st_size
+        if size > _MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes is far too large for the {what}")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing (the {what})") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read the {what}: {err}") from None
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not the JSON {what} it should be ({err}); the file "
+                              "is damaged or was replaced") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: the {what} must be a JSON object, not "
+                              f"{type(value).__name__}")
+    return value
+
+
+def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
+    """Write JSON under a temporary name, fsync it, then rename it over ``path``."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of a written file (after fsyncing it)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- the meta record ------------------------------------------------------------------------
+
+
+@dataclass
+class Meta:
+    """What ``checkpoint.json`` holds (see the module docstring)."""
+
+    step: int
+    consumed_samples: int
+    config: dict[str, Any]
+    layout: dict[str, int]  # {"tp": .., "pp": .., "dp": ..} of the run that saved it
+    tensors: dict[str, dict[str, Any]]
+    files: dict[str, dict[str, Any]]
+    plan: str | None = None
+    args: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None
+    has_optimizer: bool = True
+    scaler: dict[str, Any] | None = None
+    rng_seed: int | None = None
+    library_version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION,
+                "library_version": self.library_version, "step": self.step,
+                "consumed_samples": self.consumed_samples, "has_optimizer": self.has_optimizer,
+                "layout": self.layout, "config": self.config, "plan": self.plan,
+                "args": self.args, "tokenizer": self.tokenizer, "scaler": self.scaler,
+                "rng_seed": self.rng_seed, "extra": self.extra, "tensors": self.tensors,
+                "files": self.files}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], path: Path) -> Meta:
+        if raw.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a domino checkpoint record (format "
+                                  f"{raw.get('format')!r}, expected {FORMAT!r})")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {raw.get('format_version')!r}; this "
+                                  f"library reads version {FORMAT_VERSION}")
+        try:
+            meta = cls(step=int(raw["step"]), consumed_samples=int(raw["consumed_samples"]),
+                       config=dict(raw["config"]), layout={k: int(v) for k, v in
+                                                          raw["layout"].items()},
+                       tensors=dict(raw["tensors"]), files=dict(raw["files"]),
+                       plan=raw.get("plan"), args=raw.get("args"),
+                       tokenizer=raw.get("tokenizer"),
+                       has_optimizer=bool(raw.get("has_optimizer", True)),
+                       scaler=raw.get("scaler"), rng_seed=raw.get("rng_seed"),
+                       library_version=str(raw.get("library_version", "")),
+                       extra=dict(raw.get("extra") or {}))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CheckpointError(f"{path}: malformed checkpoint record ({err!r})") from None
+        for key in ("tp", "pp", "dp"):
+            if meta.layout.get(key, 0) < 1:
+                raise CheckpointError(f"{path}: layout {meta.layout} lacks a positive {key!r}")
+        return meta
+
+
+# ---- finding and checking checkpoints ------------------------------------------------------
+
+
+def checkpoints_root(path: str | os.PathLike) -> Path:
+    """The ``checkpoints`` folder for a run folder, a checkpoints folder or a step folder."""
+    p = Path(path)
+    if (p / META).is_file() or _STEP_RE.match(p.name):
+        return p.parent
+    if (p / CHECKPOINTS).is_dir():
+        return p / CHECKPOINTS
+    return p
+
+
+def list_steps(root: Path) -> list[tuple[int, Path]]:
+    """Complete (renamed) step folders under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir():
+            out.append((int(m.group(1)), child))
+    return sorted(out)
+
+
+def partial_saves(root: Path) -> list[Path]:
+    """Leftovers of interrupted saves (folders and files with the temporary suffix)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.endswith(TMP_SUFFIX))
+
+
+def remove_partial_saves(root: Path) -> list[Path]:
+    """Delete what interrupted saves left; returns what was removed."""
+    removed = partial_saves(root)
+    for p in removed:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return removed
+
+
+def latest_step_dir(root: Path) -> Path:
+    """The step folder ``latest.json`` names (CheckpointError when there is none)."""
+    tracker = root / LATEST
+    if not tracker.exists():
+        steps = list_steps(root)
+        hint = (f" ({len(steps)} step folder(s) exist, e.g. {steps[-1][1]}: pass one of them)"
+                if steps else "")
+        raise CheckpointError(f"no checkpoint found in {root} (missing {tracker}){hint}")
+    raw = read_json(tracker, "latest-checkpoint tracker")
+    name = raw.get("dir")
+    if not isinstance(name, str) or not _STEP_RE.match(name):
+        raise CheckpointError(f"{tracker}: 'dir' must name a step folder, got {name!r}")
+    return root / name
+
+
+@dataclass
+class Problem:
+    path: Path
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+def check(step_dir: Path, hashes: bool = True) -> tuple[Meta | None, list[Problem]]:
+    """Read ``checkpoint.json`` and check every file it lists: present, of the recorded size,
+    a parseable safetensors header, and (``hashes``) the recorded SHA-256. Returns the meta
+    (None when the record itself is unusable) and what is wrong."""
+    try:
+        meta = Meta.from_json(read_json(step_dir / META, "checkpoint record"), step_dir / META)
+    except CheckpointError as err:
+        return None, [Problem(step_dir / META, str(err).split(": ", 1)[-1])]
+    problems = []
+    for rel, rec in meta.files.items():
+        path = step_dir / rel
+        if not path.is_file():
+            problems.append(Problem(path, "missing"))
+            continue
+        size = path.stat().st_size
+        if size != rec.get("bytes"):
+            problems.append(Problem(path, f"{size} bytes, but {rec.get('bytes')} were written "
+                                          "(truncated or replaced)"))
+            continue
+        if rel.endswith(".safetensors"):
+            bad = safetensors_header_problem(path)
+            if bad:
+                problems.append(Problem(path, bad))
+                continue
+        if hashes and sha256_of(path) != rec.get("sha256"):
+            problems.append(Problem(path, "content differs from what was written (SHA-256 "
+                                          "mismatch): the file is corrupt"))
+    return meta, problems
+
+
+def safetensors_header_problem(path: Path) -> str | None:
+    """Why ``path`` is not a safetensors file (None when its header parses)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return "too short to be a safetensors file"
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20 or n + 8 > path.stat().st_size:
+                return "not a safetensors file (bad header length)"
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    return None
+
+
+def open_checkpoint(path: str | os.PathLike, hashes: bool = True,
+                    fallback: bool = False) -> tuple[Path, Meta, list[str]]:
+    """The step folder ``path`` means (a run, a checkpoints folder or a step folder), checked.
+
+    Returns (step folder, meta, notes). A damaged checkpoint raises CheckpointError naming
+    every problem and the newest intact checkpoint; with ``fallback`` that one is used instead
+    (``notes`` then says so).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist")
+    root = checkpoints_root(p)
+    explicit = (p / META).is_file() or _STEP_RE.match(p.name) is not None
+    step_dir = p if explicit else latest_step_dir(root)
+    meta, problems = check(step_dir, hashes)
+    if not problems:
+        assert meta is not None
+        return step_dir, meta, []
+    listing = "; ".join(map(str, problems))
+    intact = None
+    for _step, other in reversed(list_steps(root)):
+        if other != step_dir:
+            m, probs = check(other, hashes)
+            if not probs and m is not None:
+                intact = (other, m)
+                break
+    if fallback and intact is not None:
+        return intact[0], intact[1], [f"checkpoint {step_dir.name} is damaged ({listing}); "
+                                      f"using {intact[0].name}, the newest intact one"]
+    hint = (f"; the newest intact checkpoint is {intact[0]} (pass it, or add --load-fallback)"
+            if intact is not None else "; no intact checkpoint remains in " + str(root))
+    raise CheckpointError(f"checkpoint {step_dir} is damaged: {listing}{hint}")

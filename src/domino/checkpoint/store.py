@@ -1,0 +1,247 @@
+"""Saving and loading a run's state: weights, AdamW state and dropout RNG, one file per rank.
+
+Every (TP rank, PP stage) of DP rank 0 writes its own files (no rank gathers the model); global
+rank 0 then writes ``checkpoint.json`` and renames the folder into place, so a checkpoint exists
+only once it is complete. Loading reads each rank's part for *its* TP size, so a checkpoint saved
+at TP=a x DP=x loads at TP=b x DP=y (optimizer state included).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from domino.checkpoint import layout
+from domino.checkpoint.layout import CheckpointError, Meta
+from domino.checkpoint.shards import ShardReader, TensorSpec, describe
+from domino.parallel_state import ParallelState
+from domino.tensor_parallel import is_partitioned
+
+
+def _writes(state: ParallelState) -> bool:
+    """DP replicas hold identical weights and optimizer state: DP rank 0 writes."""
+    return state.dp.rank == 0
+
+
+def named_model_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The tensors a checkpoint holds for ``model``: its parameters, by their names."""
+    yield from model.named_parameters()
+
+
+def _rank_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  state: ParallelState) -> tuple[dict, dict, dict]:
+    """(model, optimizer, spec) tensors this rank writes: sharded ones always, replicated ones
+    only on TP rank 0 (they are identical on every TP rank)."""
+    tp, pp = state.tp, state.pp.rank
+    model_files = [layout.model_file(r, pp) for r in range(tp.size)]
+    optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
+    weights, moments, specs = {}, {}, {}
+    for name, p in named_model_tensors(model):
+        if is_partitioned(p) or tp.rank == 0:
+            weights[name] = p.detach()
+            specs[name] = describe(p.detach(), p, tp.size, model_files)
+        slots = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, value in slots.items():
+            value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            spec = describe(value.detach(), p, tp.size, optim_files)
+            if spec.dim is not None or tp.rank == 0:
+                moments[f"optimizer.{key}/{name}"] = value.detach()
+                specs[f"optimizer.{key}/{name}"] = spec
+    return weights, moments, specs
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
+    save_file({k: v.to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+    return layout.file_record(path)
+
+
+def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None, meta: Meta, keep: int = 0,
+         tokenizer: Any = None) -> Path:
+    """Write checkpoint ``step`` of this run (every rank calls this); returns its folder.
+
+    ``meta`` carries what is not a tensor (its ``tensors`` / ``files`` / ``layout`` are filled in
+    here). ``keep`` > 0 deletes all but the newest ``keep`` checkpoints once this one is in place.
+    """
+    root = Path(run_dir) / layout.CHECKPOINTS
+    final = root / layout.step_dir_name(step)
+    tmp = root / (final.name + layout.TMP_SUFFIX)
+    world = state.world
+    if world.rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / layout.TOKENIZER_DIR).mkdir(parents=True)
+    world.barrier()
+    records: dict[str, Any] = {}
+    specs: dict[str, Any] = {}
+    try:
+        if world.rank == 0 and tokenizer is not None:
+            meta.tokenizer = save_tokenizer(tokenizer, tmp / layout.TOKENIZER_DIR)
+            for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
+                records[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
+        if _writes(state):
+            weights, moments, rank_specs = _rank_tensors(model, optimizer, state)
+            tp, pp = state.tp.rank, state.pp.rank
+            records[layout.model_file(tp, pp)] = _save_tensors(weights,
+                                                               tmp / layout.model_file(tp, pp))
+            if optimizer is not None:
+                records[layout.optim_file(tp, pp)] = _save_tensors(
+                    moments, tmp / layout.optim_file(tp, pp))
+            rng = {k: v for k, v in state.rng.state_dict()["states"].items()}
+            if rng:
+                records[layout.rng_file(tp, pp)] = _save_tensors(rng,
+                                                                 tmp / layout.rng_file(tp, pp))
+            specs = {k: v.to_json() for k, v in rank_specs.items()}
+    except OSError as err:
+        raise CheckpointError(
+            f"saving checkpoint {step} to {tmp} failed: {err}; the previous checkpoint is "
+            "intact (free space on the --save filesystem, or pass another --save)") from None
+    gathered = world.all_gather_json({"files": records, "tensors": specs})
+    if world.rank == 0:
+        meta.files, meta.tensors = {}, {}
+        for part in gathered:
+            meta.files.update(part["files"])
+            meta.tensors.update(part["tensors"])
+        meta.step = step
+        meta.has_optimizer = optimizer is not None
+        meta.layout = {"tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size}
+        meta.rng_seed = state.rng.state_dict()["seed"]
+        layout.write_json_atomic(tmp / layout.META, meta.to_json())
+        _publish(root, tmp, final)
+        layout.write_json_atomic(root / layout.LATEST, {"step": step, "dir": final.name})
+        if keep > 0:
+            for _s, old in layout.list_steps(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    world.barrier()  # nobody moves on (or exits) before the checkpoint is in place
+    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished folder into place (replacing an older save of the same step)."""
+    old = None
+    if final.exists():
+        old = root / (final.name + ".old" + layout.TMP_SUFFIX)
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    layout.fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> dict[str, Any]:
+    """Copy the tokenizer's files into ``folder``; returns its JSON identity record."""
+    record = tokenizer.describe()
+    if hasattr(tokenizer, "save"):
+        tokenizer.save(folder)
+    record["files"] = sorted(f.name for f in folder.iterdir())
+    return record
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def _spec(meta: Meta, name: str, step_dir: Path) -> TensorSpec:
+    raw = meta.tensors.get(name)
+    if raw is None:
+        raise CheckpointError(f"{step_dir / layout.META}: no tensor {name!r}; the checkpoint "
+                              "holds a different model")
+    return TensorSpec.from_json(name, raw)
+
+
+def read_part(reader: ShardReader, meta: Meta, name: str, like: torch.Tensor,
+              state: ParallelState) -> torch.Tensor:
+    """This rank's part of tensor ``name`` shaped like the local tensor ``like``."""
+    spec = _spec(meta, name, reader.folder)
+    if spec.dim is None:
+        out = reader.full(name, spec)
+    else:
+        full_len = like.shape[spec.dim] * state.tp.size if like.dim() > spec.dim else None
+        out = reader.part(name, spec, state.tp.rank, state.tp.size, full_len)
+    if tuple(out.shape) != tuple(like.shape):
+        raise CheckpointError(
+            f"{reader.folder}: tensor {name} has shape {tuple(out.shape)} for TP rank "
+            f"{state.tp.rank} of {state.tp.size}, but the model's is {tuple(like.shape)}; the "
+            "checkpoint holds a different model")
+    return out
+
+
+def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelState) -> None:
+    """Fill ``model``'s weights with this rank's part of the checkpoint's."""
+    reader = ShardReader(step_dir)
+    names = set()
+    with torch.no_grad():
+        for name, p in named_model_tensors(model):
+            p.copy_(read_part(reader, meta, name, p, state).to(p.dtype))
+            names.add(name)
+    extra = sorted(k for k in meta.tensors if not k.startswith("optimizer.") and k not in names)
+    if extra:
+        raise CheckpointError(f"{step_dir}: tensors {extra[:5]} have no place in this model; the "
+                              "checkpoint holds a different model")
+
+
+def load_optimizer(step_dir: Path, meta: Meta, optimizer: torch.optim.Optimizer,
+                   model: nn.Module, state: ParallelState) -> None:
+    """Fill ``optimizer``'s state (AdamW moments and steps) with this rank's part."""
+    reader = ShardReader(step_dir)
+    slots: dict[str, list[str]] = {}
+    for key in meta.tensors:
+        if key.startswith("optimizer."):
+            slot, name = key[len("optimizer."):].split("/", 1)
+            slots.setdefault(name, []).append(slot)
+    for name, p in named_model_tensors(model):
+        entry = {}
+        for slot in slots.get(name, []):
+            key = f"optimizer.{slot}/{name}"
+            like = p if _spec(meta, key, step_dir).shape else torch.empty(())  # scalar: step
+            value = read_part(reader, meta, key, like, state)
+            entry[slot] = value.to(p.device) if value.dim() else value
+        if entry:
+            optimizer.state[p] = entry
+
+
+def load_rng(step_dir: Path, meta: Meta, state: ParallelState) -> None:
+    """Restore the dropout streams. Same TP size: each rank's own. Another TP size: the
+    replicated streams (equal on every TP rank); the TP-distinct ones of the saved ranks do not
+    map onto the new ranks, so they restart from the seed and the step."""
+    same = meta.layout["tp"] == state.tp.size and not meta.extra.get(
+        "rng_model_parallel_restart")
+    rel = layout.rng_file(state.tp.rank if meta.layout["tp"] == state.tp.size else 0,
+                          state.pp.rank)
+    if rel not in meta.files:
+        return
+    states = ShardReader(step_dir).all_tensors(rel)
+    if not same:
+        states = {k: v for k, v in states.items() if k.startswith("replicated|")}
+    state.rng.load_state_dict({"seed": meta.rng_seed, "states": states},
+                              reseed_model_parallel=None if same else meta.step,
+                              device=state.device)
+
+
+def load_tokenizer(step_dir: Path, meta: Meta) -> Any:
+    """The tokenizer a checkpoint was made with (its own copy of the files)."""
+    from domino.data.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer
+
+    record = meta.tokenizer or {}
+    kind = record.get("kind")
+    folder = step_dir / layout.TOKENIZER_DIR
+    if kind == "byte":
+        tok: Any = ByteTokenizer()
+    elif kind == "bpe":
+        tok = BPETokenizer.load(folder)
+    elif kind == "hf":
+        tok = HFTokenizer.load(folder)
+    else:
+        raise CheckpointError(f"{step_dir / layout.META}: no usable tokenizer record ({record!r})")
+    if tok.vocab_hash() != record.get("vocab_hash"):
+        raise CheckpointError(f"{folder}: the tokenizer files differ from the ones the "
+                              "checkpoint was saved with (vocabulary hash mismatch)")
+    return tok

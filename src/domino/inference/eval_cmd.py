@@ -1,0 +1,118 @@
+"""``domino eval RUN_DIR --data-path PREFIX``: loss and perplexity of a saved model on one split
+of a dataset, at any TP x DP size.
+
+By default the whole split once, in the sample order of the run's seed. With ``--eval-iters N``
+it reads, like training's validation, the first N global batches (``--global-batch-size``,
+default the run's), so the numbers equal the ones the run logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from domino.inference.session import add_launch_arguments, launch, load_saved_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_launch_arguments(parser)
+    parser.add_argument("--data-path", required=True, metavar="PREFIX",
+                        help="dataset prefix (PREFIX.bin/.idx, made with the model's tokenizer)")
+    parser.add_argument("--split", default=None,
+                        help="train/valid/test document weights [default: the run's, or 98,2,0]")
+    parser.add_argument("--split-name", choices=("train", "valid", "test"), default="valid")
+    parser.add_argument("--eval-iters", type=int, default=None,
+                        help="only the first N global batches (as training's validation)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="with --eval-iters [default: the run's]")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="samples per forward on each DP rank [default: the run's, or 8]")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="sample length [default: the run's]")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sample order [default: the run's]")
+
+
+def run(ns: argparse.Namespace) -> int:
+    for name in ("eval_iters", "global_batch_size", "micro_batch_size", "seq_length"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    from domino.training.data import normalize_prefix, open_dataset
+
+    open_dataset(normalize_prefix(ns.data_path))  # a missing or empty dataset fails here
+    spec = {k: getattr(ns, k) for k in ("data_path", "split", "split_name", "eval_iters",
+                                         "global_batch_size", "micro_batch_size", "seq_length",
+                                         "seed")}
+    return launch("eval", ns, spec)
+
+
+def rank_main(spec: dict[str, Any], state) -> None:
+    from domino.data.gpt_dataset import GPTDataset, split_documents
+    from domino.training.data import check_tokenizer, eod_of, normalize_prefix, open_dataset
+
+    model, config, tokenizer, meta = load_saved_model(Path(spec["step_dir"]), state)
+    saved = meta.args or {}
+
+    def pick(key: str, default: Any) -> Any:
+        value = spec.get(key)
+        return value if value is not None else saved.get(key, default)
+
+    seq, seed = pick("seq_length", config.seq_length), pick("seed", 1234)
+    micro, split = pick("micro_batch_size", 8), pick("split", "98,2,0")
+    ds = open_dataset(normalize_prefix(spec["data_path"]))
+    check_tokenizer(ds, tokenizer)
+    which = ("train", "valid", "test").index(spec["split_name"])
+    need = [False, False, False]
+    need[which] = True
+    ranges = split_documents(ds.num_documents, split, required=need)
+    options = {k: bool(saved.get(k, False)) for k in ("reset_position_ids",
+                                                      "reset_attention_mask", "eod_mask_loss")}
+    dp = state.dp
+    if spec["eval_iters"] is not None:
+        g = pick("global_batch_size", micro * dp.size)
+        if g % (micro * dp.size):
+            raise ValueError(f"--global-batch-size={g} is not a multiple of --micro-batch-size "
+                             f"{micro} x DP {dp.size}")
+        size: dict[str, Any] = {"num_samples": spec["eval_iters"] * g}
+    else:
+        size = {"num_samples": None, "epochs": 1}
+    samples = GPTDataset(ds, seq, **size, seed=seed, eod_token=eod_of(ds, tokenizer),
+                         split=ranges[which],
+                         create_attention_mask=options["reset_attention_mask"], **options)
+    if len(samples) == 0:
+        raise ValueError(f"the {spec['split_name']} split of {spec['data_path']} holds no "
+                         f"sample of {seq} tokens; use a shorter --seq-length or more data")
+    mine = (list(range(dp.rank, len(samples), dp.size)) if spec["eval_iters"] is None
+            else _slice(len(samples), dp.size, dp.rank, g))
+    total = torch.zeros(2, dtype=torch.float64, device=state.device)
+    with torch.no_grad():
+        for start in range(0, len(mine), micro):
+            items = [samples[i] for i in mine[start:start + micro]]
+            batch = {k: torch.stack([it[k] for it in items]).to(state.device) for k in items[0]}
+            loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                         labels=batch["labels"])
+            # The arithmetic of training's validation (fp32 sums per micro-batch).
+            total[0] += (loss.float() * batch["loss_mask"]).sum().double()
+            total[1] += batch["loss_mask"].sum().double()
+    dp.all_reduce(total, name="eval loss")
+    if state.world.rank == 0:
+        mean = float(total[0] / total[1].clamp(min=1))
+        print(f"domino eval: {spec['split_name']} split of {spec['data_path']}: loss "
+              f"{mean:.4f}, perplexity {math.exp(min(mean, 50.0)):.3f} over {int(total[1]):,} "
+              f"tokens ({len(samples):,} samples of {seq}; checkpoint step {meta.step}, TP="
+              f"{state.tp.size} x DP={dp.size})", flush=True)
+
+
+def _slice(n: int, dp_size: int, dp_rank: int, global_batch: int) -> list[int]:
+    """Training's validation order: each global batch cut into contiguous per-rank slices."""
+    per_rank = global_batch // dp_size
+    out = []
+    for first in range(0, n, global_batch):
+        start = first + dp_rank * per_rank
+        out.extend(range(start, min(start + per_rank, n)))
+    return out

@@ -1,0 +1,114 @@
+"""Running a saved model: the shared launch of ``domino generate`` / ``domino eval`` (local ranks
+or torchrun) and loading a checkpoint into a model at this run's TP size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from domino.checkpoint import layout
+from domino.checkpoint.layout import Meta, open_checkpoint
+from domino.config import TransformerConfig
+from domino.plan import Plan
+from domino.supervisor import RankFailed, local_env, run_ranks
+from domino.utils import free_port
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="RUN_DIR",
+                        help="run, checkpoints or step folder (default: its latest checkpoint)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                        help="TP size to run at (any size the model divides by) [default: 1]")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local processes when not under torchrun [default: the TP size]")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when available")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
+    """Check the checkpoint, then run ``domino.inference.worker`` on every rank (here, under
+    torchrun; else as ``--nproc`` local processes)."""
+    tp = ns.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
+    step_dir, meta, _ = open_checkpoint(ns.checkpoint, hashes=True)
+    TransformerConfig.from_dict(meta.config).validate_parallel(tp)
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
+    spec = {**spec, "command": command, "step_dir": str(step_dir.resolve()), "tp": tp,
+            "device": device}
+    if _under_torchrun():
+        return run_rank(spec)
+    nproc = ns.nproc or tp
+    if nproc % tp:
+        raise ValueError(f"--nproc {nproc} is not a multiple of --tensor-model-parallel-size "
+                         f"{tp}")
+    with tempfile.TemporaryDirectory(prefix=f"domino-{command}-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        port = free_port()
+        threads = str(max(1, (os.cpu_count() or 1) // nproc))
+        envs = [local_env(r, nproc, port, OMP_NUM_THREADS=threads) for r in range(nproc)]
+        try:
+            run_ranks([[sys.executable, "-m", "domino.inference.worker", str(path)]] * nproc,
+                      envs, label=f"domino {command}")
+        except RankFailed as err:
+            return err.exit_code
+    return 0
+
+
+def run_rank(spec: dict[str, Any]) -> int:
+    """One rank: initialise, load the model at the spec's TP size, run the command."""
+    from domino.inference import eval_cmd, generate_cmd
+    from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
+
+    commands: dict[str, Callable[[dict, Any], None]] = {
+        "generate": generate_cmd.rank_main, "eval": eval_cmd.rank_main}
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        device = init_distributed(spec["device"])
+        if device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        state = ParallelState.build(spec["tp"], device=device)
+        commands[spec["command"]](spec, state)
+        state.world.barrier()
+        return 0
+    except Exception as err:
+        sys.stderr.write(f"[rank {rank}] {type(err).__name__}: {err}\n")
+        if not isinstance(err, ValueError):
+            traceback.print_exc()
+        return 1
+    finally:
+        shutdown_distributed()
+
+
+def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
+    """(model, config, tokenizer, meta): the checkpoint's GPT on this rank, in eval mode."""
+    from domino.checkpoint.store import load_model, load_tokenizer
+    from domino.models.gpt import GPTModel
+
+    meta = Meta.from_json(layout.read_json(step_dir / layout.META, "checkpoint record"),
+                          step_dir / layout.META)
+    config = TransformerConfig.from_dict(meta.config)
+    if plan is None and meta.plan:
+        plan = Plan.parse(meta.plan)
+    torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
+    model = GPTModel(config, parallel_state=state, plan=plan)
+    load_model(step_dir, meta, model, state)
+    model.eval()
+    return model, config, load_tokenizer(step_dir, meta), meta

@@ -1,0 +1,173 @@
+"""What a run folder and a checkpoint to resume from must satisfy, checked before any process
+starts: ``--save`` is writable, has room for a checkpoint and holds no other run (unless
+``--overwrite`` or ``--load`` says what to do with it); ``--load`` names an intact checkpoint
+whose model is the one this run builds."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from domino.checkpoint import layout
+from domino.checkpoint.layout import CheckpointError, Meta, open_checkpoint
+from domino.config import TransformerConfig
+from domino.training.arguments import TrainArgs
+
+# What makes a folder hold a run (a folder with only config.* is a launch that never trained).
+RUN_MARKERS = ("metrics.jsonl", layout.CHECKPOINTS)
+# What --overwrite deletes: everything a run writes into its folder, nothing else.
+RUN_OUTPUTS = (layout.CHECKPOINTS, "metrics.jsonl", "loss_curve.png", "sample.txt",
+               "autotune.json", "tensorboard", "config.json", "config.toml")
+BYTES_PER_PARAM_SAVED = 3  # x the parameter size: weights + AdamW's two moments
+
+# How each architecture field is set from `domino train` (for messages that name the flag).
+_FLAG_OF = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+    "kv_channels": "--kv-channels", "num_query_groups": "--num-query-groups",
+    "max_position_embeddings": "--max-position-embeddings",
+    "position_embedding_type": "--position-embedding-type", "rotary_percent": "--rotary-percent",
+    "rotary_base": "--rotary-base", "rope_scaling_type": "--rope-scaling-type",
+    "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor",
+    "rope_scaling_factor": "--rope-scaling-factor",
+    "rope_low_freq_factor": "--rope-low-freq-factor",
+    "rope_high_freq_factor": "--rope-high-freq-factor",
+    "rope_original_max_position_embeddings": "--rope-original-max-position-embeddings",
+    "normalization": "--normalization", "activation": "the activation (--swiglu, --openai-gelu)",
+    "add_bias_linear": "linear biases (--disable-bias-linear)",
+    "layernorm_epsilon": "--norm-epsilon",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "vocab_size": "the vocabulary size (the tokenizer)",
+}
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from (or, without optimizer state, starts from)."""
+
+    step_dir: Path
+    meta: Meta
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weights_only(self) -> bool:
+        """No optimizer state (an imported or converted model): a new run from its weights."""
+        return not self.meta.has_optimizer
+
+    @property
+    def start_step(self) -> int:
+        return 0 if self.weights_only else self.meta.step
+
+    @property
+    def consumed(self) -> int:
+        return 0 if self.weights_only else self.meta.consumed_samples
+
+
+def open_resume(args: TrainArgs, hashes: bool, progress: bool) -> Resume:
+    """Find and check the ``--load`` checkpoint; ``args.load`` becomes its step folder, so every
+    rank loads exactly that one."""
+    assert args.load is not None
+    try:
+        step_dir, meta, notes = open_checkpoint(args.load, hashes=hashes,
+                                                fallback=args.load_fallback)
+    except CheckpointError as err:
+        raise ValueError(f"--load {args.load}: {err}") from None
+    if progress:
+        for note in notes:
+            print(f"domino train: {note}")
+    args.load = str(step_dir.resolve())
+    return Resume(step_dir.resolve(), meta, notes)
+
+
+def check_save_dir(args: TrainArgs, resume: Resume | None) -> None:
+    """``--save`` is a folder this process can write, and holds no run it would mix with."""
+    assert args.save is not None
+    save = Path(args.save)
+    if save.exists() and not save.is_dir():
+        raise ValueError(f"--save {save} is a file, not a folder; pass a folder for the run")
+    try:
+        save.mkdir(parents=True, exist_ok=True)
+        probe = save / f".domino-write-test-{id(args)}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"--save {save}: cannot write there ({err.strerror or err}); pass a "
+                         "folder you can write to") from None
+    root = save / layout.CHECKPOINTS
+    held = [n for n in RUN_MARKERS if (save / n).exists()
+            and not (n == layout.CHECKPOINTS and not any(root.iterdir()))]
+    continuing = resume is not None and save.resolve() in resume.step_dir.parents
+    if held and args.overwrite:
+        if continuing:
+            raise ValueError(f"--overwrite would delete {resume.step_dir}, the checkpoint --load "
+                             "resumes from; drop --overwrite to continue the run, or pass "
+                             "another --save")
+        for name in RUN_OUTPUTS:
+            target = save / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    elif held and not continuing:
+        raise ValueError(
+            f"--save {save} already holds a run ({', '.join(held)}): pass --load {save} to "
+            "continue it, --overwrite to start over in it (deletes its checkpoints and "
+            "metrics), or another --save")
+    elif held and not resume.weights_only:
+        newer = [d.name for s, d in layout.list_steps(root) if s > resume.meta.step]
+        if newer:
+            raise ValueError(
+                f"--load {resume.step_dir} continues at step {resume.meta.step} in --save "
+                f"{save}, which holds newer checkpoints ({', '.join(newer)}); pass another "
+                "--save (or --load the newest)")
+    removed = layout.remove_partial_saves(root)
+    if removed:
+        print(f"domino train: removed {len(removed)} interrupted save(s) in {root}: "
+              + ", ".join(p.name for p in removed))
+
+
+def check_compatible(args: TrainArgs, run, resume: Resume) -> None:
+    """The checkpoint's model is the one this run builds, with the same tokenizer."""
+    try:
+        saved = TransformerConfig.from_dict(resume.meta.config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--load {resume.step_dir}: its model config is unusable ({err})"
+                         ) from None
+    mine, theirs = run.config.architecture(), saved.architecture()
+    diffs = [name for name in sorted(set(mine) | set(theirs))
+             if mine.get(name) != theirs.get(name)]
+    if diffs:
+        parts = [f"{_FLAG_OF.get(n, 'TransformerConfig.' + n)} is {theirs.get(n)!r} in the "
+                 f"checkpoint but {mine.get(n)!r} here" for n in diffs]
+        raise ValueError(
+            f"--load {resume.step_dir}: the checkpoint holds another model: {'; '.join(parts)}. "
+            f"Pass the checkpoint's settings (its config.toml, or {layout.META}) or drop --load")
+    record = resume.meta.tokenizer
+    if record and record.get("vocab_hash") != run.tokenizer.vocab_hash():
+        raise ValueError(
+            f"--load {resume.step_dir}: the checkpoint was trained with a {record.get('kind')} "
+            f"tokenizer of {record.get('vocab_size')} tokens (hash {record.get('vocab_hash')}), "
+            f"this run uses a {run.tokenizer.name} tokenizer of {run.tokenizer.vocab_size} "
+            f"(hash {run.tokenizer.vocab_hash()}); pass the checkpoint's tokenizer (its files "
+            f"are in {resume.step_dir / layout.TOKENIZER_DIR})")
+
+
+def parameter_bytes(config: TransformerConfig) -> int:
+    """Bytes of the full model's parameters (built on the meta device: nothing is allocated)."""
+    from domino.models.gpt import GPTModel
+    from domino.parallel_state import ParallelState
+
+    model = GPTModel(config, parallel_state=ParallelState.single("meta"))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def check_free_space(args: TrainArgs, config: TransformerConfig) -> None:
+    """Room on ``--save``'s filesystem for one more checkpoint (old ones go once it is in)."""
+    need = parameter_bytes(config) * BYTES_PER_PARAM_SAVED
+    free = shutil.disk_usage(args.save).free
+    if free < need * 1.1:
+        raise ValueError(
+            f"--save {args.save}: {free / 2**30:.2f} GiB free on its filesystem, but a "
+            f"checkpoint of this model takes about {need / 2**30:.2f} GiB; free space or pass "
+            "another --save")

@@ -1,0 +1,126 @@
+"""One optimisation step and one evaluation pass of a rank: the math of training, without the
+bookkeeping (that is :mod:`domino.training.loop`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from domino.parallel_state import ParallelState
+from domino.training.arguments import TrainArgs
+from domino.training.data import rank_batches
+from domino.training.optim import (
+    agree,
+    allreduce_grads,
+    clip_grads,
+    global_grad_norm,
+    grads_of,
+)
+
+FAIL_RANK_ENV = "DOMINO_TEST_FAIL_RANK"  # test hook: this global rank raises at FAIL_STEP
+FAIL_STEP_ENV = "DOMINO_TEST_FAIL_STEP"
+
+
+@dataclass
+class TrainResult:
+    """What a rank saw: per-step global losses and grad norms, validation, sample, timing."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    sample: str | None = None
+    wall_s: float = 0.0
+    skipped: int = 0
+    stopped_at: int | None = None  # the step a SIGTERM / Ctrl-C stopped the run after
+
+
+@dataclass
+class StepOutcome:
+    """One step as every rank agrees it went."""
+
+    loss: float  # global mean loss per token
+    grad_norm: float  # global gradient norm (NaN/inf: the step was skipped)
+    exposed_comm_s: float  # this rank's time blocked on TP collectives in forward/backward
+    skipped: bool
+    requests: list[bool]  # the caller's requests, true when any rank made them
+
+
+def autocast(args: TrainArgs, device: torch.device):
+    if args.bf16 or args.fp16:
+        dtype = torch.bfloat16 if args.bf16 else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def maybe_fail(step: int, rank: int) -> None:
+    if os.environ.get(FAIL_RANK_ENV) == str(rank) and step == int(
+            os.environ.get(FAIL_STEP_ENV, "1")):
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV})")
+
+
+def forward_loss(model, batch, args, device) -> torch.Tensor:
+    """Sum of the masked per-token losses of one micro-batch (fp32)."""
+    with autocast(args, device):
+        per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                          labels=batch["labels"])  # [b, s]
+    return (per_token.float() * batch["loss_mask"]).sum()
+
+
+@torch.no_grad()
+def evaluate(model, dataset, args: TrainArgs, state: ParallelState,
+             iters: int | None = None) -> tuple[float, int]:
+    """(mean loss per token, tokens) over the first ``iters`` (default ``--eval-iters``)
+    global batches of ``dataset`` (all DP ranks contribute)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=state.device)
+    g = args.global_batch_size
+    for k in range(args.eval_iters if iters is None else iters):
+        for batch in rank_batches(dataset, k * g, g, state.dp.size, state.dp.rank,
+                                  args.micro_batch_size, state.device):
+            total[0] += forward_loss(model, batch, args, state.device).double()
+            total[1] += batch["loss_mask"].sum().double()
+    state.dp.all_reduce(total, name="eval loss")
+    model.train(was_training)
+    return float(total[0] / total[1].clamp(min=1)), int(total[1])
+
+
+def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state: ParallelState,
+               requests: Sequence[bool] = ()) -> StepOutcome:
+    """One optimizer step over this rank's micro-batches. ``requests`` (e.g. "stop after this
+    step") are agreed on by every rank in the same collective as the overflow check."""
+    dp, tp, device = state.dp, state.tp, state.device
+    comm0 = tp.stats.wait_s
+    # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
+    # exact global mean, whatever the DP size or accumulation layout.
+    n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
+    dp.all_reduce(n_tokens, name="token count")
+    denom = float(n_tokens.clamp(min=1))
+    scale = scaler.scale if scaler is not None else 1.0
+    optimizer.zero_grad(set_to_none=False)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    for batch in batches:  # gradient accumulation: the schedule adds into .grad
+        lsum = forward_loss(model, batch, args, device)
+        (lsum * (scale / denom)).backward()
+        loss_sum += lsum.detach().double()
+    exposed = tp.stats.wait_s - comm0
+    grads = grads_of(params)
+    allreduce_grads(grads, dp)
+    dp.all_reduce(loss_sum, name="loss")
+    if scaler is not None:
+        for grad in grads:
+            grad.mul_(1.0 / scale)
+    norm = global_grad_norm(params, tp)
+    # Every rank must agree to skip, or the replicas would diverge.
+    overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, device)
+    if not overflow:
+        clip_grads(params, args.clip_grad, norm)
+        optimizer.step()
+    if scaler is not None:
+        scaler.update(overflow)
+    return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed)
