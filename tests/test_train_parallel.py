@@ -81,8 +81,8 @@ def _generation(data: str, tp: int) -> dict:
     """Greedy ids with the KV cache, without it (full recompute), with a sliding window, and
     top-k sampled ids, from a freshly initialised model (TP-invariant init)."""
     from domino.gpt_model import GPTModel
-    from domino.parallel_state import ParallelState
     from domino.inference.sampling import generate
+    from domino.parallel_state import ParallelState
     from domino.training.prepare import model_config
 
     args = _args(data, tensor_model_parallel_size=tp)

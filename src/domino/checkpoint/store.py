@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
         raise CheckpointError(
             f"saving checkpoint {step} to {tmp} failed: {err}; the previous checkpoint is "
             "intact (free space on the --save filesystem, or pass another --save)") from None
+    _test_pause(step)
     gathered = world.all_gather_json({"files": records, "tensors": specs})
     if world.rank == 0:
         meta.files, meta.tensors = {}, {}
@@ -121,6 +123,19 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
                 shutil.rmtree(old, ignore_errors=True)
     world.barrier()  # nobody moves on (or exits) before the checkpoint is in place
     return final
+
+
+PAUSE_ENV = "DOMINO_TEST_SAVE_PAUSE"  # test hook: "STEP:SECONDS" sleeps mid-save at STEP
+
+
+def _test_pause(step: int) -> None:
+    """Test hook: hold a save half-written (its shards on disk, nothing published) so a test
+    can kill the run in the middle of it."""
+    spec = os.environ.get(PAUSE_ENV)
+    if spec:
+        at, seconds = spec.split(":")
+        if int(at) == step:
+            time.sleep(float(seconds))
 
 
 def _publish(root: Path, tmp: Path, final: Path) -> None:
@@ -233,14 +248,22 @@ def load_tokenizer(step_dir: Path, meta: Meta) -> Any:
     record = meta.tokenizer or {}
     kind = record.get("kind")
     folder = step_dir / layout.TOKENIZER_DIR
-    if kind == "byte":
-        tok: Any = ByteTokenizer()
-    elif kind == "bpe":
-        tok = BPETokenizer.load(folder)
-    elif kind == "hf":
-        tok = HFTokenizer.load(folder)
-    else:
-        raise CheckpointError(f"{step_dir / layout.META}: no usable tokenizer record ({record!r})")
+    try:
+        if kind == "byte":
+            tok: Any = ByteTokenizer()
+        elif kind == "bpe":
+            tok = BPETokenizer.load(folder)
+        elif kind == "hf":
+            tok = HFTokenizer.load(folder)
+        else:
+            raise CheckpointError(f"{step_dir / layout.META}: no usable tokenizer record "
+                                  f"({record!r})")
+    except CheckpointError:
+        raise
+    except Exception as err:  # the tokenizers library raises its own types
+        names = ", ".join(record.get("files") or [])
+        raise CheckpointError(f"{folder}: the tokenizer files ({names}) cannot be read: "
+                              f"{err}") from None
     if tok.vocab_hash() != record.get("vocab_hash"):
         raise CheckpointError(f"{folder}: the tokenizer files differ from the ones the "
                               "checkpoint was saved with (vocabulary hash mismatch)")

@@ -83,6 +83,7 @@ class Trainer:
                              args.tensorboard)
         self.last_saved = self.start if run.resume is not None and self.start else None
         self.last_save_t = time.monotonic()
+        self.bad_since: int | None = None  # first step of the current NaN/inf streak
         if self.rank0:
             for note in notes:
                 self.log.print(note)
@@ -127,7 +128,6 @@ class Trainer:
         result = TrainResult()
         g, s = args.global_batch_size, args.seq_length
         window: dict[str, float] = {}
-        bad_since: int | None = None
         for step in range(self.start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             set_lr(self.optimizer, lr := learning_rate(step, args))
@@ -152,7 +152,8 @@ class Trainer:
                 window[key] = window.get(key, 0.0) + value
             bad = not math.isfinite(out.loss) or (out.skipped and (
                 self.scaler is None or self.scaler.scale <= self.scaler.min_scale))
-            bad_since = (bad_since or step) if bad else None
+            self.bad_since = (self.bad_since or step) if bad else None
+            bad_since = self.bad_since
             if bad_since is not None and args.max_nonfinite_steps \
                     and step - bad_since + 1 >= args.max_nonfinite_steps:
                 self.log.close()
@@ -210,10 +211,14 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
     def save(self, step: int) -> bool:
-        """Checkpoint ``step`` (every rank calls this); False when the weights are not finite
-        (the previous checkpoint stays the latest)."""
+        """Checkpoint ``step`` (every rank calls this); False when the step's loss or the
+        weights are NaN/inf (the previous checkpoint stays the latest)."""
         if self.last_saved == step:
             return True
+        if self.bad_since is not None:  # agreed: every rank saw the same global loss
+            self.log.print(f"not saving step {step}: its loss or gradients are NaN/inf (the "
+                           f"last checkpoint, {self._last_checkpoint()}, stays the latest)")
+            return False
         finite = all(bool(torch.isfinite(p).all()) for p in self.params)
         (broken,) = agree([not finite], self.state.world, self.state.device)
         if broken:

@@ -1,0 +1,149 @@
+"""Resuming and resharding real training runs (spawned gloo ranks).
+
+* Exact resume: TP=2 with Domino and dropout, stopped at step 3 and resumed, gives bit-identical
+  losses, gradient norms and validation for the 5 steps after the restart (and so does TP=1
+  with bf16 autocast).
+* A new DP size: a DP=1 run accumulating 2 micro-batches, resumed at DP=2 with the same
+  micro-batches, is bit-identical (each gradient is the sum of the same two partial sums).
+* Resharding: a TP=2 checkpoint loaded at TP=1 and a TP=1 checkpoint loaded at TP=4 give the
+  logits of the model that was saved, and training continued from them matches training
+  continued unresharded within fp32 tolerance (optimizer state resharded too).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_distributed
+
+from domino.data import ByteTokenizer, preprocess
+from domino.data.preprocess import stdlib_corpus_files
+from domino.training.arguments import TrainArgs
+
+STEPS, CUT = 8, 3  # exact-resume runs stop at CUT and resume to STEPS (5 steps after)
+HALF = 4  # reshard runs checkpoint at HALF and continue to STEPS
+IDS = torch.randint(0, 257, (3, 32), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("data")
+    preprocess(stdlib_corpus_files(limit_bytes=300_000), folder / "small", ByteTokenizer(),
+               progress=False)
+    return str(folder / "small")
+
+
+def _args(data: str, **kw) -> TrainArgs:
+    base = dict(data_path=data, tokenizer_type="byte", split="80,20,0", num_layers=2,
+                hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                global_batch_size=4, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                clip_grad=0.3, eval_interval=2, eval_iters=1, log_interval=1, sample_tokens=0,
+                tensorboard=False, device="cpu", hidden_dropout=0.0, attention_dropout=0.0,
+                save_interval=0, save_interval_minutes=0.0)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _train(args: TrainArgs, run_dir: str) -> dict:
+    from domino.training.loop import train
+    from domino.training.prepare import build_run
+
+    res = train(build_run(args, Path(run_dir)))
+    return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses}
+
+
+def _logits(run_dir: str, tp: int) -> torch.Tensor:
+    """Full-vocabulary logits of the run's latest checkpoint on IDS, loaded at TP=tp."""
+    from domino.checkpoint.layout import open_checkpoint
+    from domino.inference.session import load_saved_model
+    from domino.parallel_state import ParallelState
+
+    state = ParallelState.build(tp)
+    step_dir, _, _ = open_checkpoint(run_dir, hashes=False)
+    model, config, _, _ = load_saved_model(step_dir, state)
+    with torch.no_grad():
+        part = model(IDS, None, None)
+    return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
+
+
+def _one_rank(rank: int, world: int, data: str, tmp: str) -> dict:
+    out = {}
+    # Reshard sources at TP=1 (accumulating two micro-batches per step).
+    tp1 = dict(tensor_model_parallel_size=1, micro_batch_size=2)
+    _train(_args(data, exit_interval=HALF, **tp1), f"{tmp}/r1")
+    out["r1_logits"] = _logits(f"{tmp}/r1", 1)
+    out["r1_cont"] = _train(_args(data, load=f"{tmp}/r1", **tp1), f"{tmp}/r1_cont")
+    # Exact resume under bf16 autocast.
+    bf = dict(tensor_model_parallel_size=1, bf16=True, hidden_dropout=0.1)
+    out["bf16_ref"] = _train(_args(data, **bf), f"{tmp}/bf_ref")
+    _train(_args(data, exit_interval=CUT, **bf), f"{tmp}/bf_cut")
+    out["bf16_resumed"] = _train(_args(data, load=f"{tmp}/bf_cut", **bf), f"{tmp}/bf_cut")
+    return out
+
+
+def _two_ranks(rank: int, world: int, data: str, tmp: str) -> dict:
+    out = {}
+    domino = dict(tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1,
+                  domino_micro_batches=2, domino_overlap="cross_layer")
+    out["ref"] = _train(_args(data, **domino), f"{tmp}/ref")
+    _train(_args(data, exit_interval=CUT, **domino), f"{tmp}/cut")
+    out["resumed"] = _train(_args(data, load=f"{tmp}/cut", **domino), f"{tmp}/cut")
+    # Reshard source at TP=2 (no dropout: masks differ between TP sizes).
+    _train(_args(data, exit_interval=HALF, tensor_model_parallel_size=2), f"{tmp}/r2")
+    out["r2_logits"] = _logits(f"{tmp}/r2", 2)
+    out["r2_cont"] = _train(_args(data, load=f"{tmp}/r2", tensor_model_parallel_size=2),
+                            f"{tmp}/r2_cont")
+    # The TP=1 checkpoint resumed at DP=2 (same micro-batches, no accumulation).
+    out["dp2_cont"] = _train(_args(data, load=f"{tmp}/r1", tensor_model_parallel_size=1,
+                                   micro_batch_size=2), f"{tmp}/dp2_cont")
+    return out
+
+
+def _resharded(rank: int, world: int, data: str, tmp: str, source: str, tp: int) -> dict:
+    return {"logits": _logits(f"{tmp}/{source}", tp),
+            "cont": _train(_args(data, load=f"{tmp}/{source}", tensor_model_parallel_size=tp,
+                                 micro_batch_size=4 if tp == 1 else 2,
+                                 global_batch_size=4), f"{tmp}/{source}_at_tp{tp}")}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"] and a["norms"] == b["norms"] and a["val"] == b["val"]
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    assert a["norms"] == pytest.approx(b["norms"], rel=1e-4)
+    assert [v for _, v in a["val"]] == pytest.approx([v for _, v in b["val"]], rel=1e-5)
+
+
+def test_resume_and_reshard(data: str, tmp_path) -> None:
+    (single,) = run_distributed(_one_rank, 1, data, str(tmp_path))
+    pair = run_distributed(_two_ranks, 2, data, str(tmp_path))
+    to1 = run_distributed(_resharded, 1, data, str(tmp_path), "r2", 1)[0]
+    to4 = run_distributed(_resharded, 4, data, str(tmp_path), "r1", 4)
+
+    # Exact resume, TP=2 with Domino and dropout: 5 steps after the restart, bit for bit.
+    for rank in pair:
+        ref, resumed = rank["ref"], rank["resumed"]
+        assert len(resumed["losses"]) == STEPS - CUT
+        _same(resumed, {"losses": ref["losses"][CUT:], "norms": ref["norms"][CUT:],
+                        "val": [v for v in ref["val"] if v[0] > CUT]})
+        assert all(math.isfinite(x) for x in ref["losses"])
+    bf_ref, bf_res = single["bf16_ref"], single["bf16_resumed"]
+    _same(bf_res, {"losses": bf_ref["losses"][CUT:], "norms": bf_ref["norms"][CUT:],
+                   "val": [v for v in bf_ref["val"] if v[0] > CUT]})
+
+    # A new DP size with the same micro-batches: bit-identical.
+    for rank in pair:
+        _same(rank["dp2_cont"], single["r1_cont"])
+
+    # TP=2 -> 1 and TP=1 -> 4: the saved model's logits, and the same continued training.
+    torch.testing.assert_close(to1["logits"], pair[0]["r2_logits"], rtol=1e-5, atol=1e-5)
+    _close(to1["cont"], pair[0]["r2_cont"])
+    for rank in to4:
+        torch.testing.assert_close(rank["logits"], single["r1_logits"], rtol=1e-5, atol=1e-5)
+        _close(rank["cont"], single["r1_cont"])
+    assert len(single["r1_cont"]["losses"]) == STEPS - HALF

@@ -1,0 +1,235 @@
+"""Hugging Face interop against the real ``transformers`` (models built locally from configs with
+random weights, no downloads): our GPT exported as GPT-2 and as Llama gives the same logits in
+transformers, and transformers' greedy generate equals ours (with and without the KV cache);
+real GPT-2 (gelu_new) and Llama 3 (GQA, llama3 RoPE scaling, float rope_theta, head_dim)
+models imported at TP=1 and TP=2 give the original's logits; tokenizers encode alike."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from dist import run_distributed
+
+from domino.checkpoint.hf import choose_architecture
+from domino.checkpoint.hf_export import export_hf
+from domino.checkpoint.hf_import import import_hf, read_hf_weights
+from domino.checkpoint.layout import Meta, open_checkpoint
+from domino.checkpoint.store import save
+from domino.cli import main
+from domino.config import TransformerConfig
+from domino.data import BPETokenizer
+from domino.inference.sampling import generate
+from domino.inference.session import load_saved_model
+from domino.models.gpt import GPTModel
+from domino.parallel_state import ParallelState
+
+TEXT = "def forward(self, x):\n    return self.alpha * x + beta"
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    corpus = [TEXT * 3, "alpha beta gamma delta epsilon " * 20, "import torch\n" * 10] * 5
+    return BPETokenizer.train(corpus, vocab_size=300)
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Random values everywhere (biases and norms too, so their mapping is tested)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def _ours(tmp: Path, config: TransformerConfig, tokenizer, seed: int = 0):
+    """A randomly weighted model of ours saved as a weights-only checkpoint (one process)."""
+    state = ParallelState.single()
+    torch.manual_seed(seed)
+    model = GPTModel(config, parallel_state=state)
+    _perturb(model, seed)
+    with torch.no_grad():  # padding rows stay zero, as a trained model's do
+        for p in model.parameters():
+            if getattr(p, "vocab_rows", None):
+                p[p.vocab_rows:] = 0
+    meta = Meta(step=0, consumed_samples=0, config=config.to_dict(), layout={}, tensors={},
+                files={})
+    folder = save(tmp, 0, state, model, None, meta, tokenizer=tokenizer)
+    return model.eval(), folder
+
+
+def _hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def _gpt2_config(vocab: int, **kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=80,
+                vocab_size=vocab, seq_length=32, max_position_embeddings=32,
+                activation="gelu_tanh", hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _llama_config(vocab: int, **kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2,
+                kv_channels=16, ffn_hidden_size=64, vocab_size=vocab, seq_length=64,
+                max_position_embeddings=64, position_embedding_type="rope",
+                rotary_base=500000.0, rope_scaling_type="llama3", rope_scaling_factor=4.0,
+                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                rope_original_max_position_embeddings=16, normalization="RMSNorm",
+                activation="swiglu", add_bias_linear=False, layernorm_epsilon=1e-6,
+                untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+CASES = {
+    "gpt2-tanh-tied": lambda v: _gpt2_config(v),
+    "gpt2-exact-gelu-untied": lambda v: _gpt2_config(
+        v, activation="gelu", untie_embeddings_and_output_weights=True),
+    "llama3-gqa": lambda v: _llama_config(v),
+    "llama-bias-tied-plain-rope": lambda v: _llama_config(
+        v, add_bias_linear=True, untie_embeddings_and_output_weights=False,
+        rope_scaling_type=None, rotary_base=10000.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: str) -> None:
+    config = CASES[case](bpe.vocab_size)
+    ours, folder = _ours(tmp_path / "run", config, bpe)
+    meta = open_checkpoint(folder)[1]
+    out = tmp_path / "hf"
+    arch = export_hf(folder, meta, out)
+    assert arch == ("gpt2" if case.startswith("gpt2") else "llama")
+    ids = torch.tensor([bpe.encode(TEXT)[:30]])
+    with torch.no_grad():
+        mine = ours(ids, None, None)[..., :config.vocab_size]
+    theirs = _hf_logits(out, ids)
+    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+    assert mine.abs().max() > 1.0  # informative logits, not near-zero noise
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok.encode(TEXT, add_special_tokens=False) == bpe.encode(TEXT)
+    assert hf_tok.decode(bpe.encode(TEXT)) == TEXT
+    # Greedy generation: transformers.generate == ours with the KV cache == ours without.
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompt = bpe.encode("def forward")
+    hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    state = ParallelState.single()
+    cached = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,))
+    plain = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,),
+                     use_cache=False)
+    assert cached == plain == hf_ids and len(hf_ids) >= 1
+
+
+def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer) -> None:
+    config = _gpt2_config(bpe.vocab_size, position_embedding_type="rope")
+    with pytest.raises(ValueError) as err:
+        choose_architecture(config)
+    msg = str(err.value)
+    assert "neither GPT-2 nor Llama" in msg and "rope positions" in msg and "RMSNorm" in msg
+    _, folder = _ours(tmp_path / "run", config, bpe)
+    assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
+
+
+# ---- import --------------------------------------------------------------------------------------
+
+
+def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.Module]:
+    """A transformers model with random weights, saved the way the Hub holds models."""
+    eod = bpe.eod
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=32, n_embd=32,
+                                      n_layer=2, n_head=4, activation_function="gelu_new",
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=eod, eos_token_id=eod)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16},
+            bos_token_id=eod, eos_token_id=eod)
+        model = transformers.LlamaForCausalLM(cfg)
+    _perturb(model, 3)
+    folder = tmp / f"hf-{arch}"
+    model.save_pretrained(folder)
+    bpe._tok.save(str(folder / "tokenizer.json"))
+    return folder, model.eval()
+
+
+def _imported_logits(rank: int, world: int, run: str, ids: torch.Tensor) -> torch.Tensor:
+    state = ParallelState.build(world)
+    step_dir, _, _ = open_checkpoint(run)
+    model, config, _, _ = load_saved_model(step_dir, state)
+    with torch.no_grad():
+        part = model(ids, None, None)
+    return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
+                                     capfd) -> None:
+    folder, original = _hf_folder(tmp_path, bpe, arch)
+    ids = torch.tensor([bpe.encode(TEXT)[:30]])
+    with torch.no_grad():
+        expected = original(ids).logits
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    import_hf(folder, one, 1)
+    assert main(["import", str(folder), str(two), "--tensor-model-parallel-size", "2"]) == 0
+    step_dir, meta, _ = open_checkpoint(two)
+    assert meta.layout["tp"] == 2 and not meta.has_optimizer
+    assert (two / "config.toml").is_file()
+    state = ParallelState.single()
+    model, config, tokenizer, _ = load_saved_model(open_checkpoint(one)[0], state)
+    assert tokenizer.encode(TEXT) == bpe.encode(TEXT)
+    with torch.no_grad():
+        got = model(ids, None, None)[..., :config.vocab_size]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for logits in run_distributed(_imported_logits, 2, str(two), ids):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # Round trip: the imported model exported again is the original.
+    back = tmp_path / "back"
+    export_hf(step_dir, meta, back)
+    torch.testing.assert_close(_hf_logits(back, ids), expected, rtol=1e-5, atol=1e-5)
+    # `domino generate` at TP=2 (two local ranks) == transformers.generate.
+    prompt = bpe.encode("def forward")
+    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    capfd.readouterr()
+    assert main(["generate", str(two), "--prompt", "def forward", "--greedy", "--ids",
+                 "--max-new-tokens", "10", "--tensor-model-parallel-size", "2"]) == 0
+    assert [int(x) for x in capfd.readouterr().out.split()] == hf_ids
+
+
+class _Boom:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_import_never_unpickles(tmp_path: Path, bpe: BPETokenizer) -> None:
+    folder, _ = _hf_folder(tmp_path, bpe, "gpt2")
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    marker = tmp_path / "ran"
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Boom(str(marker))))
+    with pytest.raises(ValueError, match="pytorch_model.bin: pickles.*safe_serialization"):
+        read_hf_weights(folder)
+    assert main(["import", str(folder), str(tmp_path / "out")]) == 2
+    assert not marker.exists()
+    (folder / "model.safetensors").write_bytes(pickle.dumps(_Boom(str(marker))))
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
+        import_hf(folder, tmp_path / "out2", 1)
+    assert not marker.exists()
