@@ -315,6 +315,7 @@ def test_save_folder_checks(tmp_path: Path, data: str, monkeypatch) -> None:
     assert "--save" in error(save=str(afile)) and "is a file" in error(save=str(afile))
     assert "cannot write there" in error(save=str(afile / "sub"))
     assert "cannot write there" in error(save="/proc/domino-test-run")
+    assert "cannot write there" in error(save="/sys/domino-test-run")  # read-only for root too
     msg = error(lr=float("inf"), save=str(tmp_path / "x"))
     assert "--lr=inf must be a finite number" in msg
     # A folder holding a run: refused unless --load or --overwrite says what to do.

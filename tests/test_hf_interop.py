@@ -233,3 +233,32 @@ def test_import_never_unpickles(tmp_path: Path, bpe: BPETokenizer) -> None:
     with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
         import_hf(folder, tmp_path / "out2", 1)
     assert not marker.exists()
+
+
+def test_fine_tune_an_imported_llama(tmp_path: Path, bpe: BPETokenizer, capfd) -> None:
+    """`domino import` writes the settings that rebuild the model (head size, no biases, RMSNorm
+    epsilon, llama3 RoPE, float theta, its tokenizer): `domino train --config OUT/config.toml
+    --load OUT` trains on from its weights, and the result exports as Llama again."""
+    from domino.data import HFTokenizer, preprocess
+    from domino.data.preprocess import stdlib_corpus_files
+
+    folder, _ = _hf_folder(tmp_path, bpe, "llama")
+    out = tmp_path / "imported"
+    assert main(["import", str(folder), str(out)]) == 0
+    tok_dir = out / "checkpoints" / "step_0000000" / "tokenizer"
+    data = tmp_path / "data"
+    preprocess(stdlib_corpus_files(limit_bytes=60_000), data, HFTokenizer.load(tok_dir),
+               progress=False)
+    ft = tmp_path / "ft"
+    capfd.readouterr()
+    assert main(["train", "--config", str(out / "config.toml"), "--load", str(out),
+                 "--data-path", str(data), "--split", "90,10,0", "--train-iters", "2",
+                 "--micro-batch-size", "2", "--seq-length", "32", "--eval-iters", "1",
+                 "--sample-tokens", "0", "--no-tensorboard", "--nproc", "1",
+                 "--save", str(ft)]) == 0
+    assert "initialised from the weights of" in capfd.readouterr().out
+    step_dir, meta, _ = open_checkpoint(ft)
+    assert meta.step == 2 and meta.has_optimizer
+    assert export_hf(step_dir, meta, tmp_path / "again") == "llama"
+    raw = transformers.AutoConfig.from_pretrained(tmp_path / "again")
+    assert raw.head_dim == 16 and raw.num_key_value_heads == 2 and not raw.attention_bias

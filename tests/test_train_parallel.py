@@ -47,9 +47,10 @@ def _train(args: TrainArgs, run_dir: str) -> dict:
 
 
 def _single(rank: int, world: int, data: str, tmp: str) -> dict:
+    from domino.data.checks import open_dataset
     from domino.gpt_model import GPTModel
     from domino.parallel_state import ParallelState
-    from domino.training.data import build_datasets, open_dataset, rank_batches
+    from domino.training.data import build_datasets, rank_batches
     from domino.training.prepare import model_config
 
     out = {"gen": _generation(data, 1), "ref": _train(_args(data, tensor_model_parallel_size=1), f"{tmp}/ref")}

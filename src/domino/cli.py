@@ -13,11 +13,11 @@ import sys
 
 SUBCOMMANDS = {
     "train": ("domino.training.cli", "Train a GPT model with Domino tensor parallelism."),
-    "generate": ("domino.inference.generate_cmd", "Generate text from a saved model."),
-    "eval": ("domino.inference.eval_cmd", "Loss and perplexity of a saved model on a dataset."),
-    "convert": ("domino.checkpoint.convert", "Reshard a checkpoint to another TP size."),
-    "export": ("domino.checkpoint.hf_export", "Export a checkpoint as a transformers model."),
-    "import": ("domino.checkpoint.hf_import", "Import a transformers GPT-2 / Llama model."),
+    "generate": ("domino.commands.generate", "Generate text from a saved model."),
+    "eval": ("domino.commands.eval", "Loss and perplexity of a saved model on a dataset."),
+    "convert": ("domino.commands.convert", "Reshard a checkpoint to another TP size."),
+    "export": ("domino.commands.export", "Export a checkpoint as a transformers model."),
+    "import": ("domino.commands.hf_import", "Import a transformers GPT-2 / Llama model."),
     "preprocess": ("domino.data.cli", "Tokenize text/JSONL into a Megatron .bin/.idx dataset."),
     "bench": ("domino.bench.runner", "Measure sync TP vs Domino vs no-comm step times."),
     "demo": ("domino.demo", "Tiny GPT forward/backward/SGD at TP=2 on CPU (sanity check)."),

@@ -1,9 +1,8 @@
-"""``domino export --format hf RUN_DIR OUT``: a checkpoint as a ``transformers`` model folder
-(config.json, model.safetensors, tokenizer files), GPT-2 or Llama by the model's features."""
+"""A checkpoint as a ``transformers`` model folder (config.json, model.safetensors, tokenizer
+files), GPT-2 or Llama by the model's features (``domino export --format hf``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,19 +10,10 @@ from safetensors.torch import save_file
 
 from domino.checkpoint import layout
 from domino.checkpoint.hf import choose_architecture, hf_config, to_hf
-from domino.checkpoint.layout import open_checkpoint
 from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.checkpoint.store import load_tokenizer
 from domino.config import TransformerConfig
 from domino.data.tokenizer import BPETokenizer, as_rust_tokenizer
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=("hf",), required=True,
-                        help="hf: a Hugging Face transformers model folder")
-    parser.add_argument("source", metavar="RUN_DIR",
-                        help="run, checkpoints or step folder (default: its latest checkpoint)")
-    parser.add_argument("output", metavar="OUT", help="folder to write (created; must be empty)")
 
 
 def export_hf(step_dir: Path, meta: layout.Meta, out: Path) -> str:
@@ -54,14 +44,3 @@ def export_hf(step_dir: Path, meta: layout.Meta, out: Path) -> str:
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": eod_text, "eos_token": eod_text}, indent=2) + "\n")
     return arch
-
-
-def run(ns: argparse.Namespace) -> int:
-    out = Path(ns.output)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"OUT {out} is not empty; pass a new or empty folder")
-    step_dir, meta, _ = open_checkpoint(ns.source, hashes=True)
-    arch = export_hf(step_dir, meta, out)
-    print(f"domino export: {step_dir} -> {out} ({arch}, {len(meta.tensors)} tensors); load it "
-          "with transformers.AutoModelForCausalLM.from_pretrained")
-    return 0

@@ -1,16 +1,10 @@
-"""``domino import HF_DIR OUT``: a ``transformers`` GPT-2 or Llama folder (safetensors weights)
-as a domino checkpoint at any TP size, weights only: ``domino generate`` / ``eval`` / ``export``
-use it as it is, and ``domino train --config OUT/config.toml --load OUT`` fine-tunes it (a new
-run from its weights)."""
+"""A ``transformers`` GPT-2 or Llama folder (safetensors weights) as a domino checkpoint at any
+TP size, weights only (``domino import``)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,9 +12,9 @@ from safetensors.torch import save_file
 
 import domino
 from domino.checkpoint import layout
-from domino.checkpoint.convert import reshard, write_run_config
 from domino.checkpoint.hf import config_from_hf, from_hf
-from domino.checkpoint.layout import CheckpointError, Meta
+from domino.checkpoint.layout import Meta
+from domino.checkpoint.reshard import reshard
 from domino.checkpoint.shards import describe
 from domino.checkpoint.store import save_tokenizer
 from domino.config import TransformerConfig
@@ -28,15 +22,6 @@ from domino.data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer
 
 # Buffers some GPT-2 files carry next to the weights (causal-mask constants), never weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="HF_DIR",
-                        help="a transformers model folder: config.json, *.safetensors, tokenizer")
-    parser.add_argument("output", metavar="OUT", help="run folder to write the checkpoint into")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                        help="TP size of the checkpoint (it loads at any TP size either way)")
-    parser.add_argument("--force", action="store_true", help="replace an existing OUT/checkpoints")
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -93,34 +78,6 @@ def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None) 
     return HFTokenizer(rust, eod, config.vocab_size)
 
 
-def train_settings(config: TransformerConfig, tokenizer_dir: Path, tp: int) -> dict[str, Any]:
-    """`domino train` settings that build this model with this tokenizer."""
-    from domino.training.arguments import TrainArgs
-
-    values = dict(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.ffn_hidden_size,
-        num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
-        seq_length=config.seq_length, max_position_embeddings=config.max_position_embeddings,
-        position_embedding_type=config.position_embedding_type,
-        normalization=config.normalization, swiglu=config.activation == "swiglu",
-        openai_gelu=config.activation == "gelu_tanh",
-        disable_bias_linear=not config.add_bias_linear, norm_epsilon=config.layernorm_epsilon,
-        rotary_base=config.rotary_base, rotary_percent=config.rotary_percent,
-        rotary_seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
-        rope_scaling_type=config.rope_scaling_type,
-        rope_scaling_factor=config.rope_scaling_factor,
-        rope_low_freq_factor=config.rope_low_freq_factor,
-        rope_high_freq_factor=config.rope_high_freq_factor,
-        rope_original_max_position_embeddings=config.rope_original_max_position_embeddings,
-        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
-        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
-        init_method_std=config.init_method_std, tokenizer_type="hf",
-        tokenizer_dir=str(tokenizer_dir.resolve()), tensor_model_parallel_size=tp)
-    return TrainArgs(**values).to_dict()
-
-
 def import_hf(folder: Path, out: Path, tp: int) -> Path:
     """Write ``folder``'s model into run folder ``out`` at TP=``tp``; returns the step folder."""
     from domino.models.gpt import GPTModel
@@ -158,34 +115,10 @@ def import_hf(folder: Path, out: Path, tp: int) -> Path:
         record = save_tokenizer(tokenizer, step_dir / layout.TOKENIZER_DIR)
         for f in sorted((step_dir / layout.TOKENIZER_DIR).iterdir()):
             files[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
-        final_tok = out / layout.CHECKPOINTS / step_dir.name / layout.TOKENIZER_DIR
         meta = Meta(step=0, consumed_samples=0, config=config.to_dict(),
                     layout={"tp": 1, "pp": 1, "dp": 1}, tensors=specs, files=files,
-                    args=train_settings(config, final_tok, tp), tokenizer=record,
+                    tokenizer=record,
                     has_optimizer=False, library_version=domino.__version__,
                     extra={"imported_from": str(folder.resolve()), "architecture": arch})
         layout.write_json_atomic(step_dir / layout.META, meta.to_json())
-        new = reshard(step_dir, meta, out, tp)
-    write_run_config(out, meta, tp, new)
-    return new
-
-
-def run(ns: argparse.Namespace) -> int:
-    folder, out, tp = Path(ns.source), Path(ns.output), ns.tensor_model_parallel_size
-    if tp < 1:
-        raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} is not a transformers model folder (no config.json)")
-    if (out / layout.CHECKPOINTS).exists():
-        if not ns.force:
-            raise ValueError(f"{out} already holds checkpoints; pass --force to replace them, "
-                             "or another OUT")
-        shutil.rmtree(out / layout.CHECKPOINTS)
-    try:
-        new = import_hf(folder, out, tp)
-    except CheckpointError as err:
-        raise ValueError(str(err)) from None
-    arch = json.loads((new / layout.META).read_text())["extra"]["architecture"]
-    print(f"domino import: {folder} ({arch}) -> {new} (TP={tp}, weights only); fine-tune with "
-          f"`domino train --config {out}/config.toml --load {out} --data-path ...`")
-    return 0
+        return reshard(step_dir, meta, out, tp)

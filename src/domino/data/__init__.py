@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from domino.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from domino.data.preprocess import PreprocessStats, preprocess, stdlib_corpus_files
-from domino.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer
+from domino.data.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
 
 if TYPE_CHECKING:
     from domino.data.gpt_dataset import GPTDataset, build_train_valid_datasets, split_documents
@@ -20,6 +26,7 @@ _LAZY = {"GPTDataset", "build_train_valid_datasets", "split_documents"}
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
+    "HFTokenizer",
     "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetBuilder",

@@ -1,2 +1,2 @@
-"""Using a saved model: KV-cache sampling (``sampling``), ``domino generate`` and ``domino eval``
-(``generate_cmd``, ``eval_cmd``) over a shared launcher (``session``)."""
+"""Using a saved model: KV-cache sampling (``sampling``), loading and launching ranks
+(``session``) and what a rank of ``domino generate`` / ``domino eval`` does (``tasks``)."""

@@ -73,11 +73,11 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
 
 def run_rank(spec: dict[str, Any]) -> int:
     """One rank: initialise, load the model at the spec's TP size, run the command."""
-    from domino.inference import eval_cmd, generate_cmd
+    from domino.inference.tasks import eval_rank, generate_rank
     from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
 
     commands: dict[str, Callable[[dict, Any], None]] = {
-        "generate": generate_cmd.rank_main, "eval": eval_cmd.rank_main}
+        "generate": generate_rank, "eval": eval_rank}
     rank = int(os.environ.get("RANK", "0"))
     try:
         device = init_distributed(spec["device"])

@@ -15,19 +15,12 @@ from typing import Any
 import torch
 
 from domino.config import TransformerConfig
+from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
 from domino.data.tokenizer import Tokenizer
 from domino.parallel_state import check_sizes
 from domino.plan import Plan
 from domino.training.arguments import TrainArgs, field_types
-from domino.training.data import (
-    build_datasets,
-    check_tokenizer,
-    eod_of,
-    make_tokenizer,
-    normalize_prefix,
-    open_dataset,
-    prepare_default_corpus,
-)
+from domino.training.data import build_datasets, make_tokenizer, prepare_default_corpus
 from domino.training.resume import (
     Resume,
     check_compatible,

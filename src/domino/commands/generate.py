@@ -4,11 +4,8 @@ greedy, or sampled with temperature / top-k / top-p), at any TP size."""
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
 
-from domino.inference.sampling import generate
-from domino.inference.session import add_launch_arguments, launch, load_saved_model
+from domino.inference.session import add_launch_arguments, launch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,24 +42,3 @@ def run(ns: argparse.Namespace) -> int:
                                          "top_k", "top_p", "seed", "stop_at_eod", "use_cache",
                                          "ids")}
     return launch("generate", ns, spec)
-
-
-def rank_main(spec: dict[str, Any], state) -> None:
-    from pathlib import Path
-
-    model, config, tokenizer, _ = load_saved_model(Path(spec["step_dir"]), state)
-    prompt = tokenizer.encode(spec["prompt"]) or [tokenizer.eod]
-    learned = config.position_embedding_type == "learned_absolute"
-    context = config.max_position_embeddings if learned else max(config.max_position_embeddings,
-                                                                 config.seq_length)
-    ids = generate(model, state, prompt, spec["max_new_tokens"], config.vocab_size, context,
-                   top_k=1 if spec["greedy"] else spec["top_k"],
-                   temperature=spec["temperature"], seed=spec["seed"], top_p=spec["top_p"],
-                   stop=(tokenizer.eod,) if spec["stop_at_eod"] else (),
-                   use_cache=spec["use_cache"])
-    if state.world.rank == 0:
-        if spec["ids"]:
-            print(" ".join(map(str, ids)))
-        else:
-            print(spec["prompt"] + tokenizer.decode(ids))
-        sys.stdout.flush()

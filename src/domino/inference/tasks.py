@@ -1,59 +1,40 @@
-"""``domino eval RUN_DIR --data-path PREFIX``: loss and perplexity of a saved model on one split
-of a dataset, at any TP x DP size.
-
-By default the whole split once, in the sample order of the run's seed. With ``--eval-iters N``
-it reads, like training's validation, the first N global batches (``--global-batch-size``,
-default the run's), so the numbers equal the ones the run logged.
-"""
+"""What each rank of ``domino generate`` / ``domino eval`` does with a loaded model."""
 
 from __future__ import annotations
 
-import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from domino.inference.session import add_launch_arguments, launch, load_saved_model
+from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
+from domino.inference.sampling import generate
+from domino.inference.session import load_saved_model
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_launch_arguments(parser)
-    parser.add_argument("--data-path", required=True, metavar="PREFIX",
-                        help="dataset prefix (PREFIX.bin/.idx, made with the model's tokenizer)")
-    parser.add_argument("--split", default=None,
-                        help="train/valid/test document weights [default: the run's, or 98,2,0]")
-    parser.add_argument("--split-name", choices=("train", "valid", "test"), default="valid")
-    parser.add_argument("--eval-iters", type=int, default=None,
-                        help="only the first N global batches (as training's validation)")
-    parser.add_argument("--global-batch-size", type=int, default=None,
-                        help="with --eval-iters [default: the run's]")
-    parser.add_argument("--micro-batch-size", type=int, default=None,
-                        help="samples per forward on each DP rank [default: the run's, or 8]")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="sample length [default: the run's]")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="sample order [default: the run's]")
+def generate_rank(spec: dict[str, Any], state) -> None:
+    model, config, tokenizer, _ = load_saved_model(Path(spec["step_dir"]), state)
+    prompt = tokenizer.encode(spec["prompt"]) or [tokenizer.eod]
+    learned = config.position_embedding_type == "learned_absolute"
+    context = config.max_position_embeddings if learned else max(config.max_position_embeddings,
+                                                                 config.seq_length)
+    ids = generate(model, state, prompt, spec["max_new_tokens"], config.vocab_size, context,
+                   top_k=1 if spec["greedy"] else spec["top_k"],
+                   temperature=spec["temperature"], seed=spec["seed"], top_p=spec["top_p"],
+                   stop=(tokenizer.eod,) if spec["stop_at_eod"] else (),
+                   use_cache=spec["use_cache"])
+    if state.world.rank == 0:
+        if spec["ids"]:
+            print(" ".join(map(str, ids)))
+        else:
+            print(spec["prompt"] + tokenizer.decode(ids))
+        sys.stdout.flush()
 
 
-def run(ns: argparse.Namespace) -> int:
-    for name in ("eval_iters", "global_batch_size", "micro_batch_size", "seq_length"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
-    from domino.training.data import normalize_prefix, open_dataset
-
-    open_dataset(normalize_prefix(ns.data_path))  # a missing or empty dataset fails here
-    spec = {k: getattr(ns, k) for k in ("data_path", "split", "split_name", "eval_iters",
-                                         "global_batch_size", "micro_batch_size", "seq_length",
-                                         "seed")}
-    return launch("eval", ns, spec)
-
-
-def rank_main(spec: dict[str, Any], state) -> None:
+def eval_rank(spec: dict[str, Any], state) -> None:
     from domino.data.gpt_dataset import GPTDataset, split_documents
-    from domino.training.data import check_tokenizer, eod_of, normalize_prefix, open_dataset
 
     model, config, tokenizer, meta = load_saved_model(Path(spec["step_dir"]), state)
     saved = meta.args or {}

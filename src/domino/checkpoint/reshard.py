@@ -1,9 +1,9 @@
-"""Resharding a checkpoint offline: ``domino convert`` writes a copy for another TP size
-(TP=1: one consolidated file set), optimizer state included, in one process."""
+"""Resharding a checkpoint offline (what ``domino convert`` and ``domino import`` write): a copy
+for another TP size (TP=1: one consolidated file set), optimizer state included, in one
+process."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from domino.checkpoint import layout
-from domino.checkpoint.layout import CheckpointError, Meta, open_checkpoint
+from domino.checkpoint.layout import CheckpointError, Meta
 from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.config import TransformerConfig
 
@@ -103,52 +103,3 @@ def _copy_rng(step_dir: Path, meta: Meta, tmp: Path, tp: int, files: dict[str, A
         rel = layout.rng_file(rank)
         save_file({k: v.contiguous() for k, v in states.items()}, str(tmp / rel))
         files[rel] = layout.file_record(tmp / rel)
-
-
-# ---- `domino convert` -----------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="RUN_DIR",
-                        help="run, checkpoints or step folder (default: its latest checkpoint)")
-    parser.add_argument("output", metavar="OUT", help="run folder to write the copy into")
-    parser.add_argument("--tensor-model-parallel-size", type=int, required=True,
-                        help="TP size of the copy (1: one consolidated file set)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace a checkpoint of the same step already in OUT")
-
-
-def run(ns: argparse.Namespace) -> int:
-    tp = ns.tensor_model_parallel_size
-    if tp < 1:
-        raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
-    step_dir, meta, _ = open_checkpoint(ns.source, hashes=True)
-    out = Path(ns.output)
-    if out.resolve() == step_dir.parent.parent.resolve():
-        raise ValueError(f"OUT {out} is the source run; write the copy elsewhere")
-    target = out / layout.CHECKPOINTS / step_dir.name
-    if target.exists() and not ns.force:
-        raise ValueError(f"{target} exists; pass --force to replace it, or another OUT")
-    new = reshard(step_dir, meta, out, tp)
-    write_run_config(out, meta, tp, new)
-    size = sum(f.stat().st_size for f in new.rglob("*") if f.is_file())
-    print(f"domino convert: {step_dir} (TP={meta.layout['tp']}) -> {new} (TP={tp}), "
-          f"{len(meta.tensors)} tensors, {size / 2**20:.1f} MiB")
-    return 0
-
-
-def write_run_config(out: Path, meta: Meta, tp: int, step_dir: Path) -> None:
-    """``OUT/config.toml`` with the checkpoint's settings (its tokenizer: the copy in
-    ``step_dir``), so ``domino train --config OUT/config.toml --load OUT`` builds the same
-    model."""
-    if meta.args is None:
-        return
-    from domino.training.arguments import TrainArgs, to_toml
-
-    values = {k: v for k, v in meta.args.items() if k in TrainArgs.__dataclass_fields__}
-    values.update(tensor_model_parallel_size=tp, load=None, save=None, overwrite=False)
-    if (meta.tokenizer or {}).get("kind") == "bpe":
-        values.update(tokenizer_dir=str((step_dir / layout.TOKENIZER_DIR).resolve()),
-                      vocab_file=None, merge_file=None)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(TrainArgs(**values)), encoding="utf-8")

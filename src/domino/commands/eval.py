@@ -1,0 +1,45 @@
+"""``domino eval RUN_DIR --data-path PREFIX``: loss and perplexity of a saved model on one split
+of a dataset, at any TP x DP size.
+
+By default the whole split once, in the sample order of the run's seed. With ``--eval-iters N``
+it reads, like training's validation, the first N global batches (``--global-batch-size``,
+default the run's), so the numbers equal the ones the run logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from domino.data.checks import normalize_prefix, open_dataset
+from domino.inference.session import add_launch_arguments, launch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_launch_arguments(parser)
+    parser.add_argument("--data-path", required=True, metavar="PREFIX",
+                        help="dataset prefix (PREFIX.bin/.idx, made with the model's tokenizer)")
+    parser.add_argument("--split", default=None,
+                        help="train/valid/test document weights [default: the run's, or 98,2,0]")
+    parser.add_argument("--split-name", choices=("train", "valid", "test"), default="valid")
+    parser.add_argument("--eval-iters", type=int, default=None,
+                        help="only the first N global batches (as training's validation)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="with --eval-iters [default: the run's]")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="samples per forward on each DP rank [default: the run's, or 8]")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="sample length [default: the run's]")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sample order [default: the run's]")
+
+
+def run(ns: argparse.Namespace) -> int:
+    for name in ("eval_iters", "global_batch_size", "micro_batch_size", "seq_length"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    open_dataset(normalize_prefix(ns.data_path))  # a missing or empty dataset fails here
+    spec = {k: getattr(ns, k) for k in ("data_path", "split", "split_name", "eval_iters",
+                                         "global_batch_size", "micro_batch_size", "seq_length",
+                                         "seed")}
+    return launch("eval", ns, spec)

@@ -1,0 +1,29 @@
+"""``domino export --format hf RUN_DIR OUT``: a checkpoint as a ``transformers`` model folder,
+GPT-2 or Llama by the model's features."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from domino.checkpoint.hf_export import export_hf
+from domino.checkpoint.layout import open_checkpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("hf",), required=True,
+                        help="hf: a Hugging Face transformers model folder")
+    parser.add_argument("source", metavar="RUN_DIR",
+                        help="run, checkpoints or step folder (default: its latest checkpoint)")
+    parser.add_argument("output", metavar="OUT", help="folder to write (created; must be empty)")
+
+
+def run(ns: argparse.Namespace) -> int:
+    out = Path(ns.output)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"OUT {out} is not empty; pass a new or empty folder")
+    step_dir, meta, _ = open_checkpoint(ns.source, hashes=True)
+    arch = export_hf(step_dir, meta, out)
+    print(f"domino export: {step_dir} -> {out} ({arch}, {len(meta.tensors)} tensors); load it "
+          "with transformers.AutoModelForCausalLM.from_pretrained")
+    return 0

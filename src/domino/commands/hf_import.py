@@ -1,0 +1,81 @@
+"""``domino import HF_DIR OUT``: a ``transformers`` GPT-2 or Llama folder as a domino
+checkpoint at any TP size, weights only, plus an OUT/config.toml with the `domino train`
+settings that rebuild the model: ``domino generate`` / ``eval`` / ``export`` use it as it is, and
+``domino train --config OUT/config.toml --load OUT --data-path ...`` fine-tunes it (a new run
+from its weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from domino.checkpoint import layout
+from domino.checkpoint.hf_import import import_hf
+from domino.checkpoint.layout import CheckpointError, Meta
+from domino.commands.convert import write_run_config
+from domino.config import TransformerConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="HF_DIR",
+                        help="a transformers model folder: config.json, *.safetensors, tokenizer")
+    parser.add_argument("output", metavar="OUT", help="run folder to write the checkpoint into")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                        help="TP size of the checkpoint (it loads at any TP size either way)")
+    parser.add_argument("--force", action="store_true", help="replace an existing OUT/checkpoints")
+
+
+def train_settings(config: TransformerConfig, tokenizer_dir: Path, tp: int) -> dict[str, Any]:
+    """`domino train` settings that build this model with this tokenizer."""
+    values = dict(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.ffn_hidden_size,
+        num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
+        seq_length=config.seq_length, max_position_embeddings=config.max_position_embeddings,
+        position_embedding_type=config.position_embedding_type,
+        normalization=config.normalization, swiglu=config.activation == "swiglu",
+        openai_gelu=config.activation == "gelu_tanh",
+        disable_bias_linear=not config.add_bias_linear, norm_epsilon=config.layernorm_epsilon,
+        rotary_base=config.rotary_base, rotary_percent=config.rotary_percent,
+        rotary_seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
+        rope_scaling_type=config.rope_scaling_type,
+        rope_scaling_factor=config.rope_scaling_factor,
+        rope_low_freq_factor=config.rope_low_freq_factor,
+        rope_high_freq_factor=config.rope_high_freq_factor,
+        rope_original_max_position_embeddings=config.rope_original_max_position_embeddings,
+        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
+        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std, tokenizer_type="hf",
+        tokenizer_dir=str(tokenizer_dir.resolve()), tensor_model_parallel_size=tp)
+    return values
+
+
+
+def run(ns: argparse.Namespace) -> int:
+    folder, out, tp = Path(ns.source), Path(ns.output), ns.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not a transformers model folder (no config.json)")
+    if (out / layout.CHECKPOINTS).exists():
+        if not ns.force:
+            raise ValueError(f"{out} already holds checkpoints; pass --force to replace them, "
+                             "or another OUT")
+        shutil.rmtree(out / layout.CHECKPOINTS)
+    try:
+        new = import_hf(folder, out, tp)
+    except CheckpointError as err:
+        raise ValueError(str(err)) from None
+    meta = Meta.from_json(layout.read_json(new / layout.META, "checkpoint record"),
+                          new / layout.META)
+    settings = train_settings(TransformerConfig.from_dict(meta.config),
+                              new / layout.TOKENIZER_DIR, tp)
+    write_run_config(out, settings, meta, tp, new)
+    arch = json.loads((new / layout.META).read_text())["extra"]["architecture"]
+    print(f"domino import: {folder} ({arch}) -> {new} (TP={tp}, weights only); fine-tune with "
+          f"`domino train --config {out}/config.toml --load {out} --data-path ...`")
+    return 0
