@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train_cli import _workers_of
 
 from domino.checkpoint.store import PAUSE_ENV
 from domino.cli import main
@@ -44,15 +45,7 @@ def _latest(run: Path) -> int:
 
 
 def _workers(run: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(run / "config.json").encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
+    return _workers_of(run / "config.json")
 
 
 def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:

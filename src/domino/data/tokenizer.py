@@ -82,7 +82,23 @@ class ByteTokenizer(Tokenizer):
         return _sha256(b"byte-tokenizer:" + bytes(range(256)) + b":eod=256")
 
 
-class BPETokenizer(Tokenizer):
+class _RustBacked(Tokenizer):
+    """Encoding and decoding through a HF `tokenizers` object in ``self._tok``."""
+
+    _tok: Any
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [list(e.ids) for e in encs]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class BPETokenizer(_RustBacked):
     """Byte-level BPE (GPT-2 compatible vocab.json + merges.txt) backed by HF `tokenizers`."""
 
     name = "bpe"
@@ -192,16 +208,6 @@ class BPETokenizer(Tokenizer):
     def eod(self) -> int:
         return self._eod
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        return [list(e.ids) for e in encs]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
     def vocab_hash(self) -> str:
         state = json.loads(self._tok.to_str())
         # Merges serialise as "a b" strings or [a, b] pairs depending on the library version.
@@ -211,7 +217,7 @@ class BPETokenizer(Tokenizer):
         return _sha256(payload.encode("utf-8"))
 
 
-class HFTokenizer(Tokenizer):
+class HFTokenizer(_RustBacked):
     """Any Hugging Face ``tokenizer.json`` (e.g. an imported Llama's), via HF `tokenizers`.
 
     ``vocab_size`` is the model's vocabulary (its embedding rows), which may exceed the
@@ -256,16 +262,6 @@ class HFTokenizer(Tokenizer):
     def eod(self) -> int:
         return self._eod
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        return [list(e.ids) for e in encs]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
     def vocab_hash(self) -> str:
         payload = json.dumps({"tokenizer": json.loads(self._tok.to_str()), "eod": self._eod,
                               "vocab_size": self._vocab_size}, sort_keys=True)
@@ -293,7 +289,7 @@ def byte_level_unicode() -> dict[int, str]:
 def as_rust_tokenizer(tokenizer: Tokenizer) -> Any:
     """A ``tokenizers.Tokenizer`` that encodes exactly as ``tokenizer`` (for export): the BPE's
     own, or, for bytes, a byte-level BPE without merges whose ids are the byte values."""
-    if isinstance(tokenizer, BPETokenizer | HFTokenizer):
+    if isinstance(tokenizer, _RustBacked):
         return tokenizer._tok
     if isinstance(tokenizer, ByteTokenizer):
         vocab = {ch: b for b, ch in byte_level_unicode().items()}
