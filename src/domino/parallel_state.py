@@ -21,13 +21,16 @@ from domino.tensor_parallel.random import RNGTracker
 
 @dataclass(eq=False)
 class ParallelState:
-    """Groups of one rank: ``tp`` (tensor), ``dp`` (data), ``pp`` (pipeline) and ``world`` (every
-    rank: run-level agreement such as barriers and the autotuner's choice) + device."""
+    """Groups of one rank: ``tp`` (tensor), ``dp`` (data), ``pp`` (pipeline), ``world`` (every
+    rank: run-level agreement such as barriers and the autotuner's choice) and ``embedding``
+    (the first and last pipeline stage of this rank's TP x DP position: their tied word
+    tables' gradients are summed over it) + device."""
 
     tp: CommGroup = field(default_factory=CommGroup)
     dp: CommGroup = field(default_factory=CommGroup)
     pp: CommGroup = field(default_factory=CommGroup)
     world: CommGroup = field(default_factory=CommGroup)
+    embedding: CommGroup = field(default_factory=CommGroup)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: object = None
     rng: RNGTracker = field(default_factory=RNGTracker)
@@ -36,7 +39,7 @@ class ParallelState:
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """The single-process state: every group has size 1."""
         device = torch.device(device)
-        return cls(*(CommGroup(device=device) for _ in range(4)), device=device)
+        return cls(*(CommGroup(device=device) for _ in range(5)), device=device)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -66,9 +69,27 @@ class ParallelState:
                              mesh.get_local_rank(dim), device=device)
 
         state = cls(tp=group("tp"), dp=group("dp"), pp=group("pp"),
-                    world=CommGroup.world(device), device=device, mesh=mesh)
+                    world=CommGroup.world(device), embedding=_embedding_group(mesh, device),
+                    device=device, mesh=mesh)
         state.rng.tp_rank = state.tp.rank
         return state
+
+
+def _embedding_group(mesh, device: torch.device) -> CommGroup:
+    """First and last pipeline stage at each TP x DP position (every rank builds every group,
+    in the same order, as torch.distributed requires)."""
+    ranks = mesh.mesh  # [pp, dp, tp] global ranks
+    if ranks.shape[0] == 1:
+        return CommGroup(device=device)
+    me = dist.get_rank()
+    mine = CommGroup(device=device)
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            pair = [int(ranks[0, d, t]), int(ranks[-1, d, t])]
+            group = dist.new_group(pair)
+            if me in pair:
+                mine = CommGroup(group, 2, pair.index(me), device=device)
+    return mine
 
 
 def check_sizes(world_size: int, tensor_model_parallel_size: int,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -23,6 +25,21 @@ def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
 def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """Init for layers that write into the residual stream: N(0, std / sqrt(2 num_layers))."""
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+@contextlib.contextmanager
+def init_scope(tag: str) -> Iterator[None]:
+    """Draw the weights built inside from a stream of their own, seeded by the current seed
+    (``torch.manual_seed``) and ``tag``, and leave the global stream where it was.
+
+    Each part of a model (the embedding, layer i, the output layer) gets the same weights
+    whatever else is built in the process: a pipeline stage holding layers 4-7 draws exactly
+    the full model's layers 4-7.
+    """
+    digest = hashlib.sha256(f"{torch.initial_seed()}:{tag}".encode()).digest()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        yield
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -32,8 +32,12 @@ def _writes(state: ParallelState) -> bool:
 
 
 def named_model_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """The tensors a checkpoint holds for ``model``: its parameters, by their names."""
-    yield from model.named_parameters()
+    """The tensors a checkpoint holds for ``model``: its parameters under the full model's
+    names (``model.checkpoint_tensors()`` where a model - a pipeline stage - renames them)."""
+    if hasattr(model, "checkpoint_tensors"):
+        yield from model.checkpoint_tensors()
+    else:
+        yield from model.named_parameters()
 
 
 def _rank_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -45,6 +49,8 @@ def _rank_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
     weights, moments, specs = {}, {}, {}
     for name, p in named_model_tensors(model):
+        if getattr(p, "tied_copy", False):
+            continue  # the last stage's copy of the word table: the first stage writes it
         if is_partitioned(p) or tp.rank == 0:
             weights[name] = p.detach()
             specs[name] = describe(p.detach(), p, tp.size, model_files)
@@ -198,7 +204,7 @@ def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelStat
             p.copy_(read_part(reader, meta, name, p, state).to(p.dtype))
             names.add(name)
     extra = sorted(k for k in meta.tensors if not k.startswith("optimizer.") and k not in names)
-    if extra:
+    if extra and state.pp.size == 1:  # (a pipeline stage holds only its share)
         raise CheckpointError(f"{step_dir}: tensors {extra[:5]} have no place in this model; the "
                               "checkpoint holds a different model")
 

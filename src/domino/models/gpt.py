@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -16,6 +18,10 @@ from domino.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from domino.tensor_parallel.layers import init_sharded, mark_partitioned
+from domino.utils import init_scope
+
+TIED_NAME = "language_model.embedding.word_embeddings.weight"
+_LAYERS = "language_model.encoder.layers."
 
 
 class GPTModel(nn.Module):
@@ -25,7 +31,10 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, num_tokentypes: int = 0,
                  parallel_output: bool = True, pre_process: bool = True,
                  post_process: bool = True, *, parallel_state: ParallelState | None = None,
-                 label_smoothing: float = 0.0, plan: Plan | None = None) -> None:
+                 label_smoothing: float = 0.0, plan: Plan | None = None,
+                 layers: tuple[int, int] | None = None) -> None:
+        """``pre_process`` / ``post_process`` / ``layers`` cut the model into a pipeline stage:
+        the embedding, the layers ``layers[0]`` .. ``layers[1] - 1``, the final norm and head."""
         super().__init__()
         state = resolve(parallel_state)
         self.config, self.state = config, state
@@ -34,15 +43,32 @@ class GPTModel(nn.Module):
         self.label_smoothing = label_smoothing
         self.language_model, _ = get_language_model(
             config, num_tokentypes, add_pooler=False, encoder_attn_mask_type=AttnMaskType.causal,
-            pre_process=pre_process, post_process=post_process, parallel_state=state, plan=plan)
+            pre_process=pre_process, post_process=post_process, parallel_state=state, plan=plan,
+            layers=layers)
         if post_process and not pre_process and not config.untie_embeddings_and_output_weights:
-            # Last pipeline stage with tied weights: its own copy, drawn like the embedding;
-            # a pipeline trainer keeps the two in sync (Megatron's word-embedding group).
+            # Last pipeline stage with tied weights: its own copy, drawn as the embedding's word
+            # table is (the same seeded stream, first draw); a pipeline trainer keeps the two
+            # equal by summing their gradients (Megatron's word-embedding group).
             padded = config.padded_vocab_size(state.tp.size)
-            self.word_embeddings = nn.Parameter(init_sharded(
-                (padded, config.hidden_size), config.init_method, 0, state.tp,
-                config.params_dtype, state.device, valid_rows=config.vocab_size))
+            with init_scope("embedding"):
+                self.word_embeddings = nn.Parameter(init_sharded(
+                    (padded, config.hidden_size), config.init_method, 0, state.tp,
+                    config.params_dtype, state.device, valid_rows=config.vocab_size))
             mark_partitioned(self.word_embeddings, 0, vocab_rows=config.vocab_size)
+            self.word_embeddings.tied_copy = True  # type: ignore[attr-defined]
+
+    def checkpoint_tensors(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters under the full model's names (a stage's layers by their global numbers;
+        the last stage's tied copy as the embedding's word table, which it equals)."""
+        offset = self.language_model.encoder.layer_offset
+        for name, p in self.named_parameters():
+            if name == "word_embeddings":
+                yield TIED_NAME, p
+                continue
+            if offset and name.startswith(_LAYERS):
+                index, rest = name[len(_LAYERS):].split(".", 1)
+                name = f"{_LAYERS}{int(index) + offset}.{rest}"
+            yield name, p
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)

@@ -26,6 +26,7 @@ from domino.tensor_parallel import (
 from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad, mark_partitioned
 from domino.transformer import DominoTransformer, InferenceParams
 from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
+from domino.utils import init_scope
 
 
 def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor,
@@ -127,7 +128,10 @@ class TransformerLanguageModel(nn.Module):
                  num_tokentypes: int = 0, add_encoder: bool = True, add_decoder: bool = False,
                  decoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  add_pooler: bool = False, pre_process: bool = True, post_process: bool = True,
-                 *, parallel_state: ParallelState | None = None, plan: Plan | None = None) -> None:
+                 *, parallel_state: ParallelState | None = None, plan: Plan | None = None,
+                 layers: tuple[int, int] | None = None) -> None:
+        """``layers`` = (first, end) of the encoder's layers this pipeline stage holds
+        (default: all); the decoder of an encoder-decoder model is not pipelined."""
         super().__init__()
         state = resolve(parallel_state)
         config.validate_parallel(state.tp.size)
@@ -144,9 +148,11 @@ class TransformerLanguageModel(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(state.tp.size)
         self.untie_embeddings_and_output_weights = config.untie_embeddings_and_output_weights
         if pre_process:
-            self.embedding = Embedding(config.hidden_size, self.padded_vocab_size,
-                                       config.max_position_embeddings, config.hidden_dropout,
-                                       config, num_tokentypes, parallel_state=state)
+            with init_scope("embedding"):
+                self.embedding = Embedding(config.hidden_size, self.padded_vocab_size,
+                                           config.max_position_embeddings,
+                                           config.hidden_dropout, config, num_tokentypes,
+                                           parallel_state=state)
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             scaling = None
@@ -157,20 +163,29 @@ class TransformerLanguageModel(nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base,
                 config.rotary_seq_len_interpolation_factor, device=state.device, scaling=scaling)
+        first, end = layers if layers is not None else (0, config.num_layers)
+        if not 0 <= first < end <= config.num_layers:
+            raise ValueError(f"layers={layers} must be a non-empty range inside the model's "
+                             f"{config.num_layers} layers")
+        if layers is not None and add_decoder:
+            raise ValueError("an encoder-decoder model is not split into pipeline stages")
         self.encoder = (DominoTransformer(config, state, LayerType.encoder, encoder_attn_mask_type,
-                                          pre_process, post_process, plan=plan)
+                                          pre_process, post_process, num_layers=end - first,
+                                          plan=plan, layer_offset=first)
                         if add_encoder else None)
         self.decoder = (DominoTransformer(config, state, LayerType.decoder, decoder_attn_mask_type,
                                           pre_process, post_process, plan=plan)
                         if add_decoder else None)
         if post_process and add_pooler:
-            self.pooler = Pooler(config.hidden_size, config.init_method,
-                                 dtype=config.params_dtype, device=state.device)
+            with init_scope("pooler"):
+                self.pooler = Pooler(config.hidden_size, config.init_method,
+                                     dtype=config.params_dtype, device=state.device)
         if post_process and config.untie_embeddings_and_output_weights:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size, self.padded_vocab_size, group=state.tp, bias=False,
-                init_method=config.init_method, params_dtype=config.params_dtype,
-                device=state.device)
+            with init_scope("output_layer"):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, self.padded_vocab_size, group=state.tp, bias=False,
+                    init_method=config.init_method, params_dtype=config.params_dtype,
+                    device=state.device)
             mark_partitioned(self.output_layer.weight, 0, vocab_rows=config.vocab_size)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list | None) -> None:
@@ -254,13 +269,14 @@ def get_language_model(config: TransformerConfig, num_tokentypes: int, add_poole
                        add_decoder: bool = False,
                        decoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                        pre_process: bool = True, post_process: bool = True, *,
-                       parallel_state: ParallelState | None = None, plan: Plan | None = None):
+                       parallel_state: ParallelState | None = None, plan: Plan | None = None,
+                       layers: tuple[int, int] | None = None):
     """Build a :class:`TransformerLanguageModel`; returns ``(model, "language_model")``."""
     model = TransformerLanguageModel(
         config, encoder_attn_mask_type, num_tokentypes=num_tokentypes, add_encoder=add_encoder,
         add_decoder=add_decoder, decoder_attn_mask_type=decoder_attn_mask_type,
         add_pooler=add_pooler, pre_process=pre_process, post_process=post_process,
-        parallel_state=parallel_state, plan=plan)
+        parallel_state=parallel_state, plan=plan, layers=layers)
     return model, "language_model"
 
 

@@ -178,6 +178,30 @@ class CommGroup:
         src = dist.get_global_rank(self.group, src_local_rank)
         dist.broadcast(tensor, src=src, group=self.group)
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, name: str = "send",
+              tags: dict | None = None) -> Handle:
+        """Send ``tensor`` to the group's rank ``dst`` (point to point, asynchronous). ``tag``
+        tells messages of one pair apart (gloo; NCCL matches them in order)."""
+        peer = dist.get_global_rank(self.group, dst)
+        work = dist.isend(tensor, dst=peer, group=self.group, tag=tag)
+        return self._p2p(work, tensor, name, tags)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, name: str = "recv",
+              tags: dict | None = None) -> Handle:
+        """Receive into ``tensor`` from the group's rank ``src`` (asynchronous)."""
+        peer = dist.get_global_rank(self.group, src)
+        work = dist.irecv(tensor, src=peer, group=self.group, tag=tag)
+        return self._p2p(work, tensor, name, tags)
+
+    def _p2p(self, work: Any, tensor: torch.Tensor, name: str, tags: dict | None) -> Handle:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.count += 1
+        self.stats.bytes += nbytes
+        trace = None
+        if self.hook is not None:
+            trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
+        return Handle(work, self.stats, trace)
+
     def barrier(self) -> None:
         """Return once every rank of the group got here."""
         if self.active:

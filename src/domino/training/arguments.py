@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from domino.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, TransformerConfig
+from domino.pipeline.partition import Layout, partition
+from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
 
 if sys.version_info >= (3, 11):
@@ -77,10 +79,23 @@ class TrainArgs:
         "column chunks on the first batch and train with the fastest (all ranks agree; replaces "
         "the three --domino-* settings above).", "model")
     # parallelism and launch
-    tensor_model_parallel_size: int = _f(2, "Tensor-parallel size (TP); DP = world size / TP.",
+    tensor_model_parallel_size: int = _f(2, "Tensor-parallel size (TP); DP = world size / (TP x "
+                                         "PP).",
                                          "parallel")
+    pipeline_model_parallel_size: int = _f(
+        1, "Pipeline-parallel size (PP): the layers are cut into this many stages.", "parallel")
+    pipeline_schedule: str | None = _f(
+        None, "Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual stages) or zero_bubble "
+        "(weight gradients fill the bubble); default 1f1b, or interleaved with "
+        "--num-layers-per-virtual-pipeline-stage.", "parallel", SCHEDULES)
+    num_layers_per_virtual_pipeline_stage: int | None = _f(
+        None, "Interleaved 1F1B: layers per model chunk; each stage holds several chunks.",
+        "parallel")
+    pipeline_stage_layers: str | None = _f(
+        None, "Uneven stages: layers per stage, comma-separated (e.g. 3,5); default an even "
+        "split.", "parallel")
     nproc: int | None = _f(None, "Local processes to start when not under torchrun; default = "
-                           "the TP size.", "parallel")
+                           "TP x PP.", "parallel")
     device: str | None = _f(None, "cpu or cuda; default cuda when available.", "parallel",
                             ("cpu", "cuda"))
     distributed_timeout_minutes: float = _f(
@@ -88,7 +103,8 @@ class TrainArgs:
     # optimisation
     micro_batch_size: int = _f(8, "Samples per forward/backward on each DP rank.")
     global_batch_size: int | None = _f(
-        None, "Samples per optimizer step (micro_batch x DP x accumulation); default micro x DP.")
+        None, "Samples per optimizer step (micro-batch x DP x accumulation, or x pipeline "
+        "micro-batches); default micro-batch x DP (x PP with a pipeline).")
     train_iters: int = _f(300, "Optimizer steps.")
     lr: float = _f(2e-3, "Peak learning rate.")
     min_lr: float = _f(2e-4, "Learning rate at the end of the decay.")
@@ -168,6 +184,28 @@ class TrainArgs:
                 raise ValueError(f"--{flag(name)}={value!r} is not one of {', '.join(choices)}.")
         check_fields(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks,
                      lambda f: f"--domino-{flag(f)}")
+
+    def pipeline_layout(self) -> Layout:
+        """How the layers are cut into pipeline stages (ValueError naming the flag)."""
+        counts = None
+        if self.pipeline_stage_layers is not None:
+            try:
+                counts = tuple(int(x) for x in self.pipeline_stage_layers.split(","))
+            except ValueError:
+                raise ValueError(f"--pipeline-stage-layers={self.pipeline_stage_layers!r} must "
+                                 "be comma-separated layer counts, e.g. 3,5") from None
+        if self.pipeline_model_parallel_size == 1 and (
+                counts is not None or self.num_layers_per_virtual_pipeline_stage is not None):
+            raise ValueError("--pipeline-stage-layers and --num-layers-per-virtual-pipeline-stage"
+                             " cut pipeline stages: add --pipeline-model-parallel-size > 1")
+        return partition(self.num_layers, self.pipeline_model_parallel_size,
+                         self.num_layers_per_virtual_pipeline_stage, counts)
+
+    def schedule(self) -> str:
+        """The pipeline schedule (the default resolved)."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved" if self.num_layers_per_virtual_pipeline_stage else "1f1b"
 
     def plan(self) -> Plan:
         """The Domino schedule these settings ask for (before any autotuning)."""

@@ -23,6 +23,8 @@ from domino.checkpoint import Meta, load_model, load_optimizer, load_rng, save
 from domino.inference.sampling import generate
 from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
+from domino.pipeline.model import PipelineModel
+from domino.pipeline.runtime import PipelineRunner
 from domino.plan import Plan
 from domino.tensor_parallel import is_partitioned
 from domino.training.data import rank_batches
@@ -67,11 +69,23 @@ class Trainer:
         self.run, self.args, self.run_dir = run, args, Path(run.run_dir)
         self.stop = stop if stop is not None else StopRequest()
         self.state = state if state is not None else ParallelState.build(
-            args.tensor_model_parallel_size, device=args.device)
-        dp, tp = self.state.dp, self.state.tp
+            args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            device=args.device)
+        dp, tp, pp = self.state.dp, self.state.tp, self.state.pp
         torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
         self.state.rng.seed(args.seed)
-        self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
+        self.runner = None
+        if pp.size > 1:
+            layout = args.pipeline_layout()
+            self.model: torch.nn.Module = PipelineModel(run.config, self.state, layout,
+                                                        plan=run.plan)
+            self.pipeline_micro_batches = args.global_batch_size // (
+                args.micro_batch_size * dp.size)
+            self.runner = PipelineRunner(self.model, args.schedule(),
+                                         self.pipeline_micro_batches, args.seq_length,
+                                         args.micro_batch_size)
+        else:
+            self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, args)
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
@@ -84,18 +98,28 @@ class Trainer:
         self.last_saved = self.start if run.resume is not None and self.start else None
         self.last_save_t = time.monotonic()
         self.bad_since: int | None = None  # first step of the current NaN/inf streak
+        count = torch.tensor([float(sum(
+            p.numel() * (tp.size if is_partitioned(p) else 1) for p in self.params
+            if not getattr(p, "tied_copy", False)))], device=self.state.device)
+        pp.all_reduce(count, name="parameter count")
         if self.rank0:
             for note in notes:
                 self.log.print(note)
-            full = sum(p.numel() * (tp.size if is_partitioned(p) else 1) for p in self.params)
             accum = args.global_batch_size // (dp.size * args.micro_batch_size)
+            split = ("each micro-batch runs unsplit (one TP rank)" if tp.size == 1 else
+                     f"Domino plan {self.plan} inside each micro-batch")
+            if self.runner is not None:
+                batching = (f"micro-batch {args.micro_batch_size} x DP {dp.size} x {accum} "
+                            f"pipeline micro-batches | pipeline: {args.schedule()}, "
+                            f"{self.model.layout.describe()} | {split}")
+            else:
+                batching = (f"micro-batch {args.micro_batch_size} x DP {dp.size} x {accum} "
+                            f"accumulation step(s) | {split}")
             self.log.print(
-                f"model: {full:,} parameters | TP={tp.size} x DP={dp.size} | global batch "
-                f"{args.global_batch_size} x {args.seq_length} tokens = micro-batch "
-                f"{args.micro_batch_size} x DP {dp.size} x {accum} accumulation step(s) | "
-                f"{len(run.train_ds):,} train samples | Domino plan {self.plan}"
-                + (" (one TP rank: runs unsplit)" if tp.size == 1 else "")
-                + f" | device {self.state.device}")
+                f"model: {int(count.item()):,} parameters | TP={tp.size} x "
+                + (f"PP={pp.size} x " if pp.size > 1 else "") + f"DP={dp.size} | global batch {args.global_batch_size} x {args.seq_length} "
+                f"tokens = {batching} | {len(run.train_ds):,} train samples | device "
+                f"{self.state.device}")
 
     @property
     def plan(self) -> Plan:
@@ -139,7 +163,8 @@ class Trainer:
                              and time.monotonic() - self.last_save_t
                              >= args.save_interval_minutes * 60)
             out = train_step(self.model, self.params, self.optimizer, self.scaler, batches, args,
-                             self.state, requests=(self.stop.signum is not None, clock_due))
+                             self.state, requests=(self.stop.signum is not None, clock_due),
+                             runner=self.runner)
             stop_requested, save_due = out.requests
             self.consumed += g
             result.skipped += out.skipped
@@ -148,7 +173,8 @@ class Trainer:
             result.grad_norms.append(out.grad_norm)
             self.log.step(step, out.loss)
             for key, value in (("loss", out.loss), ("time", step_time),
-                               ("comm", out.exposed_comm_s), ("n", 1.0)):
+                               ("comm", out.exposed_comm_s), ("pipe", out.pipeline_wait_s),
+                               ("n", 1.0)):
                 window[key] = window.get(key, 0.0) + value
             bad = not math.isfinite(out.loss) or (out.skipped and (
                 self.scaler is None or self.scaler.scale <= self.scaler.min_scale))
@@ -178,6 +204,8 @@ class Trainer:
                        "skipped": result.skipped, **rec}
                 if self.scaler is not None:
                     rec["loss_scale"] = self.scaler.scale
+                if self.runner is not None:
+                    rec["pipeline_wait_s"] = window["pipe"] / n
                 self.log.record(rec)
                 window = {}
             if stop_requested:

@@ -86,20 +86,26 @@ def allreduce_grads(grads: Sequence[torch.Tensor], dp: CommGroup,
         bucket, size = ([g], g.numel()) if g is not None else ([], 0)
 
 
-def global_grad_norm(params: Sequence[nn.Parameter], tp: CommGroup) -> float:
+def global_grad_norm(params: Sequence[nn.Parameter], tp: CommGroup,
+                     pp: CommGroup | None = None) -> float:
     """L2 norm of the full model's gradient, equal to the single-process model's norm.
 
     TP-sharded parameters contribute their shard on every TP rank; TP-replicated ones (norms,
-    row-parallel biases, position embeddings) only on TP rank 0, so they count once. The sum is
-    then all-reduced over TP, which also makes the result identical on every TP rank. Gradients
-    are already DP-reduced, so no DP sum.
+    row-parallel biases, position embeddings) only on TP rank 0, so they count once. Pipeline
+    stages hold different parameters, so their sums add up over ``pp``; the last stage's copy
+    of a tied word table is left out (it equals the first stage's). The result is identical on
+    every rank of the TP x PP group. Gradients are already DP-reduced, so no DP sum.
     """
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
+        if getattr(p, "tied_copy", False):
+            continue
         if p.grad is not None and (is_partitioned(p) or tp.rank == 0):
             total += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
     tp.all_reduce(total, name="grad norm")
+    if pp is not None:
+        pp.all_reduce(total, name="grad norm")
     return float(total.sqrt())
 
 

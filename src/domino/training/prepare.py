@@ -18,6 +18,7 @@ from domino.config import TransformerConfig
 from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
 from domino.data.tokenizer import Tokenizer
 from domino.parallel_state import check_sizes
+from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
 from domino.training.arguments import TrainArgs, field_types
 from domino.training.data import build_datasets, make_tokenizer, prepare_default_corpus
@@ -130,7 +131,8 @@ def _check_device(args: TrainArgs, local_procs: int) -> None:
 
 def _check_batches(args: TrainArgs, dp: int) -> None:
     if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
+        # A pipeline gets one pipeline micro-batch per stage: fewer would leave stages idle.
+        args.global_batch_size = args.micro_batch_size * dp * args.pipeline_model_parallel_size
     per_step = args.micro_batch_size * dp
     if args.global_batch_size < 1 or args.global_batch_size % per_step:
         raise ValueError(
@@ -144,25 +146,50 @@ def _check_batches(args: TrainArgs, dp: int) -> None:
                      width_name="--hidden-size")
 
 
+def _check_pipeline(args: TrainArgs, dp: int, progress: bool) -> None:
+    """The layers cut into stages, and a schedule that can run them."""
+    layout = args.pipeline_layout()
+    if args.pipeline_model_parallel_size == 1:
+        if args.pipeline_schedule not in (None, "1f1b"):
+            raise ValueError(f"--pipeline-schedule {args.pipeline_schedule} needs "
+                             "--pipeline-model-parallel-size > 1")
+        return
+    if args.domino_autotune:
+        raise ValueError("--domino-autotune times one stage's forward and backward alone, which "
+                         "a pipeline stage cannot run; with --pipeline-model-parallel-size > 1 "
+                         "pick the Domino plan with the --domino-* flags")
+    micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    schedule = args.schedule()
+    check_schedule(schedule, layout.stages, micro_batches, layout.chunks)
+    if micro_batches < layout.stages and progress:
+        bubble = theoretical_bubble(schedule, layout.stages, micro_batches, layout.chunks)
+        print(f"domino train: {micro_batches} pipeline micro-batch(es) per step for "
+              f"{layout.stages} stages: {schedule}'s bubble will be about {bubble:.0%} of the "
+              "stages' time; raise --global-batch-size (pipeline micro-batches = global batch / "
+              "(micro-batch size x DP)) for a smaller one")
+
+
 def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool = True,
                 run_dir: Path | None = None) -> Run:
     """Check everything that can be checked without starting processes and build the run; fills
     in nproc, device, save, data_path, tokenizer, global_batch_size and max_position_embeddings.
     Raises ValueError."""
     _check_scalars(args)
-    tp = args.tensor_model_parallel_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size is None:
-        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or tp)
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (
+            args.nproc or tp * pp)
     if not under_torchrun():
         args.nproc = world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _check_device(args, local if under_torchrun() else world_size)
-    check_sizes(world_size, tp)
+    check_sizes(world_size, tp, pp)
     if args.save is None and run_dir is not None:
         args.save = str(run_dir)
     if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
         args.max_position_embeddings = args.seq_length
-    _check_batches(args, world_size // tp)
+    _check_batches(args, world_size // (tp * pp))
+    _check_pipeline(args, world_size // (tp * pp), progress)
 
     # Data first: the vocabulary size comes from the tokenizer.
     if args.tokenizer_type is None:

@@ -48,6 +48,7 @@ class StepOutcome:
     exposed_comm_s: float  # this rank's time blocked on TP collectives in forward/backward
     skipped: bool
     requests: list[bool]  # the caller's requests, true when any rank made them
+    pipeline_wait_s: float = 0.0  # this rank's time waiting for other pipeline stages
 
 
 def autocast(args: TrainArgs, device: torch.device):
@@ -91,9 +92,10 @@ def evaluate(model, dataset, args: TrainArgs, state: ParallelState,
 
 
 def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state: ParallelState,
-               requests: Sequence[bool] = ()) -> StepOutcome:
-    """One optimizer step over this rank's micro-batches. ``requests`` (e.g. "stop after this
-    step") are agreed on by every rank in the same collective as the overflow check."""
+               requests: Sequence[bool] = (), runner=None) -> StepOutcome:
+    """One optimizer step over this rank's micro-batches (through ``runner``, a
+    PipelineRunner, when the model is a pipeline). ``requests`` (e.g. "stop after this step")
+    are agreed on by every rank in the same collective as the overflow check."""
     dp, tp, device = state.dp, state.tp, state.device
     comm0 = tp.stats.wait_s
     # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
@@ -103,19 +105,27 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     denom = float(n_tokens.clamp(min=1))
     scale = scaler.scale if scaler is not None else 1.0
     optimizer.zero_grad(set_to_none=False)
-    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    for batch in batches:  # gradient accumulation: the schedule adds into .grad
-        lsum = forward_loss(model, batch, args, device)
-        (lsum * (scale / denom)).backward()
-        loss_sum += lsum.detach().double()
+    pipeline_wait = 0.0
+    if runner is None:
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+        for batch in batches:  # gradient accumulation: the schedule adds into .grad
+            lsum = forward_loss(model, batch, args, device)
+            (lsum * (scale / denom)).backward()
+            loss_sum += lsum.detach().double()
+    else:
+        loss_sum, stats = runner.step(batches, scale / denom, lambda: autocast(args, device))
+        pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
     grads = grads_of(params)
+    if runner is not None:
+        for table in model.tied_word_tables():  # first and last stage: one tied weight
+            state.embedding.all_reduce(table.grad, name="tied embedding grads")
     allreduce_grads(grads, dp)
     dp.all_reduce(loss_sum, name="loss")
     if scaler is not None:
         for grad in grads:
             grad.mul_(1.0 / scale)
-    norm = global_grad_norm(params, tp)
+    norm = global_grad_norm(params, tp, state.pp)
     # Every rank must agree to skip, or the replicas would diverge.
     overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, device)
     if not overflow:
@@ -123,4 +133,4 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         optimizer.step()
     if scaler is not None:
         scaler.update(overflow)
-    return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed)
+    return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait)

@@ -202,13 +202,14 @@ class Executor:
         return y, (rec if graph else None)
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, rec: _Record, grad_y: torch.Tensor):
+    def backward(self, rec: _Record, grad_y: torch.Tensor, sink: list | None = None):
         """Backward of :meth:`forward`; returns (grad_x, grad_memory or None).
 
         Weight-gradient GEMMs of the TP pieces are deferred (FIFO, so every parameter still
         accumulates its micro-batches in a fixed order) and run whenever the schedule would
         otherwise block on an unfinished all-reduce - at the latest M pieces later, which bounds
-        the activations they keep alive.
+        the activations they keep alive. With ``sink`` (a zero-bubble pipeline), what is left
+        when the input gradients are done goes there instead of running.
         """
         B, M = len(self.blocks), len(rec.mbs)
         pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
@@ -237,8 +238,12 @@ class Executor:
                     ln_leaf = rec.local[(j, m)].ln_leaf
                     pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
                     deferred.append(stash)
-                    while len(deferred) > (M if self.plan.overlap != "none" else 0):
+                    while sink is None and len(deferred) > (
+                            M if self.plan.overlap != "none" else 0):
                         deferred.popleft().run()
+        if sink is not None:
+            sink.extend(deferred)
+            deferred.clear()
         while deferred:
             deferred.popleft().run()
         grad_x = _cat_grads(rec.x_leaves)

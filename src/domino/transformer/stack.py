@@ -21,6 +21,7 @@ from domino.transformer.attention import InferenceParams
 from domino.transformer.layer import TransformerLayer
 from domino.transformer.norms import build_norm
 from domino.transformer.schedule import Executor, MicroBatch, split_batch
+from domino.utils import init_scope
 
 
 class _ScheduledStack(torch.autograd.Function):
@@ -31,10 +32,10 @@ class _ScheduledStack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, executor, mbs, x, memory, *params):
+    def forward(ctx, stack, executor, mbs, x, memory, *params):
         with torch.enable_grad():
             y, record = executor.forward(x, mbs, graph=True)
-        ctx.executor, ctx.record, ctx.num_params = executor, record, len(params)
+        ctx.stack, ctx.executor, ctx.record, ctx.num_params = stack, executor, record, len(params)
         return y.detach()
 
     @staticmethod
@@ -46,9 +47,10 @@ class _ScheduledStack(torch.autograd.Function):
         # weight-gradient GEMMs, gradient sums) must not be recorded, or param.grad would carry a
         # graph holding every micro-batch's activations. Running the recorded pieces' backward
         # needs no grad mode.
-        grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous())
+        grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous(),
+                                                 sink=ctx.stack.wgrad_sink)
         ctx.record = None
-        return (None, None, grad_x, grad_mem) + (None,) * ctx.num_params
+        return (None, None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
 
 class DominoTransformer(nn.Module):
@@ -64,7 +66,7 @@ class DominoTransformer(nn.Module):
                  self_attn_mask_type: AttnMaskType = AttnMaskType.padding,
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, device: torch.device | str | None = None, *,
-                 plan: Plan | None = None) -> None:
+                 plan: Plan | None = None, layer_offset: int = 0) -> None:
         super().__init__()
         state = resolve(parallel_state)
         config.validate_parallel(state.tp.size)
@@ -74,13 +76,20 @@ class DominoTransformer(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         n = num_layers if num_layers is not None else (
             config.decoder_num_layers if layer_type == LayerType.decoder else config.num_layers)
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, state, i + 1, layer_type, device) for i in range(n))
+        # A pipeline stage holds layers layer_offset .. layer_offset + n - 1 of the model: their
+        # numbers (KV-cache keys) and their weights are the full model's.
+        self.layer_offset = layer_offset
+        layers = []
+        for i in range(layer_offset, layer_offset + n):
+            with init_scope(f"{layer_type.name}.layer{i}"):
+                layers.append(TransformerLayer(config, state, i + 1, layer_type, device))
+        self.layers = nn.ModuleList(layers)
         self.final_layernorm = (build_norm(config, device)
                                 if post_process and config.final_layernorm else None)
         self._plan = SYNC
         self.set_plan(plan if plan is not None else Plan.from_config(config))
         self.input_tensor: torch.Tensor | None = None
+        self.wgrad_sink: list | None = None  # see defer_weight_grads
 
     @property
     def plan(self) -> Plan:
@@ -154,7 +163,19 @@ class DominoTransformer(nn.Module):
         executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan())
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False)[0]
-        return _ScheduledStack.apply(executor, mbs, hidden_states, encoder_output, *params)
+        return _ScheduledStack.apply(self, executor, mbs, hidden_states, encoder_output, *params)
+
+    @contextlib.contextmanager
+    def defer_weight_grads(self) -> Iterator[list]:
+        """Backwards run inside leave the weight-gradient GEMMs they have not run yet (the
+        input gradients are complete) in the yielded list: run each item's ``run()`` later
+        (a zero-bubble pipeline's W pass). Without this, a backward finishes them itself."""
+        sink: list = []
+        before, self.wgrad_sink = self.wgrad_sink, sink
+        try:
+            yield sink
+        finally:
+            self.wgrad_sink = before
 
 
 def check_mask(mask: torch.Tensor | None, batch: int, name: str) -> None:

@@ -1,0 +1,167 @@
+"""The pipeline runtime: one training step of this rank's chunks under a schedule.
+
+Activations and their gradients cross stages as point-to-point messages on the pipeline group
+(``CommGroup.isend`` / ``irecv``: gloo on CPU, NCCL on CUDA). Shapes are known ahead ([s, b, h]
+of the run), so receives are posted before they are needed (``lookahead`` actions ahead, in the
+order the schedule consumes them: the order the sender sends them, as NCCL requires) and waited
+for only when the data is used; sends are waited for at the end of the step. Each pipeline
+micro-batch runs through the stage's Domino schedule as any batch would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+
+from domino.pipeline.model import PipelineModel
+from domino.pipeline.schedules import Action, build
+from domino.tensor_parallel.comm import Handle
+
+
+def _tag(kind: str, vstage: int, mb: int) -> int:
+    """A message's tag: what it is (activation / gradient), whose, of which micro-batch."""
+    return ((mb * 4096 + vstage) * 2 + (kind == "grad")) % (2**31 - 1)
+
+
+@dataclass
+class StepStats:
+    """What one step did on this rank: pipeline micro-batches held at most (activations kept
+    for a backward or a W), and the time spent waiting on receives."""
+
+    peak_held: int = 0
+    recv_wait_s: float = 0.0
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+class PipelineRunner:
+    """Runs a training step of ``model`` (this rank's chunks) under ``schedule``."""
+
+    def __init__(self, model: PipelineModel, schedule: str, micro_batches: int,
+                 seq_length: int, micro_batch_size: int, lookahead: int = 2,
+                 record: bool = False) -> None:
+        self.model, self.state = model, model.state
+        layout = model.layout
+        self.stages, self.chunks = layout.stages, layout.chunks
+        self.last = layout.virtual_stages - 1
+        self.schedule, self.micro_batches = schedule, micro_batches
+        self.actions = build(schedule, self.stages, micro_batches, self.chunks)[
+            self.state.pp.rank]
+        self.zero_bubble = schedule == "zero_bubble"
+        self.shape = (seq_length, micro_batch_size, model.config.hidden_size)
+        self.dtype = model.config.params_dtype
+        self.lookahead = lookahead
+        self.record = record  # keep (action, start, end) spans of the last step
+
+    # -- messages -------------------------------------------------------------------------
+    def _vstage(self, a: Action) -> int:
+        return a.chunk * self.stages + self.state.pp.rank
+
+    def _needs(self, a: Action) -> tuple[str, int, int, int] | None:
+        """(kind, sender's virtual stage, micro-batch, sender rank) that ``a`` receives."""
+        k = self._vstage(a)
+        if a.kind == "F" and k > 0:
+            return ("act", k - 1, a.mb, (k - 1) % self.stages)
+        if a.kind == "B" and k < self.last:
+            return ("grad", k + 1, a.mb, (k + 1) % self.stages)
+        return None
+
+    def _post(self, index: int, posted: dict) -> None:
+        for a in self.actions[index:index + 1 + self.lookahead]:
+            need = self._needs(a)
+            if need is None or need[:3] in posted:
+                continue
+            kind, vstage, mb, src = need
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.state.device)
+            posted[need[:3]] = (buf, self.state.pp.irecv(buf, src, tag=_tag(kind, vstage, mb),
+                                                         name=f"recv {kind}",
+                                                         tags={"mb": mb, "stage": vstage}))
+
+    def _take(self, a: Action, posted: dict, stats: StepStats) -> torch.Tensor:
+        buf, handle = posted.pop(self._needs(a)[:3])
+        before = self.state.pp.stats.wait_s
+        handle.wait()
+        stats.recv_wait_s += self.state.pp.stats.wait_s - before
+        return buf
+
+    def _send(self, tensor: torch.Tensor, kind: str, vstage: int, mb: int, dst_vstage: int,
+              sends: list) -> None:
+        handle = self.state.pp.isend(tensor, dst_vstage % self.stages,
+                                     tag=_tag(kind, vstage, mb), name=f"send {kind}",
+                                     tags={"mb": mb, "stage": vstage})
+        sends.append((tensor, handle))
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, batches: list[dict[str, torch.Tensor]], loss_scale: float,
+             autocast: Callable[[], AbstractContextManager] | None = None,
+             ) -> tuple[torch.Tensor, StepStats]:
+        """Forward and backward of every pipeline micro-batch (``batches``, this DP rank's);
+        gradients accumulate in ``.grad``, the loss being summed over tokens and multiplied by
+        ``loss_scale`` before its backward. Returns (the step's summed loss, on every pipeline
+        rank; this rank's stats)."""
+        if len(batches) != self.micro_batches:
+            raise ValueError(f"the pipeline was built for {self.micro_batches} pipeline "
+                             f"micro-batches per step, got {len(batches)}")
+        stats = StepStats()
+        posted: dict[tuple, tuple[torch.Tensor, Handle]] = {}
+        sends: list[tuple[torch.Tensor, Handle]] = []
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        deferred: dict[tuple[int, int], list] = {}
+        loss = torch.zeros(1, dtype=torch.float64, device=self.state.device)
+        held = 0
+        for i, a in enumerate(self.actions):
+            self._post(i, posted)
+            t0 = time.perf_counter()
+            key, k = (a.chunk, a.mb), self._vstage(a)
+            chunk = self.model.chunks[a.chunk]
+            if a.kind == "F":
+                batch = batches[a.mb]
+                x = None
+                if k > 0:
+                    x = self._take(a, posted, stats).requires_grad_()
+                    chunk.set_input_tensor(x)
+                is_last = k == self.last
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    out = chunk(batch["tokens"], batch["position_ids"],
+                                batch.get("attention_mask"),
+                                labels=batch["labels"] if is_last else None)
+                chunk.set_input_tensor(None)
+                if is_last:
+                    lsum = (out.float() * batch["loss_mask"]).sum()
+                    loss += lsum.detach().double()
+                    out = lsum * loss_scale
+                else:
+                    self._send(out.detach().contiguous(), "act", k, a.mb, k + 1, sends)
+                inputs[key], outputs[key] = x, out
+                held += 1
+                stats.peak_held = max(stats.peak_held, held)
+            elif a.kind == "B":
+                grad = None if k == self.last else self._take(a, posted, stats)
+                out = outputs.pop(key)
+                if self.zero_bubble:
+                    with chunk.language_model.encoder.defer_weight_grads() as sink:
+                        torch.autograd.backward(out, grad)
+                    deferred[key] = sink
+                else:
+                    torch.autograd.backward(out, grad)
+                    held -= 1
+                x = inputs.pop(key)
+                if k > 0:
+                    self._send(x.grad, "grad", k, a.mb, k - 1, sends)
+            else:  # W: the weight-gradient GEMMs the B of this micro-batch left
+                for stash in deferred.pop(key):
+                    stash.run()
+                held -= 1
+            if self.record:
+                stats.spans.append((str(a), t0, time.perf_counter()))
+        for _tensor, handle in sends:
+            handle.wait()
+        assert not posted and not outputs and not deferred, "schedule left work undone"
+        last_rank = self.last % self.stages
+        self.state.pp.broadcast(loss, last_rank)
+        return loss, stats
