@@ -32,6 +32,7 @@ from domino.bench.netem import (
     parse_rate,
     rate_bits_per_s,
 )
+from domino.bench.pipeline import DEFAULT_SCHEDULES as _PIPELINE_DEFAULT
 from domino.bench.worker import DTYPES, build_config
 from domino.supervisor import local_env, run_ranks
 from domino.utils import free_port
@@ -77,6 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "jumbo frames, which cut the host CPU each transfer costs")
     a("--timeout", type=float, default=300.0,
       help="seconds a collective may wait for a peer before the ranks give up")
+    a("--pipeline-model-parallel-size", type=int, default=1,
+      help="> 1: compare pipeline schedules instead of Domino modes (GPT model, one stage per "
+           "emulated host with --emulate-link)")
+    a("--pipeline-micro-batches", type=int, default=8, help="pipeline micro-batches per step")
+    a("--schedules", default=None,
+      help=f"pipeline schedules to compare [default: {_PIPELINE_DEFAULT}]")
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+      help="chunk size of the interleaved schedule [default: num_layers / (2 x PP)]")
+    a("--plan", default="m2:cross", help="Domino plan inside each pipeline stage")
     a("--json", metavar="PATH", default=None, help="write the report here")
     a("--out-dir", metavar="DIR", default=None,
       help="write a PNG timeline and a Chrome trace per traced mode here")
@@ -131,6 +141,16 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
         spec["simulate_link"] = parse_rate(args.simulate_link)
         if tp < 2:
             raise ValueError("--simulate-link needs --tensor-model-parallel-size >= 2")
+    check_link(args, spec, hosts=tp)
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--json {args.json}: directory {parent} does not exist")
+    return spec, modes
+
+
+def check_link(args: argparse.Namespace, spec: dict[str, Any], hosts: int) -> None:
+    """``--emulate-link`` / ``--link-mtu`` into ``spec`` (``hosts`` emulated hosts)."""
     if args.link_mtu is not None and args.emulate_link is None:
         raise ValueError("--link-mtu sets the emulated link's MTU: add --emulate-link RATE")
     if args.emulate_link is not None:
@@ -140,20 +160,15 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
                 raise ValueError(f"--link-mtu={args.link_mtu} must be in [1280, 65535] (1500 is "
                                  "Ethernet's, 9000 jumbo frames)")
             spec["link_mtu"] = args.link_mtu
-        if tp < 2:
-            raise ValueError("--emulate-link needs --tensor-model-parallel-size >= 2 "
-                             "(one emulated host per rank)")
+        if hosts < 2:
+            raise ValueError("--emulate-link needs two or more hosts: --tensor-model-parallel-"
+                             "size >= 2 (one host per rank), or a pipeline (one per stage)")
         if spec["device"] != "cpu":
             raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
         try:
             check_can_emulate()
         except RuntimeError as err:
             raise ValueError(str(err)) from err  # a set-up problem: report it like bad flags
-    if args.json is not None:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(parent):
-            raise ValueError(f"--json {args.json}: directory {parent} does not exist")
-    return spec, modes
 
 
 # ---- launching ranks --------------------------------------------------------------------------
@@ -163,7 +178,8 @@ def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
             worker: tuple[str, ...] = (sys.executable, "-m", "domino.bench.worker")) -> None:
     """Run ``worker + (spec_path,)`` once per rank (in the link's namespaces when given);
     raise :class:`~domino.supervisor.RankFailed` if any rank fails."""
-    world = spec["tensor_model_parallel_size"]
+    world = spec.get("world_size", spec["tensor_model_parallel_size"])
+    per_host = spec.get("ranks_per_host", 1)  # a pipeline stage's ranks share a host
     # A fresh namespace has every port free; on loopback pick one that is free now.
     port = 29500 if link is not None else free_port()
     threads = str(spec["threads_per_rank"])
@@ -172,10 +188,10 @@ def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
         env = local_env(rank, world, port, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
         argv = [*worker, spec_path]
         if link is not None:
-            env.update(link.env_for(rank, port))
+            env.update(link.env_for(rank // per_host, port))
             # c10d warns that it cannot resolve peer hostnames in a bare namespace: noise.
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-            argv = link.wrap(rank, argv)
+            argv = link.wrap(rank // per_host, argv)
         else:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         commands.append(argv)
@@ -346,11 +362,9 @@ def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | No
 # ---- entry points -----------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark described by ``args``; print the table and return the report."""
-    spec, modes = _validate(args)
-    if args.out_dir is not None:
-        os.makedirs(args.out_dir, exist_ok=True)
+def execute(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the workers on ``spec`` (on the emulated link when it names one); rank 0's raw
+    results."""
     with tempfile.TemporaryDirectory(prefix="domino-bench-") as tmp:
         spec["result_path"] = os.path.join(tmp, "raw.json")
         spec_path = os.path.join(tmp, "spec.json")
@@ -358,13 +372,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             json.dump(spec, f)
         if "link" in spec:
             cleanup_stale()  # namespaces left by runs that were killed
-            with EmulatedLink(num_hosts=spec["tensor_model_parallel_size"],
-                              rate=spec["link"], mtu=spec.get("link_mtu")) as link:
+            hosts = spec.get("hosts", spec["tensor_model_parallel_size"])
+            with EmulatedLink(num_hosts=hosts, rate=spec["link"],
+                              mtu=spec.get("link_mtu")) as link:
                 _launch(spec_path, spec, link)
         else:
             _launch(spec_path, spec, None)
         with open(spec["result_path"]) as f:
-            raw = json.load(f)
+            return json.load(f)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by ``args``; print the table and return the report."""
+    if args.pipeline_model_parallel_size != 1:
+        from domino.bench.pipeline import run_pipeline
+
+        return run_pipeline(args)
+    spec, modes = _validate(args)
+    if args.out_dir is not None:
+        os.makedirs(args.out_dir, exist_ok=True)
+    raw = execute(spec)
     link = spec.get("link", "loopback")
     rate = spec.get("link", spec.get("simulate_link"))
     if "simulate_link" in spec:

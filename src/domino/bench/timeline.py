@@ -191,11 +191,13 @@ def render_png(
     title: str = "",
     width_in: float = 14.0,
     dpi: int = 120,
+    row_label: str = "rank",
 ) -> None:
     """Draw the timelines as a Gantt chart: one row group per rank, one lane per category.
 
     Bars are coloured by micro-batch (the ``mb`` arg; grey without one), comm and wait bars are
-    hatched, and names are written on bars wide enough to hold them.
+    hatched, and names are written on bars wide enough to hold them. Rows are named
+    ``row_label`` and the timeline's rank (e.g. "stage 1" for a pipeline's timelines).
     """
     # Figure + Agg canvas directly, not pyplot: no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -226,7 +228,7 @@ def render_png(
         for lane in lanes:
             yc = y + row_h / 2
             yticks.append(yc)
-            ylabels.append(f"rank {tl.rank} {lane}")
+            ylabels.append(f"{row_label} {tl.rank} {lane}")
             lane_spans = sorted((s for s in tl.spans if s.category == lane), key=_start)
             slots = _slots(lane_spans)
             n_slots = max(slots, default=0) + 1

@@ -263,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(device, timeout_s=spec["timeout"])
     try:
-        raw = measure(spec, device)
+        if spec.get("kind") == "pipeline":
+            from domino.bench.pipeline import measure_pipeline
+
+            raw = measure_pipeline(spec, device)
+        else:
+            raw = measure(spec, device)
         if raw is not None:
             tmp = spec["result_path"] + ".tmp"
             with open(tmp, "w") as f:

@@ -4,8 +4,9 @@ Activations and their gradients cross stages as point-to-point messages on the p
 (``CommGroup.isend`` / ``irecv``: gloo on CPU, NCCL on CUDA). Shapes are known ahead ([s, b, h]
 of the run), so receives are posted before they are needed (``lookahead`` actions ahead, in the
 order the schedule consumes them: the order the sender sends them, as NCCL requires) and waited
-for only when the data is used; sends are waited for at the end of the step. Each pipeline
-micro-batch runs through the stage's Domino schedule as any batch would.
+for only when the data is used; sends are waited for at the end of the step (their buffers are
+the activations kept for the backward anyway). Each pipeline micro-batch runs through the
+stage's Domino schedule as any batch would.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ class PipelineRunner:
 
     def _send(self, tensor: torch.Tensor, kind: str, vstage: int, mb: int, dst_vstage: int,
               sends: list) -> None:
+        # Untraced: gloo only knows a send is done when it is waited for, at the step's end.
         handle = self.state.pp.isend(tensor, dst_vstage % self.stages,
-                                     tag=_tag(kind, vstage, mb), name=f"send {kind}",
-                                     tags={"mb": mb, "stage": vstage})
+                                     tag=_tag(kind, vstage, mb), traced=False)
         sends.append((tensor, handle))
 
     # -- one step -----------------------------------------------------------------------------
@@ -116,7 +117,6 @@ class PipelineRunner:
         held = 0
         for i, a in enumerate(self.actions):
             self._post(i, posted)
-            t0 = time.perf_counter()
             key, k = (a.chunk, a.mb), self._vstage(a)
             chunk = self.model.chunks[a.chunk]
             if a.kind == "F":
@@ -125,6 +125,7 @@ class PipelineRunner:
                 if k > 0:
                     x = self._take(a, posted, stats).requires_grad_()
                     chunk.set_input_tensor(x)
+                t0 = time.perf_counter()  # a pass's span starts once its input is here
                 is_last = k == self.last
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     out = chunk(batch["tokens"], batch["position_ids"],
@@ -142,6 +143,7 @@ class PipelineRunner:
                 stats.peak_held = max(stats.peak_held, held)
             elif a.kind == "B":
                 grad = None if k == self.last else self._take(a, posted, stats)
+                t0 = time.perf_counter()
                 out = outputs.pop(key)
                 if self.zero_bubble:
                     with chunk.language_model.encoder.defer_weight_grads() as sink:
@@ -154,6 +156,7 @@ class PipelineRunner:
                 if k > 0:
                     self._send(x.grad, "grad", k, a.mb, k - 1, sends)
             else:  # W: the weight-gradient GEMMs the B of this micro-batch left
+                t0 = time.perf_counter()
                 for stash in deferred.pop(key):
                     stash.run()
                 held -= 1

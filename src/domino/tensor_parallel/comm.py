@@ -179,12 +179,14 @@ class CommGroup:
         dist.broadcast(tensor, src=src, group=self.group)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, name: str = "send",
-              tags: dict | None = None) -> Handle:
+              tags: dict | None = None, traced: bool = True) -> Handle:
         """Send ``tensor`` to the group's rank ``dst`` (point to point, asynchronous). ``tag``
-        tells messages of one pair apart (gloo; NCCL matches them in order)."""
+        tells messages of one pair apart (gloo; NCCL matches them in order). ``traced=False``
+        keeps it off the hook (a send waited for long after it finished would show as a
+        transfer lasting until then)."""
         peer = dist.get_global_rank(self.group, dst)
         work = dist.isend(tensor, dst=peer, group=self.group, tag=tag)
-        return self._p2p(work, tensor, name, tags)
+        return self._p2p(work, tensor, name, tags if traced else None, traced)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, name: str = "recv",
               tags: dict | None = None) -> Handle:
@@ -193,12 +195,13 @@ class CommGroup:
         work = dist.irecv(tensor, src=peer, group=self.group, tag=tag)
         return self._p2p(work, tensor, name, tags)
 
-    def _p2p(self, work: Any, tensor: torch.Tensor, name: str, tags: dict | None) -> Handle:
+    def _p2p(self, work: Any, tensor: torch.Tensor, name: str, tags: dict | None,
+             traced: bool = True) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         self.stats.count += 1
         self.stats.bytes += nbytes
         trace = None
-        if self.hook is not None:
+        if self.hook is not None and traced:
             trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
         return Handle(work, self.stats, trace)
 

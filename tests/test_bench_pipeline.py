@@ -1,0 +1,74 @@
+"""`domino bench --pipeline-model-parallel-size P`: a real 2-stage run of every schedule (its
+table, JSON and one timeline per schedule with a row per stage), the same on an emulated link
+with each stage on its own host, and the checks before any process starts. No timing
+assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from domino.bench import netem, runner
+from domino.pipeline.schedules import theoretical_bubble
+
+TINY = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
+        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--vocab-size", "64",
+        "--pipeline-micro-batches", "4", "--steps", "2", "--warmup", "1"]
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_every_schedule_on_two_stages(tmp_path: Path, capsys) -> None:
+    out_json, out_dir = tmp_path / "pp.json", tmp_path / "tl"
+    assert runner.main(TINY + ["--json", str(out_json), "--out-dir", str(out_dir)]) == 0
+    table = capsys.readouterr().out
+    assert "domino bench (pipeline)" in table and "interleaved (x2 chunks)" in table
+    report = json.loads(out_json.read_text())
+    rows = {r["schedule"]: r for r in report["results"]}
+    assert list(rows) == ["gpipe", "1f1b", "interleaved", "zero_bubble"]
+    for name, r in rows.items():
+        assert r["step_time_s"] > 0 and len(r["step_times_s"]) == 2
+        assert 0.0 <= r["bubble"] < 1.0
+        chunks = 2 if name == "interleaved" else 1
+        assert r["theoretical_bubble"] == pytest.approx(theoretical_bubble(name, 2, 4, chunks))
+        assert len(r["peak_mem_bytes_per_stage"]) == 2 and min(r["peak_mem_bytes_per_stage"]) > 0
+        png = Path(r["timeline_png"])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        events = json.loads((out_dir / f"trace_pp_{name}.json").read_text())["traceEvents"]
+        passes = {e["name"][0] for e in events if e.get("cat") == "compute"}
+        assert passes == ({"F", "B", "W"} if name == "zero_bubble" else {"F", "B"})
+        assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}  # a row per stage
+    # What each schedule holds: GPipe every micro-batch, 1F1B at most (stages - stage).
+    assert rows["gpipe"]["held_micro_batches_per_stage"] == [4, 4]
+    assert rows["1f1b"]["held_micro_batches_per_stage"] == [2, 1]
+    assert rows["interleaved"]["layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+
+
+def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:
+    try:
+        netem.check_can_emulate()
+    except RuntimeError as err:
+        pytest.skip(f"cannot emulate links here: {err}")
+    assert runner.main(TINY + ["--emulate-link", "1gbit", "--schedules", "1f1b,zero_bubble"]) == 0
+    assert "link 1gbit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (["--schedules", "1f1b,turbo"], "not one of"),
+    (["--num-layers", "3", "--schedules", "1f1b"], "does not divide into 2 pipeline stages"),
+    (["--num-layers", "6", "--schedules", "interleaved"], "multiple of 2 x PP = 4"),
+    (["--pipeline-micro-batches", "3", "--schedules", "interleaved"], "not a multiple of 2"),
+    (["--simulate-link", "1gbit"], "loopback or --emulate-link"),
+    (["--plan", "m4:cross"], "larger than --micro-batch-size=2"),
+])
+def test_pipeline_bench_checks(extra: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        runner.run(_args(TINY + extra))
