@@ -32,9 +32,11 @@ DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
 def layouts(spec: dict[str, Any]) -> dict[str, Layout]:
     """Each schedule's layout (interleaved: chunks of ``layers_per_virtual_stage``)."""
     out = {}
+    counts = spec.get("stage_layers")
     for schedule in spec["schedules"]:
         per = spec["layers_per_virtual_stage"] if schedule == "interleaved" else None
-        layout = partition(spec["num_layers"], spec["pipeline_model_parallel_size"], per)
+        layout = partition(spec["num_layers"], spec["pipeline_model_parallel_size"], per,
+                           None if per or counts is None else tuple(counts))
         check_schedule(schedule, layout.stages, spec["pipeline_micro_batches"], layout.chunks)
         out[schedule] = layout
     return out
@@ -228,7 +230,15 @@ def validate_pipeline(args) -> dict[str, Any]:
             "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "pipeline_micro_batches", "steps", "warmup", "threads_per_rank", "dtype", "seed",
             "timeout", "plan")}
+    counts = None
+    if args.pipeline_stage_layers:
+        try:
+            counts = [int(x) for x in args.pipeline_stage_layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--pipeline-stage-layers={args.pipeline_stage_layers!r} must be "
+                             "comma-separated layer counts, e.g. 5,3") from None
     spec.update(kind="pipeline", model="gpt", schedules=schedules, layers_per_virtual_stage=per,
+                stage_layers=counts,
                 world_size=p * tp, ranks_per_host=tp, hosts=p, trace=args.out_dir is not None)
     build_config(spec).validate_parallel(tp)
     Plan.parse(args.plan).check_fits(args.micro_batch_size, what=f"--plan {args.plan}",

@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"pipeline schedules to compare [default: {_PIPELINE_DEFAULT}]")
     a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
       help="chunk size of the interleaved schedule [default: num_layers / (2 x PP)]")
+    a("--pipeline-stage-layers", default=None,
+      help="uneven stages, layers per stage (e.g. 5,3; not for the interleaved schedule)")
     a("--plan", default="m2:cross", help="Domino plan inside each pipeline stage")
     a("--json", metavar="PATH", default=None, help="write the report here")
     a("--out-dir", metavar="DIR", default=None,
