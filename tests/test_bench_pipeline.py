@@ -1,6 +1,6 @@
 """`domino bench --pipeline-model-parallel-size P`: a real 2-stage run of every schedule (its
-table, JSON and one timeline per schedule with a row per stage), the same on an emulated link
-with each stage on its own host, and the checks before any process starts. No timing
+table, JSON and one timeline per schedule with a row per stage), PP=2 x TP=2 on an emulated
+link with each stage on its own host, and the checks before any process starts. No timing
 assertions."""
 
 from __future__ import annotations
@@ -57,8 +57,12 @@ def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:
         netem.check_can_emulate()
     except RuntimeError as err:
         pytest.skip(f"cannot emulate links here: {err}")
-    assert runner.main(TINY + ["--emulate-link", "1gbit", "--schedules", "1f1b,zero_bubble"]) == 0
-    assert "link 1gbit" in capsys.readouterr().out
+    # PP=2 x TP=2: each stage's two TP ranks share an emulated host, the stages talk over it.
+    argv = [a if a != "1" or TINY[i - 1] != "--tensor-model-parallel-size" else "2"
+            for i, a in enumerate(TINY)]
+    assert runner.main(argv + ["--emulate-link", "1gbit", "--schedules", "1f1b,zero_bubble"]) == 0
+    out = capsys.readouterr().out
+    assert "link 1gbit" in out and "PP=2 x TP=2" in out
 
 
 @pytest.mark.parametrize(("extra", "match"), [
