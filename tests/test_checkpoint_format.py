@@ -250,11 +250,8 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("data")
-    preprocess(stdlib_corpus_files(limit_bytes=200_000), folder / "small", ByteTokenizer(),
-               progress=False)
-    return str(folder / "small")
+def data(byte_dataset) -> str:
+    return byte_dataset(200_000)
 
 
 def _args(data: str, **kw) -> TrainArgs:

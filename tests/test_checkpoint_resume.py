@@ -19,8 +19,6 @@ import pytest
 import torch
 from dist import run_distributed
 
-from domino.data import ByteTokenizer, preprocess
-from domino.data.preprocess import stdlib_corpus_files
 from domino.training.arguments import TrainArgs
 
 STEPS, CUT = 8, 3  # exact-resume runs stop at CUT and resume to STEPS (5 steps after)
@@ -29,11 +27,8 @@ IDS = torch.randint(0, 257, (3, 32), generator=torch.Generator().manual_seed(5))
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("data")
-    preprocess(stdlib_corpus_files(limit_bytes=300_000), folder / "small", ByteTokenizer(),
-               progress=False)
-    return str(folder / "small")
+def data(byte_dataset) -> str:
+    return byte_dataset(300_000)
 
 
 def _args(data: str, **kw) -> TrainArgs:

@@ -19,8 +19,6 @@ from test_train_cli import _workers_of
 
 from domino.checkpoint.store import PAUSE_ENV
 from domino.cli import main
-from domino.data import ByteTokenizer, preprocess
-from domino.data.preprocess import stdlib_corpus_files
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--micro-batch-size",
          "4", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "1",
@@ -29,10 +27,8 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--mi
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    prefix = tmp_path_factory.mktemp("data") / "small"
-    preprocess(stdlib_corpus_files(limit_bytes=400_000), prefix, ByteTokenizer(), progress=False)
-    return ["--data-path", str(prefix), "--split", "90,10,0"]
+def data(byte_dataset) -> list[str]:
+    return ["--data-path", byte_dataset(400_000), "--split", "90,10,0"]
 
 
 def _losses(run: Path) -> dict[int, float]:

@@ -19,8 +19,6 @@ import torch
 from dist import run_distributed
 
 from domino.config import TransformerConfig
-from domino.data import ByteTokenizer, preprocess
-from domino.data.preprocess import stdlib_corpus_files
 from domino.plan import Plan
 from domino.training.arguments import TrainArgs
 
@@ -183,11 +181,8 @@ def test_pipelines_match_the_single_process_model() -> None:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("data")
-    preprocess(stdlib_corpus_files(limit_bytes=200_000), folder / "small", ByteTokenizer(),
-               progress=False)
-    return str(folder / "small")
+def data(byte_dataset) -> str:
+    return byte_dataset(200_000)
 
 
 def _run_args(data: str, **kw) -> TrainArgs:

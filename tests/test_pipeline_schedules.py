@@ -11,8 +11,6 @@ import itertools
 import pytest
 
 from domino.cli import main
-from domino.data import ByteTokenizer, preprocess
-from domino.data.preprocess import stdlib_corpus_files
 from domino.pipeline.partition import partition
 from domino.pipeline.schedules import (
     Action,
@@ -92,10 +90,8 @@ def test_partitions() -> None:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    prefix = tmp_path_factory.mktemp("data") / "small"
-    preprocess(stdlib_corpus_files(limit_bytes=100_000), prefix, ByteTokenizer(), progress=False)
-    return ["--data-path", str(prefix), "--split", "90,10,0"]
+def data(byte_dataset) -> list[str]:
+    return ["--data-path", byte_dataset(100_000), "--split", "90,10,0"]
 
 
 def _error(capsys, *argv: str) -> str:
