@@ -230,9 +230,14 @@ def load_optimizer(step_dir: Path, meta: Meta, optimizer: torch.optim.Optimizer,
 
 
 def load_rng(step_dir: Path, meta: Meta, state: ParallelState) -> None:
-    """Restore the dropout streams. Same TP size: each rank's own. Another TP size: the
+    """Restore the dropout streams. Same layout: each rank's own. Another TP size: the
     replicated streams (equal on every TP rank); the TP-distinct ones of the saved ranks do not
-    map onto the new ranks, so they restart from the seed and the step."""
+    map onto the new ranks, so they restart from the seed and the step. Another PP size: a
+    stage's streams drew for other layers, so all restart."""
+    if meta.layout.get("pp", 1) != state.pp.size:
+        state.rng.load_state_dict({"seed": meta.rng_seed, "states": {}},
+                                  reseed_model_parallel=meta.step, device=state.device)
+        return
     same = meta.layout["tp"] == state.tp.size and not meta.extra.get(
         "rng_model_parallel_restart")
     rel = layout.rng_file(state.tp.rank if meta.layout["tp"] == state.tp.size else 0,
