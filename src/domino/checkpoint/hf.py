@@ -237,55 +237,84 @@ def _qkv_from_ours(w: torch.Tensor, s: _Shapes) -> tuple[torch.Tensor, ...]:
     return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
 
 
+def _pairs(config: TransformerConfig, arch: str) -> list[tuple[str, str, bool]]:
+    """(our name, HF name, stored transposed) of every one-to-one tensor (GPT-2 names without
+    their ``transformer.`` prefix); the fused QKV and SwiGLU tensors and the vocabulary tables
+    are mapped apart."""
+    out: list[tuple[str, str, bool]] = []
+    for i in range(config.num_layers):
+        a = f"{_ENC}layers.{i}."
+        if arch == "gpt2":
+            h = f"h.{i}."
+            for suffix in ("weight", "bias"):
+                out += [(a + "input_layernorm." + suffix, h + "ln_1." + suffix, False),
+                        (a + "post_attention_layernorm." + suffix, h + "ln_2." + suffix, False)]
+                t = suffix == "weight"  # Conv1D stores [in, out]
+                out += [(a + "self_attention.dense." + suffix, h + "attn.c_proj." + suffix, t),
+                        (a + "mlp.dense_h_to_4h." + suffix, h + "mlp.c_fc." + suffix, t),
+                        (a + "mlp.dense_4h_to_h." + suffix, h + "mlp.c_proj." + suffix, t)]
+        else:
+            h = f"model.layers.{i}."
+            out += [(a + "input_layernorm.weight", h + "input_layernorm.weight", False),
+                    (a + "post_attention_layernorm.weight",
+                     h + "post_attention_layernorm.weight", False)]
+            for suffix in ("weight", "bias") if config.add_bias_linear else ("weight",):
+                out += [(a + "self_attention.dense." + suffix, h + "self_attn.o_proj." + suffix,
+                         False),
+                        (a + "mlp.dense_4h_to_h." + suffix, h + "mlp.down_proj." + suffix, False)]
+    if arch == "gpt2":
+        out += [(_LM + "embedding.position_embeddings.weight", "wpe.weight", False),
+                (_ENC + "final_layernorm.weight", "ln_f.weight", False),
+                (_ENC + "final_layernorm.bias", "ln_f.bias", False)]
+    else:
+        out.append((_ENC + "final_layernorm.weight", "model.norm.weight", False))
+    return out
+
+
+def _fused(config: TransformerConfig, arch: str, i: int) -> list[tuple[str, str]]:
+    """(our QKV or SwiGLU fc1 name, HF name prefix) of layer i's fused tensors."""
+    a = f"{_ENC}layers.{i}."
+    if arch == "gpt2":
+        return [(a + "self_attention.query_key_value." + x, f"h.{i}.attn.c_attn.{x}")
+                for x in ("weight", "bias")]
+    suffixes = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    return [(a + "self_attention.query_key_value." + x, f"model.layers.{i}.self_attn.{x}")
+            for x in suffixes] + [(a + "mlp.dense_h_to_4h." + x, f"model.layers.{i}.mlp.{x}")
+                                  for x in suffixes]
+
+
+def _vocab_names(arch: str) -> tuple[str, str]:
+    return ("wte.weight", "lm_head.weight") if arch == "gpt2" else (
+        "model.embed_tokens.weight", "lm_head.weight")
+
+
 def to_hf(ours: dict[str, torch.Tensor], config: TransformerConfig, arch: str
           ) -> dict[str, torch.Tensor]:
     """Our full (TP=1) weights -> the HF model's state dict (vocabulary padding dropped)."""
     s, v = _shapes(config), config.vocab_size
-    out: dict[str, torch.Tensor] = {}
-    tie = not config.untie_embeddings_and_output_weights
-    if arch == "gpt2":
-        out["transformer.wte.weight"] = ours[_LM + "embedding.word_embeddings.weight"][:v]
-        out["transformer.wpe.weight"] = ours[_LM + "embedding.position_embeddings.weight"]
-        for i in range(config.num_layers):
-            a, h = f"{_ENC}layers.{i}.", f"transformer.h.{i}."
-            for ours_norm, hf_norm in (("input_layernorm", "ln_1"),
-                                       ("post_attention_layernorm", "ln_2")):
-                out[h + hf_norm + ".weight"] = ours[a + ours_norm + ".weight"]
-                out[h + hf_norm + ".bias"] = ours[a + ours_norm + ".bias"]
-            q, k, vv = _qkv_from_ours(ours[a + "self_attention.query_key_value.weight"], s)
-            out[h + "attn.c_attn.weight"] = torch.cat([q, k, vv]).t()  # Conv1D: [in, out]
-            qb, kb, vb = _qkv_from_ours(ours[a + "self_attention.query_key_value.bias"], s)
-            out[h + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
-            out[h + "attn.c_proj.weight"] = ours[a + "self_attention.dense.weight"].t()
-            out[h + "attn.c_proj.bias"] = ours[a + "self_attention.dense.bias"]
-            out[h + "mlp.c_fc.weight"] = ours[a + "mlp.dense_h_to_4h.weight"].t()
-            out[h + "mlp.c_fc.bias"] = ours[a + "mlp.dense_h_to_4h.bias"]
-            out[h + "mlp.c_proj.weight"] = ours[a + "mlp.dense_4h_to_h.weight"].t()
-            out[h + "mlp.c_proj.bias"] = ours[a + "mlp.dense_4h_to_h.bias"]
-        out["transformer.ln_f.weight"] = ours[_ENC + "final_layernorm.weight"]
-        out["transformer.ln_f.bias"] = ours[_ENC + "final_layernorm.bias"]
-        if not tie:
-            out["lm_head.weight"] = ours[_LM + "output_layer.weight"][:v]
-        return {k: t.contiguous() for k, t in out.items()}
-    out["model.embed_tokens.weight"] = ours[_LM + "embedding.word_embeddings.weight"][:v]
-    bias = config.add_bias_linear
+    out = {hf: ours[mine].t() if t else ours[mine] for mine, hf, t in _pairs(config, arch)}
     for i in range(config.num_layers):
-        a, h = f"{_ENC}layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = ours[a + "input_layernorm.weight"]
-        out[h + "post_attention_layernorm.weight"] = ours[a + "post_attention_layernorm.weight"]
-        for suffix in ("weight", "bias") if bias else ("weight",):
-            q, k, vv = _qkv_from_ours(ours[a + "self_attention.query_key_value." + suffix], s)
-            out[h + "self_attn.q_proj." + suffix] = q
-            out[h + "self_attn.k_proj." + suffix] = k
-            out[h + "self_attn.v_proj." + suffix] = vv
-            out[h + "self_attn.o_proj." + suffix] = ours[a + "self_attention.dense." + suffix]
-            gate, up = ours[a + "mlp.dense_h_to_4h." + suffix].chunk(2, dim=0)
-            out[h + "mlp.gate_proj." + suffix] = gate
-            out[h + "mlp.up_proj." + suffix] = up
-            out[h + "mlp.down_proj." + suffix] = ours[a + "mlp.dense_4h_to_h." + suffix]
-    out["model.norm.weight"] = ours[_ENC + "final_layernorm.weight"]
-    if not tie:
-        out["lm_head.weight"] = ours[_LM + "output_layer.weight"][:v]
+        for mine, hf in _fused(config, arch, i):
+            w = ours[mine]
+            if "query_key_value" in mine:
+                q, k, vv = _qkv_from_ours(w, s)
+                if arch == "gpt2":  # one Conv1D [in, out] holding [all q | all k | all v]
+                    both = torch.cat([q, k, vv])
+                    out[hf] = both.t() if hf.endswith("weight") else both
+                else:
+                    kind = hf.rsplit(".", 1)
+                    for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", vv)):
+                        out[f"{kind[0]}.{name}.{kind[1]}"] = part
+            else:  # SwiGLU fc1 rows are [gate; up]
+                gate, up = w.chunk(2, dim=0)
+                base, x = hf.rsplit(".", 1)
+                out[f"{base}.gate_proj.{x}"], out[f"{base}.up_proj.{x}"] = gate, up
+    table, head = _vocab_names(arch)
+    out[table] = ours[_LM + "embedding.word_embeddings.weight"][:v]
+    if config.untie_embeddings_and_output_weights:
+        out[head] = ours[_LM + "output_layer.weight"][:v]
+    if arch == "gpt2":
+        out = {k if k == head else "transformer." + k: t for k, t in out.items()}
     return {k: t.contiguous() for k, t in out.items()}
 
 
@@ -299,49 +328,24 @@ def from_hf(hf: dict[str, torch.Tensor], config: TransformerConfig, arch: str,
             padded_vocab: int) -> dict[str, torch.Tensor]:
     """An HF state dict -> our full (TP=1) weights; KeyError names a missing weight."""
     s = _shapes(config)
-    tie = not config.untie_embeddings_and_output_weights
     if arch == "gpt2":
         hf = {k.removeprefix("transformer."): t for k, t in hf.items()}
-        ours = {_LM + "embedding.word_embeddings.weight": _pad_rows(hf["wte.weight"],
-                                                                     padded_vocab),
-                _LM + "embedding.position_embeddings.weight": hf["wpe.weight"]}
-        for i in range(config.num_layers):
-            a, h = f"{_ENC}layers.{i}.", f"h.{i}."
-            for ours_norm, hf_norm in (("input_layernorm", "ln_1"),
-                                       ("post_attention_layernorm", "ln_2")):
-                ours[a + ours_norm + ".weight"] = hf[h + hf_norm + ".weight"]
-                ours[a + ours_norm + ".bias"] = hf[h + hf_norm + ".bias"]
-            wq, wk, wv = hf[h + "attn.c_attn.weight"].t().chunk(3, dim=0)
-            ours[a + "self_attention.query_key_value.weight"] = _qkv_to_ours(wq, wk, wv, s)
-            bq, bk, bv = hf[h + "attn.c_attn.bias"].chunk(3, dim=0)
-            ours[a + "self_attention.query_key_value.bias"] = _qkv_to_ours(bq, bk, bv, s)
-            ours[a + "self_attention.dense.weight"] = hf[h + "attn.c_proj.weight"].t()
-            ours[a + "self_attention.dense.bias"] = hf[h + "attn.c_proj.bias"]
-            ours[a + "mlp.dense_h_to_4h.weight"] = hf[h + "mlp.c_fc.weight"].t()
-            ours[a + "mlp.dense_h_to_4h.bias"] = hf[h + "mlp.c_fc.bias"]
-            ours[a + "mlp.dense_4h_to_h.weight"] = hf[h + "mlp.c_proj.weight"].t()
-            ours[a + "mlp.dense_4h_to_h.bias"] = hf[h + "mlp.c_proj.bias"]
-        ours[_ENC + "final_layernorm.weight"] = hf["ln_f.weight"]
-        ours[_ENC + "final_layernorm.bias"] = hf["ln_f.bias"]
-        if not tie:
-            ours[_LM + "output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab)
-        return {k: t.contiguous() for k, t in ours.items()}
-    ours = {_LM + "embedding.word_embeddings.weight": _pad_rows(
-        hf["model.embed_tokens.weight"], padded_vocab)}
-    bias = config.add_bias_linear
+    ours = {mine: hf[name].t() if t else hf[name] for mine, name, t in _pairs(config, arch)}
     for i in range(config.num_layers):
-        a, h = f"{_ENC}layers.{i}.", f"model.layers.{i}."
-        ours[a + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        ours[a + "post_attention_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        for suffix in ("weight", "bias") if bias else ("weight",):
-            ours[a + "self_attention.query_key_value." + suffix] = _qkv_to_ours(
-                hf[h + "self_attn.q_proj." + suffix], hf[h + "self_attn.k_proj." + suffix],
-                hf[h + "self_attn.v_proj." + suffix], s)
-            ours[a + "self_attention.dense." + suffix] = hf[h + "self_attn.o_proj." + suffix]
-            ours[a + "mlp.dense_h_to_4h." + suffix] = torch.cat(
-                [hf[h + "mlp.gate_proj." + suffix], hf[h + "mlp.up_proj." + suffix]])
-            ours[a + "mlp.dense_4h_to_h." + suffix] = hf[h + "mlp.down_proj." + suffix]
-    ours[_ENC + "final_layernorm.weight"] = hf["model.norm.weight"]
-    if not tie:
-        ours[_LM + "output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab)
+        for mine, name in _fused(config, arch, i):
+            if "query_key_value" in mine:
+                if arch == "gpt2":
+                    w = hf[name].t() if name.endswith("weight") else hf[name]
+                    q, k, v = w.chunk(3, dim=0)
+                else:
+                    base, x = name.rsplit(".", 1)
+                    q, k, v = (hf[f"{base}.{p}.{x}"] for p in ("q_proj", "k_proj", "v_proj"))
+                ours[mine] = _qkv_to_ours(q, k, v, s)
+            else:
+                base, x = name.rsplit(".", 1)
+                ours[mine] = torch.cat([hf[f"{base}.gate_proj.{x}"], hf[f"{base}.up_proj.{x}"]])
+    table, head = _vocab_names(arch)
+    ours[_LM + "embedding.word_embeddings.weight"] = _pad_rows(hf[table], padded_vocab)
+    if config.untie_embeddings_and_output_weights:
+        ours[_LM + "output_layer.weight"] = _pad_rows(hf[head], padded_vocab)
     return {k: t.contiguous() for k, t in ours.items()}
