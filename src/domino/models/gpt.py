@@ -91,8 +91,12 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         tp = self.state.tp
-        logits = parallel_lm_logits(hidden, self.output_weight(), True,
-                                    parallel_state=self.state)  # [s, b, v/tp]
+        stack = self.language_model.encoder
+        # Under an overlapping schedule the stack's last all-reduces hide the rest of the head's
+        # weight-gradient GEMM (sync TP has nothing to hide).
+        late = stack.late_work if stack.effective_plan().overlap != "none" else None
+        logits = parallel_lm_logits(hidden, self.output_weight(), True, parallel_state=self.state,
+                                    late=late)  # [s, b, v/tp]
         logits = mask_padded_logits(logits, self.config.vocab_size, tp)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()  # [b, s, v/tp]

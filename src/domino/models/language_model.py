@@ -20,23 +20,27 @@ from domino.tensor_parallel import (
     ColumnParallelLinear,
     CommGroup,
     VocabParallelEmbedding,
-    dropout,
     gather_from_tensor_model_parallel_region,
 )
 from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad, mark_partitioned
+from domino.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from domino.transformer import DominoTransformer, InferenceParams
 from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
+from domino.transformer.schedule import LateWork, MicroBatch
 from domino.utils import init_scope
 
 
 def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor,
                        parallel_output: bool, bias: torch.Tensor | None = None, *,
-                       parallel_state: ParallelState | None = None) -> torch.Tensor:
+                       parallel_state: ParallelState | None = None,
+                       late: LateWork | None = None) -> torch.Tensor:
     """Logits [..., vocab/tp] (``parallel_output``) or [..., vocab] from hidden states [..., h]
-    and this rank's vocabulary shard of the (tied or output) weight."""
+    and this rank's vocabulary shard of the (tied or output) weight. ``late``: the
+    ``late_work`` of the Domino stack that produced ``input_``, which then runs what its
+    all-reduce does not need of the weight-gradient GEMM."""
     group = resolve(parallel_state).tp
     # The input-gradient all-reduce runs under the vocabulary shard's weight-gradient GEMM.
-    logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group)
+    logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group, late)
     return logits if parallel_output else gather_from_tensor_model_parallel_region(logits, group)
 
 
@@ -101,24 +105,79 @@ class Embedding(nn.Module):
                 tokentype_ids: torch.Tensor | None = None,
                 use_tokentypes: bool = True) -> torch.Tensor:
         """``use_tokentypes=False`` skips token types (a decoder's input has none)."""
+        todo = self.prologue(input_ids, position_ids, tokentype_ids, use_tokentypes)
+        whole = MicroBatch(batch_size=input_ids.shape[0])
+        reduced = reduce_from_tensor_model_parallel_region(todo.partial(whole), self.state.tp)
+        return todo.finish(reduced, whole)
+
+    def prologue(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                 tokentype_ids: torch.Tensor | None = None,
+                 use_tokentypes: bool = True) -> EmbeddingPrologue:
+        """The embedding of these ids as a Domino prologue (``DominoTransformer(...,
+        prologue=...)``): the schedule all-reduces each micro-batch's vocabulary-shard lookups
+        while other work runs. Ids are checked and the dropout mask drawn here, for the whole
+        batch, so the result equals :meth:`forward`'s whatever the split."""
         _check_ids(input_ids, self.real_vocab_size, "input_ids", "vocab_size")
-        emb = self.word_embeddings(input_ids)  # [b, s, h]
         if self.add_position_embedding:
             if position_ids is None:
                 position_ids = default_position_ids(input_ids)
             _check_ids(position_ids, self.max_sequence_length, "position_ids",
                        "max_position_embeddings")
-            emb = emb + self.position_embeddings(position_ids)
         if tokentype_ids is not None:
             if self.tokentype_embeddings is None:
                 raise ValueError("tokentype_ids were given but the model has no token-type "
                                  "embeddings: build it with num_tokentypes > 0.")
             _check_ids(tokentype_ids, self.num_tokentypes, "tokentype_ids", "num_tokentypes")
-            emb = emb + self.tokentype_embeddings(tokentype_ids)
         elif self.tokentype_embeddings is not None and use_tokentypes:
             raise ValueError("this model has token-type embeddings: pass tokentype_ids.")
-        emb = emb.transpose(0, 1).contiguous().to(self.config.params_dtype)  # [s, b, h]
-        return dropout(emb, self.dropout_p, self.training, self.state.rng.replicated(emb.device))
+        b, s = input_ids.shape
+        keep = None
+        if self.training and self.dropout_p > 0.0:
+            # The mask forward's dropout would draw for the whole [s, b, h] output.
+            device = self.word_embeddings.weight.device
+            keep = torch.empty((s, b, self.hidden_size), dtype=self.config.params_dtype,
+                               device=device).bernoulli_(
+                1.0 - self.dropout_p, generator=self.state.rng.replicated(device))
+        return EmbeddingPrologue(self, input_ids, position_ids if self.add_position_embedding
+                                 else None, tokentype_ids, keep)
+
+
+class EmbeddingPrologue:
+    """One batch's embedding, cut for a Domino schedule (see :meth:`Embedding.prologue`):
+    :meth:`partial` is this rank's vocabulary-shard lookup of a micro-batch, :meth:`finish` adds
+    the replicated position / token-type embeddings to the all-reduced sum, moves it to
+    [s, b_m, h] and applies dropout."""
+
+    def __init__(self, emb: Embedding, ids: torch.Tensor, position_ids: torch.Tensor | None,
+                 tokentype_ids: torch.Tensor | None, keep: torch.Tensor | None) -> None:
+        self.emb, self.ids, self.position_ids, self.tokentype_ids = emb, ids, position_ids, \
+            tokentype_ids
+        self.keep = keep
+        self.shape = (ids.shape[1], ids.shape[0])
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.emb.parameters())
+
+    @staticmethod
+    def _rows(t: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        if t.shape[0] == 1 or (mb.batch_start == 0 and mb.batch_size == t.shape[0]):
+            return t  # broadcast over the batch, or the whole batch
+        return t[mb.batch_start:mb.batch_start + mb.batch_size]
+
+    def partial(self, mb: MicroBatch) -> torch.Tensor:
+        return self.emb.word_embeddings.partial(self._rows(self.ids, mb))  # [b_m, s, h]
+
+    def finish(self, reduced: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        emb = reduced
+        if self.position_ids is not None:
+            emb = emb + self.emb.position_embeddings(self._rows(self.position_ids, mb))
+        if self.tokentype_ids is not None:
+            emb = emb + self.emb.tokentype_embeddings(self._rows(self.tokentype_ids, mb))
+        emb = emb.transpose(0, 1).contiguous().to(self.emb.config.params_dtype)  # [s, b_m, h]
+        if self.keep is None:
+            return emb
+        keep = self.keep[:, mb.batch_start:mb.batch_start + emb.shape[1]]
+        return emb * keep * (1.0 / (1.0 - self.emb.dropout_p))
 
 
 class TransformerLanguageModel(nn.Module):
@@ -219,26 +278,26 @@ class TransformerLanguageModel(nn.Module):
         enc_position_ids = _cache_positions(enc_position_ids, enc_input_ids, inference_params)
         dec_position_ids = _cache_positions(dec_position_ids, dec_input_ids, inference_params)
         if encoder_output is None and self.add_encoder:
-            enc_in = (self.embedding(enc_input_ids, enc_position_ids, tokentype_ids)
+            # The embedding runs inside the encoder's schedule (its all-reduce overlaps).
+            enc_in = (self.embedding.prologue(enc_input_ids, enc_position_ids, tokentype_ids)
                       if self.pre_process else None)
             rot = self._rotary(enc_position_ids, enc_input_ids if self.pre_process else None,
-                               enc_in if enc_in is not None else self.encoder.input_tensor,
-                               inference_params)
-            encoder_output = self.encoder(enc_in, enc_attn_mask,
-                                          inference_params=inference_params, rotary_pos_emb=rot)
+                               self.encoder.input_tensor, inference_params)
+            encoder_output = self.encoder(None, enc_attn_mask, inference_params=inference_params,
+                                          rotary_pos_emb=rot, prologue=enc_in)
         pooled = None
         if self.post_process and self.add_pooler and encoder_output is not None:
             pooled = self.pooler(encoder_output, pooling_sequence_index)
         if not self.add_decoder or output_enc_hidden:
             return (encoder_output, pooled) if pooled is not None else encoder_output
-        dec_in = (self.embedding(dec_input_ids, dec_position_ids, use_tokentypes=False)
+        dec_in = (self.embedding.prologue(dec_input_ids, dec_position_ids, use_tokentypes=False)
                   if self.pre_process else None)
         rot = self._rotary(dec_position_ids, dec_input_ids if self.pre_process else None,
-                           dec_in if dec_in is not None else self.decoder.input_tensor,
-                           inference_params)
-        decoder_output = self.decoder(dec_in, dec_attn_mask, encoder_output=encoder_output,
+                           self.decoder.input_tensor, inference_params)
+        decoder_output = self.decoder(None, dec_attn_mask, encoder_output=encoder_output,
                                       enc_dec_attn_mask=enc_dec_attn_mask,
-                                      inference_params=inference_params, rotary_pos_emb=rot)
+                                      inference_params=inference_params, rotary_pos_emb=rot,
+                                      prologue=dec_in)
         if pooled is not None:
             return decoder_output, encoder_output, pooled
         return decoder_output, encoder_output

@@ -19,7 +19,7 @@ from domino.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from domino.utils import divide
+from domino.utils import divide, even_splits
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -128,13 +128,17 @@ class _Linear(torch.autograd.Function):
     * leaves dL/dx as it is and defers dL/dW to a :class:`WgradStash` (``stash`` given): a Domino
       schedule launches the all-reduce itself and runs the stash while it is in flight.
 
+    With ``group`` and ``late`` (a schedule's :class:`~domino.transformer.schedule.LateWork`),
+    dL/dW is computed in row chunks only while the all-reduce is in flight; the remaining chunks
+    go to ``late``, for the stack's backward to run under its own last all-reduces.
+
     Computations use the dtype of the incoming gradient, so it composes with autocast.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, stash, rows):
+    def forward(ctx, x, weight, bias, group, stash, rows, late=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.stash, ctx.bias, ctx.rows = group, stash, bias, rows
+        ctx.group, ctx.stash, ctx.bias, ctx.rows, ctx.late = group, stash, bias, rows, late
         return F.linear(x, weight if rows is None else weight[rows], bias)
 
     @staticmethod
@@ -144,10 +148,14 @@ class _Linear(torch.autograd.Function):
         grad_input = grad.matmul(w.to(grad.dtype))
         if ctx.stash is not None:
             ctx.stash.append((weight, ctx.bias, grad, x, ctx.rows))
-            return grad_input, None, None, None, None, None
+            return grad_input, None, None, None, None, None, None
         handle = None
         if ctx.group is not None:
             handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
+        if ctx.late is not None and handle is not None and ctx.rows is None:
+            _split_wgrad(weight, ctx.bias, grad, x, handle, ctx.late)
+            handle.wait()
+            return grad_input, None, None, None, None, None, None
         grad_weight = _wgrad(grad, x, weight.dtype)  # runs while dL/dx is being reduced
         if ctx.rows is not None:
             full = torch.zeros_like(weight)
@@ -158,18 +166,47 @@ class _Linear(torch.autograd.Function):
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+# Row chunks of a weight gradient split between its own all-reduce and a schedule's late work.
+LATE_WGRAD_CHUNKS = 4
+
+
+def _split_wgrad(weight, bias, grad, x, handle, late) -> None:
+    """Accumulate dL/dW (and dL/db) into ``.grad``: row chunks while ``handle`` is in flight,
+    the rest as ``late`` work. Every chunk adds to its own rows of ``.grad`` directly, before
+    anything in ``late`` behind them, so the result does not depend on where the split fell."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    if bias is not None:
+        _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
+    chunks = column_chunks(weight.shape[0], LATE_WGRAD_CHUNKS)
+    stash = WgradStash()
+    for i, rows in enumerate(chunks):
+        if handle.ready():
+            stash.extend((weight, None, grad[..., r], x, r) for r in chunks[i:])
+            late.add(stash)
+            return
+        weight.grad[rows] += _wgrad(grad[..., rows], x, weight.dtype)
+
+
+def column_chunks(width: int, chunks: int) -> list[slice]:
+    """``chunks`` contiguous slices covering ``range(width)``, sizes differing by at most one
+    (fewer when ``width`` is smaller)."""
+    return [slice(a, b) for a, b in even_splits(width, min(chunks, width))]
 
 
 def linear_reduce_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: CommGroup) -> torch.Tensor:
+                             group: CommGroup, late=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a column-parallel weight shard whose input is replicated:
     backward all-reduces dL/dx over ``group``, launched before and waited for after the
     weight-gradient GEMM, so the GEMM hides it (what a copy-to-region + linear pair would run
-    one after the other)."""
+    one after the other). With ``late`` (a schedule's ``LateWork``) the part of the GEMM the
+    all-reduce does not need to hide is left to the schedule (see :class:`_Linear`)."""
     grad_on = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if grad_on and group.size > 1:
-        return _Linear.apply(x, weight, bias, group, None, None)
+        return _Linear.apply(x, weight, bias, group, None, None, late)
     return F.linear(x, weight, bias)
 
 
@@ -282,11 +319,15 @@ class VocabParallelEmbedding(nn.Module):
                                                 valid_rows=self.real_num_embeddings))
         mark_partitioned(self.weight, 0, vocab_rows=self.real_num_embeddings)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's lookups (zero for ids outside its vocabulary range): summed over the TP
+        group they are the embeddings (a schedule launches that all-reduce itself)."""
         if self.group.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, self.group)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(self.partial(ids), self.group)
 

@@ -24,13 +24,12 @@ from domino.config import TransformerConfig
 from domino.enums import LayerType
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import RowParallelLinear, dropout
-from domino.tensor_parallel.layers import WgradStash
+from domino.tensor_parallel.layers import WgradStash, column_chunks
 from domino.tensor_parallel.random import RNGTracker
 from domino.transformer.attention import CrossAttention, SelfAttention
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
 from domino.transformer.schedule import MicroBatch
-from domino.utils import even_splits
 
 
 class BlockOp(Protocol):
@@ -83,11 +82,6 @@ class Block:
         # All TP ranks hold the same reduced tensor: the mask must match -> replicated stream.
         out = dropout(out, self.hidden_dropout, self.op.training, self.rng.replicated(out.device))
         return residual + out
-
-
-def column_chunks(width: int, chunks: int) -> list[slice]:
-    """``chunks`` contiguous slices covering ``range(width)``, sizes differing by at most one."""
-    return [slice(a, b) for a, b in even_splits(width, chunks)]
 
 
 class TransformerLayer(nn.Module):

@@ -22,6 +22,10 @@ in flight while micro-batches m+1.. compute. The waits:
 * ``cross_layer``: lazily only, so the last micro-batch's MLP all-reduce runs under the next
   layer's first attention piece.
 
+A :class:`Prologue` (the embedding, whose vocabulary-parallel lookup gives partial sums) is
+piece ``par(-1, m)``: its all-reduce runs while the next micro-batches' lookups and the first
+block of micro-batch 0 compute, and its weight gradient joins the backward's late work.
+
 Backward is the mirror image (units ``local^T(j+1, m), par^T(j, m)``), driven explicitly here:
 PyTorch's autograd engine runs ready nodes in reverse creation order, which would make every
 micro-batch wait for its own gradient all-reduce at once; running each piece's backward
@@ -34,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -67,6 +72,75 @@ class MicroBatch:
     rotary: torch.Tensor | None = None  # [s, b, 1, rot_dim]
     memory: torch.Tensor | None = None  # encoder output [s_enc, b, h] for cross attention
     inference_params: InferenceParams | None = None
+
+
+class Prologue(Protocol):
+    """Work before the stack's first block whose result needs the TP all-reduce (the embedding:
+    each rank looks up its vocabulary shard). The schedule all-reduces each micro-batch's
+    partial sums asynchronously and hands the sum to :meth:`finish`."""
+
+    shape: tuple[int, int]  # (s, b) of the stack input it produces
+
+    def partial(self, mb: MicroBatch) -> torch.Tensor:
+        """This rank's partial sums for micro-batch ``mb`` (any layout :meth:`finish` reads)."""
+
+    def finish(self, reduced: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The stack input [s, b_m, h] of ``mb`` from the all-reduced partial sums."""
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients its backward produces."""
+
+
+class LateWork:
+    """Gradient work that is complete but need not run yet (items with ``run()``), handed to a
+    stack's backward by what follows the stack (the LM head's weight-gradient GEMM) and by the
+    stack's own prologue: the schedule runs it under its last all-reduces, where nothing else is
+    left to hide them.
+
+    Items run in the order they were added, so every parameter accumulates its gradient parts in
+    a fixed order however the timing falls. The first item added during a backward pass also
+    queues an autograd-engine callback that runs whatever is left when the pass ends, so the
+    work is never lost when no stack backward follows (e.g. ``torch.autograd.grad`` on the head
+    alone).
+    """
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._armed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item) -> None:
+        self._items.append(item)
+        if not self._armed and torch._C._current_graph_task_id() != -1:
+            # The engine's end-of-backward callback (what DDP uses to finish its buckets).
+            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+            self._armed = True
+
+    def pop(self):
+        """The oldest item, or None."""
+        return self._items.popleft() if self._items else None
+
+    def take_all(self) -> list:
+        items, self._items = list(self._items), deque()
+        return items
+
+    def drain(self) -> None:
+        """Run every item (oldest first)."""
+        self._armed = False
+        while self._items:
+            self._items.popleft().run()
+
+
+@dataclass(eq=False)
+class Task:
+    """A deferred piece of backward work (``run()`` once)."""
+
+    fn: Callable[[], None]
+
+    def run(self) -> None:
+        self.fn()
 
 
 def split_batch(batch: int, micro_batches: int) -> list[tuple[int, int]]:
@@ -106,6 +180,7 @@ class _Record:
     """Graph state kept from forward to backward (training only)."""
 
     mbs: list[MicroBatch]
+    prologue: Prologue | None = None
     x_leaves: list[torch.Tensor] = field(default_factory=list)
     mem_leaves: list[torch.Tensor | None] = field(default_factory=list)
     local: dict = field(default_factory=dict)  # (j, m) -> _Local, or final output for j = B
@@ -120,7 +195,7 @@ class Executor:
                  group: CommGroup, plan: Plan) -> None:
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
 
-    def _span(self, name: str, m: int):
+    def _span(self, name: str, m: int | None):
         return self.group.region(name, "compute", mb=m)
 
     def _syncs_before(self, j: int) -> bool:
@@ -150,22 +225,31 @@ class Executor:
         return self.plan.column_chunks
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, mbs: list[MicroBatch], graph: bool):
-        """Run the stack on x [s, b, h]; returns (y, record if ``graph`` else None)."""
+    def forward(self, x: torch.Tensor | None, mbs: list[MicroBatch], graph: bool,
+                prologue: Prologue | None = None):
+        """Run the stack on x [s, b, h] (or on what ``prologue`` produces, x None); returns
+        (y, record if ``graph`` else None)."""
         if graph:  # each micro-batch's inputs become leaves: its backward starts there
             mbs = [mb if mb.memory is None else
                    dataclasses.replace(mb, memory=mb.memory.detach().requires_grad_())
                    for mb in mbs]
         B, M = len(self.blocks), len(mbs)
-        rec = _Record(mbs)
+        rec = _Record(mbs, prologue=prologue)
+        pending: dict[tuple[int, int], _Pending] = {}
         for mb in mbs:
+            rec.mem_leaves.append(mb.memory)
+            if prologue is not None:  # par(-1, m): launched now, consumed by local(0, m)
+                with self._span("fwd embed", mb.index):
+                    part = prologue.partial(mb)
+                    pending[(-1, mb.index)] = self._launch([part], -1, mb.index, "fwd")
+                    if graph:
+                        rec.par[(-1, mb.index)] = ([part], None)
+                continue
             xm = x[:, mb.batch_start:mb.batch_start + mb.batch_size]  # [s, b/m, h]
             if graph:
                 xm = xm.detach().requires_grad_()
             rec.x_leaves.append(xm)
-            rec.mem_leaves.append(mb.memory)
-        pending: dict[tuple[int, int], _Pending] = {}
-        residual: list[torch.Tensor] = list(rec.x_leaves)
+        residual: list[torch.Tensor | None] = list(rec.x_leaves) or [None] * M
         outs: list[torch.Tensor] = []
         for j in range(B + 1):
             if self._syncs_before(j) or (self.plan.overlap == "intra_layer" and j == B):
@@ -174,6 +258,11 @@ class Executor:
             for m in range(M):
                 with self._span(f"fwd local {j}", m):
                     h = residual[m]
+                    if j == 0 and prologue is not None:
+                        reduced = pending.pop((-1, m)).wait()
+                        if graph:
+                            rec.reduced[(-1, m)] = reduced.requires_grad_()
+                        h = prologue.finish(reduced, mbs[m])
                     if j > 0:
                         reduced = pending.pop((j - 1, m)).wait()
                         if graph:
@@ -202,22 +291,28 @@ class Executor:
         return y, (rec if graph else None)
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, rec: _Record, grad_y: torch.Tensor, sink: list | None = None):
-        """Backward of :meth:`forward`; returns (grad_x, grad_memory or None).
+    def backward(self, rec: _Record, grad_y: torch.Tensor, sink: list | None = None,
+                 late: LateWork | None = None):
+        """Backward of :meth:`forward`; returns (grad_x or None with a prologue, grad_memory
+        or None).
 
         Weight-gradient GEMMs of the TP pieces are deferred (FIFO, so every parameter still
         accumulates its micro-batches in a fixed order) and run whenever the schedule would
         otherwise block on an unfinished all-reduce - at the latest M pieces later, which bounds
-        the activations they keep alive. With ``sink`` (a zero-bubble pipeline), what is left
-        when the input gradients are done goes there instead of running.
+        the activations they keep alive; the first layer's are all kept, with ``late`` (the LM
+        head's weight gradient) and the prologue's weight gradient, for the last input-gradient
+        all-reduces, which nothing after the stack could hide. With ``sink`` (a zero-bubble
+        pipeline), what is left when the input gradients are done goes there instead of running.
         """
         B, M = len(self.blocks), len(rec.mbs)
+        late = late if late is not None else LateWork()
         pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
         deferred: deque[WgradStash] = deque()
+        first_layer = self.blocks[0].layer if self.blocks else None
         for j in range(B - 1, -2, -1):
             if self._syncs_before(j + 1):
                 for m in range(M):
-                    _fill(deferred, pending[(j + 1, m)]).wait()
+                    self._fill(deferred, pending[(j + 1, m)]).wait()
             for m in range(M):
                 with self._span(f"bwd local {j + 1}", m):
                     if j + 1 == B:
@@ -225,9 +320,12 @@ class Executor:
                         g = grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
                         torch.autograd.backward([rec.local.pop((B, m))], [g])
                     else:
-                        ready = _fill(deferred, pending.pop((j + 1, m)))
+                        # The last waits (j = -1) may also use the late work.
+                        ready = self._fill(deferred, pending.pop((j + 1, m)), late if j < 0 else None)
                         self._local_backward(rec.local.pop((j + 1, m)), ready.wait())
                 if j < 0:
+                    if rec.prologue is not None:
+                        self._queue_prologue_backward(rec, m, late)
                     continue
                 with self._span(f"bwd par {j}", m):
                     parts, stash = rec.par.pop((j, m))
@@ -238,20 +336,46 @@ class Executor:
                     ln_leaf = rec.local[(j, m)].ln_leaf
                     pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
                     deferred.append(stash)
-                    while sink is None and len(deferred) > (
-                            M if self.plan.overlap != "none" else 0):
+                    keep = 0 if self.plan.overlap == "none" else (
+                        len(deferred) if self.blocks[j].layer == first_layer else M)
+                    while sink is None and len(deferred) > keep:
                         deferred.popleft().run()
         if sink is not None:
             sink.extend(deferred)
+            sink.extend(late.take_all())
             deferred.clear()
         while deferred:
             deferred.popleft().run()
-        grad_x = _cat_grads(rec.x_leaves)
+        late.drain()
+        grad_x = _cat_grads(rec.x_leaves) if rec.x_leaves else None
         grad_mem = None
         if rec.mem_leaves[0] is not None:
             grad_mem = _cat_grads(rec.mem_leaves)
             self.group.all_reduce(grad_mem)  # sum of every cross attention's K/V input gradient
         return grad_x, grad_mem
+
+    def _fill(self, deferred: deque, pending: _Pending, late: LateWork | None = None) -> _Pending:
+        """Run deferred weight-gradient work (then ``late`` work) while ``pending`` is in
+        flight."""
+        while not pending.ready():
+            if deferred:
+                with self._span("bwd wgrad", None):
+                    deferred.popleft().run()
+            elif late is not None and len(late):
+                with self._span("bwd late", None):
+                    late.pop().run()
+            else:
+                break
+        return pending
+
+    @staticmethod
+    def _queue_prologue_backward(rec: _Record, m: int, late: LateWork) -> None:
+        """The prologue's backward for micro-batch m (its weight gradient: an embedding's
+        scatter-add) as late work: the remaining all-reduces run under it."""
+        (part,), _ = rec.par.pop((-1, m))
+        grad = rec.reduced.pop((-1, m)).grad
+        if grad is not None and part.requires_grad:
+            late.add(Task(lambda: torch.autograd.backward([part], [grad])))
 
     @staticmethod
     def _local_backward(piece: _Local, ln_grad: torch.Tensor) -> None:
@@ -260,13 +384,6 @@ class Executor:
             torch.autograd.backward([piece.ln], [ln_grad + res_grad])
         else:
             torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
-
-
-def _fill(deferred: deque, pending: _Pending) -> _Pending:
-    """Run deferred weight-gradient work while ``pending`` is still in flight."""
-    while deferred and not pending.ready():
-        deferred.popleft().run()
-    return pending
 
 
 def _collect(gen, parts: list):

@@ -20,7 +20,7 @@ from domino.plan import SYNC, Plan
 from domino.transformer.attention import InferenceParams
 from domino.transformer.layer import TransformerLayer
 from domino.transformer.norms import build_norm
-from domino.transformer.schedule import Executor, MicroBatch, split_batch
+from domino.transformer.schedule import Executor, LateWork, MicroBatch, Prologue, split_batch
 from domino.utils import init_scope
 
 
@@ -32,9 +32,9 @@ class _ScheduledStack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, stack, executor, mbs, x, memory, *params):
+    def forward(ctx, stack, executor, mbs, prologue, x, memory, *params):
         with torch.enable_grad():
-            y, record = executor.forward(x, mbs, graph=True)
+            y, record = executor.forward(x, mbs, graph=True, prologue=prologue)
         ctx.stack, ctx.executor, ctx.record, ctx.num_params = stack, executor, record, len(params)
         return y.detach()
 
@@ -48,9 +48,10 @@ class _ScheduledStack(torch.autograd.Function):
         # graph holding every micro-batch's activations. Running the recorded pieces' backward
         # needs no grad mode.
         grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous(),
-                                                 sink=ctx.stack.wgrad_sink)
+                                                 sink=ctx.stack.wgrad_sink,
+                                                 late=ctx.stack.late_work)
         ctx.record = None
-        return (None, None, None, grad_x, grad_mem) + (None,) * ctx.num_params
+        return (None, None, None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
 
 class DominoTransformer(nn.Module):
@@ -86,23 +87,27 @@ class DominoTransformer(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (build_norm(config, device)
                                 if post_process and config.final_layernorm else None)
-        self._plan = SYNC
+        self._plan, self._force = SYNC, False
         self.set_plan(plan if plan is not None else Plan.from_config(config))
         self.input_tensor: torch.Tensor | None = None
         self.wgrad_sink: list | None = None  # see defer_weight_grads
+        # Weight-gradient work of the layers after the stack (the LM head), run by the stack's
+        # backward under its last all-reduces (see schedule.LateWork).
+        self.late_work = LateWork()
 
     @property
     def plan(self) -> Plan:
         """The schedule this stack was given (see :meth:`effective_plan` for the one it runs)."""
         return self._plan
 
-    def set_plan(self, plan: Plan) -> None:
-        """Run later forwards (and their backwards) under ``plan``."""
+    def set_plan(self, plan: Plan, *, force: bool = False) -> None:
+        """Run later forwards (and their backwards) under ``plan``. ``force`` runs it even
+        with a single TP rank (see :meth:`effective_plan`): what measures the split's cost."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a domino.plan.Plan, got {type(plan).__name__}; "
                             "build one with Plan(...) or Plan.parse('m2:cross').")
         plan.check_width(self.config.hidden_size, what="the plan's column_chunks")
-        self._plan = plan
+        self._plan, self._force = plan, bool(force)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline stages without pre-processing receive their input here."""
@@ -111,8 +116,8 @@ class DominoTransformer(nn.Module):
     def effective_plan(self) -> Plan:
         """The schedule the stack runs: :attr:`plan`, except with a single TP rank, where there
         is no TP communication to hide and splitting would only cost (kernel launches, smaller
-        GEMMs), so the stack runs unsplit."""
-        return self.plan if self.state.tp.size > 1 else SYNC
+        GEMMs), so the stack runs unsplit (unless the plan was set with ``force``)."""
+        return self.plan if self.state.tp.size > 1 or self._force else SYNC
 
     def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
                        inference_params, rotary_pos_emb, training: bool) -> list[MicroBatch]:
@@ -142,28 +147,39 @@ class DominoTransformer(nn.Module):
                 encoder_output: torch.Tensor | None = None,
                 enc_dec_attn_mask: torch.Tensor | None = None,
                 inference_params: InferenceParams | None = None,
-                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, *,
+                prologue: Prologue | None = None) -> torch.Tensor:
+        """``prologue`` (instead of ``hidden_states``): what produces the input, run inside the
+        schedule (the embedding, whose all-reduce then overlaps the first block)."""
         if not self.pre_process:
             hidden_states = self.input_tensor
-        if hidden_states is None:
+        if prologue is not None:
+            if hidden_states is not None:
+                raise ValueError("pass hidden_states or a prologue, not both.")
+            s, b = prologue.shape
+        elif hidden_states is None:
             raise ValueError("DominoTransformer got no input: pass hidden_states, or call "
                              "set_input_tensor() on a stage built with pre_process=False.")
-        s, b, _ = hidden_states.shape
+        else:
+            s, b, _ = hidden_states.shape
         check_mask(attention_mask, b, "attention_mask")
         check_mask(enc_dec_attn_mask, b, "enc_dec_attn_mask")
         if self.layer_type == LayerType.decoder and encoder_output is None:
             raise ValueError("a decoder needs encoder_output for its cross attention.")
         params = [p for p in self.parameters() if p.requires_grad]
+        if prologue is not None:
+            params += [p for p in prologue.parameters() if p.requires_grad]
         needs_graph = torch.is_grad_enabled() and (
-            hidden_states.requires_grad or bool(params)
+            (hidden_states is not None and hidden_states.requires_grad) or bool(params)
             or (encoder_output is not None and encoder_output.requires_grad))
         mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
                                   inference_params, rotary_pos_emb, needs_graph)
         blocks = [blk for layer in self.layers for blk in layer.blocks()]
         executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan())
         if not needs_graph:
-            return executor.forward(hidden_states, mbs, graph=False)[0]
-        return _ScheduledStack.apply(self, executor, mbs, hidden_states, encoder_output, *params)
+            return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
+        return _ScheduledStack.apply(self, executor, mbs, prologue, hidden_states, encoder_output,
+                                     *params)
 
     @contextlib.contextmanager
     def defer_weight_grads(self) -> Iterator[list]:
@@ -198,22 +214,23 @@ def stacks_of(model: nn.Module) -> list[DominoTransformer]:
     return stacks
 
 
-def set_plan(model: nn.Module, plan: Plan) -> None:
-    """Put every DominoTransformer of ``model`` on ``plan``."""
+def set_plan(model: nn.Module, plan: Plan, *, force: bool = False) -> None:
+    """Put every DominoTransformer of ``model`` on ``plan`` (``force``: see
+    :meth:`DominoTransformer.set_plan`)."""
     for stack in stacks_of(model):
-        stack.set_plan(plan)
+        stack.set_plan(plan, force=force)
 
 
 @contextlib.contextmanager
-def using_plan(model: nn.Module, plan: Plan) -> Iterator[None]:
+def using_plan(model: nn.Module, plan: Plan, *, force: bool = False) -> Iterator[None]:
     """Run the enclosed code with every DominoTransformer of ``model`` on ``plan``; their own
     plans are back afterwards, also when the code raises."""
     stacks = stacks_of(model)
-    saved = [s.plan for s in stacks]
+    saved = [(s.plan, s._force) for s in stacks]
     try:
         for s in stacks:
-            s.set_plan(plan)
+            s.set_plan(plan, force=force)
         yield
     finally:
-        for s, p in zip(stacks, saved, strict=True):
-            s.set_plan(p)
+        for s, (p, f) in zip(stacks, saved, strict=True):
+            s.set_plan(p, force=f)
