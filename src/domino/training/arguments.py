@@ -98,6 +98,10 @@ class TrainArgs:
                            "TP x PP.", "parallel")
     device: str | None = _f(None, "cpu or cuda; default cuda when available.", "parallel",
                             ("cpu", "cuda"))
+    emulate_link: str | None = _f(
+        None, "Measure overlap on a slow network: run each local rank in its own network "
+        "namespace over a veth shaped to RATE (e.g. 1gbit, 100mbit); CPU, local processes, root "
+        "only.", "parallel")
     distributed_timeout_minutes: float = _f(
         5.0, "Process-group timeout: a rank blocked this long on a dead peer fails.", "parallel")
     # optimisation

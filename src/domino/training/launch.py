@@ -8,6 +8,7 @@ exits 130.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -21,16 +22,37 @@ from domino.utils import free_port
 WIND_DOWN_S = 120.0
 
 
-def launch_local(config_path: Path, nproc: int, device: str) -> int:
-    """Run ``nproc`` worker processes on this host; returns the exit code of the run."""
-    port = free_port()
+def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | None = None) -> int:
+    """Run ``nproc`` worker processes on this host (each in its own network namespace on an
+    emulated link of ``link_rate``, when given); returns the exit code of the run."""
     extra = {}
     if device == "cpu":  # ranks share the cores: no oversubscription
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     command = [sys.executable, "-m", "domino.training.worker", str(config_path)]
+    with contextlib.ExitStack() as stack:
+        link = None
+        if link_rate is not None:
+            from domino.bench.netem import EmulatedLink, cleanup_stale
+
+            cleanup_stale()  # namespaces left by runs that were killed
+            link = stack.enter_context(EmulatedLink(num_hosts=nproc, rate=link_rate))
+        # A fresh namespace has every port free; on loopback pick one that is free now.
+        port = 29500 if link is not None else free_port()
+        commands, envs = [], []
+        for r in range(nproc):
+            env = local_env(r, nproc, port, **extra)
+            if link is None:
+                commands.append(command)
+            else:
+                env.update(link.env_for(r, port), TORCH_CPP_LOG_LEVEL="ERROR")
+                commands.append(link.wrap(r, command))
+            envs.append(env)
+        return _run(commands, envs)
+
+
+def _run(commands: list[list[str]], envs: list[dict[str, str]]) -> int:
     try:
-        run_ranks([command] * nproc, [local_env(r, nproc, port, **extra) for r in range(nproc)],
-                  label="domino train", wind_down_s=WIND_DOWN_S)
+        run_ranks(commands, envs, label="domino train", wind_down_s=WIND_DOWN_S)
     except RankFailed as err:
         return err.exit_code
     except Interrupted as err:

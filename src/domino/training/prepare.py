@@ -169,6 +169,28 @@ def _check_pipeline(args: TrainArgs, dp: int, progress: bool) -> None:
               "(micro-batch size x DP)) for a smaller one")
 
 
+def _check_link(args: TrainArgs, world_size: int) -> None:
+    """``--emulate-link``: one emulated host per local rank."""
+    if args.emulate_link is None:
+        return
+    from domino.bench.netem import check_can_emulate, parse_rate
+
+    args.emulate_link = parse_rate(args.emulate_link)
+    if under_torchrun():
+        raise ValueError("--emulate-link starts the ranks itself in network namespaces; run "
+                         "`domino train` without torchrun")
+    if world_size < 2:
+        raise ValueError(f"--emulate-link needs two or more ranks (one emulated host each); "
+                         f"the world size is {world_size}: raise --nproc or "
+                         "--tensor-model-parallel-size")
+    if args.device not in (None, "cpu"):
+        raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
+    try:
+        check_can_emulate()
+    except RuntimeError as err:
+        raise ValueError(f"--emulate-link: {err}") from err
+
+
 def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool = True,
                 run_dir: Path | None = None) -> Run:
     """Check everything that can be checked without starting processes and build the run; fills
@@ -183,6 +205,7 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
         args.nproc = world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _check_device(args, local if under_torchrun() else world_size)
+    _check_link(args, world_size)
     check_sizes(world_size, tp, pp)
     if args.save is None and run_dir is not None:
         args.save = str(run_dir)
