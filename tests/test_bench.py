@@ -144,6 +144,21 @@ def test_compute_results_and_best_mode() -> None:
     assert rows["sync"]["peak_mem_bytes"] == 12
     assert parse_mode(runner.best_mode(list(rows.values()))).plan == Plan(4, "cross_layer", 2)
     assert runner.best_mode([rows["sync"], rows["nocomm"]]) is None  # no Domino mode
+    # Regime: sync exposes 67% of the comm-free step; the probe (8 MiB in 0.1 s, 0.05 CPU-s)
+    # keeps 25% of 2 CPUs busy: link-bound, and the fastest Domino mode wins there.
+    raw["allreduce_8mib_s"] = 0.1
+    regime = runner.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
+    assert regime["name"] == "link-bound" and regime["comm_cpu_share"] == pytest.approx(0.25)
+    assert regime["pick"] == "domino:m4:cross:c2"
+    raw["allreduce_8mib_cpu_s"] = 0.16  # 80% of the host's CPUs: host-bound
+    assert runner.detect_regime(list(rows.values()), raw, cpus=2, busy=True)["name"] == \
+        "host-bound"
+    assert runner.detect_regime(list(rows.values()), raw, cpus=2, busy=False)["name"] == \
+        "link-bound"  # the ranks leave CPUs free: the probe's CPU cost does not compete
+    rows["sync"]["step_time_s"] = 0.61  # sync within 5% of nocomm: negligible, no split
+    regime = runner.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
+    assert (regime["name"], regime["pick"]) == ("negligible", "sync")
+    assert runner.detect_regime([rows["sync"]], raw, cpus=2, busy=True) is None
 
 
 def test_cpu_probe_takes_the_median_window() -> None:
@@ -192,6 +207,9 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert (rows["domino:m2:intra:c2"]["micro_batches"], rows["domino:m2:intra:c2"]["overlap"],
             rows["domino:m2:intra:c2"]["column_chunks"]) == (2, "intra_layer", 2)
     assert report["best_domino_mode"] in ("domino:m2:cross", "domino:m2:intra:c2")
+    regime = report["regime"]
+    assert regime["name"] in ("negligible", "host-bound", "link-bound")
+    assert f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}" in table
     assert parse_mode(runner.best_mode(report["results"])).plan in (Plan(2, "cross_layer", 1),
                                                                       Plan(2, "intra_layer", 2))
 

@@ -35,6 +35,7 @@ from domino.bench.netem import (
 from domino.bench.pipeline import DEFAULT_SCHEDULES as _PIPELINE_DEFAULT
 from domino.bench.worker import DTYPES, build_config
 from domino.supervisor import local_env, run_ranks
+from domino.transformer.autotune import regime_of
 from domino.utils import free_port
 
 __all__ = ["add_arguments", "best_mode", "compute_results", "main", "parse_modes", "run"]
@@ -325,6 +326,9 @@ def format_table(report: dict[str, Any]) -> str:
                      + (f", {r['speedup_vs_sync']:.2f}x vs sync" if r["speedup_vs_sync"] else "")
                      + (f", hides {r['comm_hidden'] * 100:.0f}% of sync's exposed comm"
                         if r["comm_hidden"] is not None else "") + ")")
+    regime = report.get("regime")
+    if regime is not None:
+        lines.append(f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}")
     bound = report.get("comm_cpu_bound")
     if bound is not None:
         lines.append(
@@ -336,6 +340,26 @@ def format_table(report: dict[str, Any]) -> str:
             + (f", so at most {bound['comm_hidden_ceiling'] * 100:.0f}% of sync's exposed comm "
                "can be hidden on this host" if bound["comm_hidden_ceiling"] is not None else ""))
     return "\n".join(lines)
+
+
+def detect_regime(rows: list[dict[str, Any]], raw: dict[str, Any], cpus: int,
+                  busy: bool) -> dict[str, Any] | None:
+    """Which regime the measured link is in (:func:`domino.transformer.autotune.regime_of`) and
+    the plan that wins there: no split when communication is negligible, else the fastest
+    Domino mode. Needs ``sync`` and ``nocomm`` rows; the host-CPU share of an all-reduce comes
+    from the link probe and counts only when the ranks' compute fills the host's CPUs."""
+    med = {r["mode"]: r["step_time_s"] for r in rows}
+    if "sync" not in med or "nocomm" not in med:
+        return None
+    wall, cpu = raw.get("allreduce_8mib_s"), raw.get("allreduce_8mib_cpu_s")
+    # cpu_s is host-wide busy CPU seconds per all-reduce: the share of the host's CPU capacity
+    # a transfer takes while it runs.
+    share = cpu / (wall * max(1, cpus)) if busy and wall and cpu is not None else None
+    regime = regime_of(med["sync"], t_nocomm=med["nocomm"], comm_cpu_share=share)
+    best = best_mode(rows)
+    pick = "sync" if regime.name == "negligible" or best is None or med[best] >= med["sync"] \
+        else best
+    return {"name": regime.name, "why": regime.why, "comm_cpu_share": share, "pick": pick}
 
 
 def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | None:
@@ -425,7 +449,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     busy = (raw["device"] == "cpu" and "simulate_link" not in spec
             and args.tensor_model_parallel_size * args.threads_per_rank >= (os.cpu_count() or 1))
     report = {"config": config, "results": rows, "best_domino_mode": best,
-              "comm_cpu_bound": comm_cpu_bound(rows, os.cpu_count() or 1) if busy else None}
+              "comm_cpu_bound": comm_cpu_bound(rows, os.cpu_count() or 1) if busy else None,
+              "regime": detect_regime(rows, raw, cpus=os.cpu_count() or 1, busy=busy)}
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

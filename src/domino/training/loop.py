@@ -25,7 +25,7 @@ from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
-from domino.plan import Plan
+from domino.plan import SYNC, Plan
 from domino.tensor_parallel import is_partitioned
 from domino.training.data import rank_batches
 from domino.training.logging import RunLogger
@@ -38,7 +38,7 @@ from domino.training.step import (
     maybe_fail,
     train_step,
 )
-from domino.transformer.autotune import autotune, candidate_plans
+from domino.transformer.autotune import autotune, candidate_plans, regime_of
 from domino.transformer.stack import set_plan, stacks_of
 
 
@@ -291,12 +291,17 @@ class Trainer:
 
         best, times = autotune(self.model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
         medians = {str(p): statistics.median(t) for p, t in times.items()}
+        splits = [statistics.median(t) for p, t in times.items() if p.splits]
+        regime = (regime_of(medians[str(SYNC)], t_best_split=min(splits))
+                  if splits and str(SYNC) in medians else None)
         self.log.print("autotune (median fwd+bwd ms of one micro-batch, slowest rank): "
                        + ", ".join(f"{n} {t * 1e3:.0f}" for n, t in medians.items())
+                       + (f"; regime {regime}" if regime else "")
                        + f" -> training with {best}")
         if self.rank0:
             (self.run_dir / "autotune.json").write_text(json.dumps(
-                {"chosen": str(best), "median_s": medians,
+                {"chosen": str(best), "regime": regime.name if regime else None,
+                 "median_s": medians,
                  "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,52 @@ from domino.plan import SYNC, Plan
 from domino.timing import time_rotated
 from domino.transformer.stack import set_plan, stacks_of, using_plan
 
-__all__ = ["autotune", "candidate_plans", "choose"]
+__all__ = ["AUTO_MARGIN", "Regime", "autotune", "candidate_plans", "choose", "regime_of"]
+
+# A split must beat the simpler plans by this much to be chosen: where communication is
+# negligible the candidates differ by noise, and splitting only costs (launches, smaller GEMMs).
+AUTO_MARGIN = 0.03
+NEGLIGIBLE_COMM = 0.05  # sync's exposed comm under this share of the comm-free step
+HOST_BOUND_CPU = 0.5  # an all-reduce busy on the host's CPUs this share of its time
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What limits the step: ``negligible`` (communication too small to matter: no split),
+    ``host-bound`` (moving bytes costs the host CPU that compute needs - loopback, shared memory
+    on a CPU host: overlap hides only the waiting, few splits win), or ``link-bound`` (the link,
+    not the CPU, is slow: overlap hides it, more micro-batches and column chunks win)."""
+
+    name: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.why})"
+
+
+def regime_of(t_sync: float, t_nocomm: float | None = None, comm_cpu_share: float | None = None,
+              t_best_split: float | None = None) -> Regime:
+    """Classify from measured times: sync and comm-free step medians, the share of an
+    all-reduce's wall time the host's CPUs are busy (the link probe's cpu_s / seconds), and the
+    best split's median (what autotune knows when it has no comm-free run)."""
+    if t_nocomm is not None and t_nocomm > 0:
+        share = (t_sync - t_nocomm) / t_nocomm
+        if share < NEGLIGIBLE_COMM:
+            return Regime("negligible", f"sync exposes {share:.0%} of the comm-free step")
+        exposed = f"sync exposes {share:.0%} of the comm-free step"
+    elif t_best_split is not None:
+        gain = t_sync / t_best_split - 1.0
+        if gain < AUTO_MARGIN:
+            return Regime("negligible", f"the best split gains {gain:.1%} over sync")
+        exposed = f"the best split gains {gain:.0%} over sync"
+    else:
+        raise ValueError("regime_of needs t_nocomm or t_best_split")
+    if comm_cpu_share is not None and comm_cpu_share >= HOST_BOUND_CPU:
+        return Regime("host-bound", f"{exposed}; an all-reduce keeps the host's CPUs busy "
+                      f"{comm_cpu_share:.0%} of its time")
+    cpu = "" if comm_cpu_share is None else (
+        f"; an all-reduce keeps the host's CPUs busy {comm_cpu_share:.0%} of its time")
+    return Regime("link-bound", exposed + cpu)
 
 
 def candidate_plans(batch_size: int, max_micro_batches: int = 4,
@@ -38,11 +84,15 @@ def candidate_plans(batch_size: int, max_micro_batches: int = 4,
     return plans
 
 
-def choose(times: dict[Plan, list[float]]) -> Plan:
-    """The plan with the lowest median time; ties go to the earlier (simpler) candidate."""
+def choose(times: dict[Plan, list[float]], margin: float = AUTO_MARGIN) -> Plan:
+    """The first candidate (simplest first, as :func:`candidate_plans` orders them) whose median
+    time is within ``margin`` of the lowest median: a split has to win clearly to be chosen, so
+    where communication is negligible the result is no split."""
     if not times or any(not t for t in times.values()):
         raise ValueError("choose() needs at least one timing per candidate plan.")
-    return min(times, key=lambda p: statistics.median(times[p]))
+    medians = {p: statistics.median(t) for p, t in times.items()}
+    best = min(medians.values())
+    return next(p for p, t in medians.items() if t <= best * (1.0 + margin))
 
 
 def autotune(model: nn.Module, step: Callable[[], object], state: ParallelState,
