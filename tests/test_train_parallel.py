@@ -4,6 +4,7 @@ DP=1 x TP=2 (and with gradient accumulation), and resumes exactly from a checkpo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -106,10 +107,19 @@ def _generation(data: str, tp: int) -> dict:
 
 
 def _parallel(rank: int, world: int, data: str, tmp: str) -> dict:
+    dp2 = dict(tensor_model_parallel_size=1, micro_batch_size=2)
+    accum = dict(tensor_model_parallel_size=1, micro_batch_size=1,  # 2 micro-steps per rank
+                 domino_micro_batches=1)
     return {
         "gen": _generation(data, 2),
-        "dp2": _train(_args(data, tensor_model_parallel_size=1, micro_batch_size=2), f"{tmp}/dp2"),
+        "dp2": _train(_args(data, **dp2), f"{tmp}/dp2"),
+        "dp2 accum": _train(_args(data, **accum), f"{tmp}/dp2a"),
         "tp2": _train(_args(data, tensor_model_parallel_size=2), f"{tmp}/tp2"),
+        # The blocking DP reduction, to compare the overlapped one with bit for bit.
+        "blocking": {"dp2": _train(_args(data, **dp2, overlap_grad_reduce=False),
+                                   f"{tmp}/dp2b"),
+                     "dp2 accum": _train(_args(data, **accum, overlap_grad_reduce=False),
+                                         f"{tmp}/dp2ab")},
     }
 
 
@@ -126,6 +136,8 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
     assert len(gen["top_k"]) == 10 and 256 not in gen["top_k"]
     for res in ranks:
         assert res.pop("gen") == gen  # TP=2 generates what TP=1 generates
+        for name, blocking in res.pop("blocking").items():
+            assert res[name] == blocking, name  # overlapped DP reduction: the same numbers
     runs = {"accum": single["accum"], **{f"{k} rank{r}": v for r, res in enumerate(ranks)
                                          for k, v in res.items()}}
     for name, run in runs.items():
@@ -144,4 +156,30 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
     step6 = Path("checkpoints") / "step_0000006"
     assert (tmp_path / "tp2" / step6 / "model-tp01-pp00.safetensors").is_file()
     assert not (tmp_path / "dp2" / step6 / "model-tp01-pp00.safetensors").exists()
+    dp_log = [json.loads(line) for line in
+              (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    assert all(rec["exposed_dp_comm_s"] >= 0 for rec in dp_log)
     assert dataclasses.asdict(_args(data))  # settings stay plain data (picklable, JSON-able)
+
+
+def _tp2_dp2(rank: int, world: int, data: str, tmp: str) -> dict:
+    common = dict(tensor_model_parallel_size=2, micro_batch_size=1, global_batch_size=4,
+                  domino_micro_batches=1, hidden_dropout=0.1)  # 2 micro-steps per rank
+    return {"overlap": _train(_args(data, **common), f"{tmp}/o"),
+            "blocking": _train(_args(data, **common, overlap_grad_reduce=False), f"{tmp}/b"),
+            "m2": _train(_args(data, **{**common, "micro_batch_size": 2,
+                                        "domino_micro_batches": 2}), f"{tmp}/m2"),
+            "m2 blocking": _train(_args(data, **{**common, "micro_batch_size": 2,
+                                                 "domino_micro_batches": 2},
+                                        overlap_grad_reduce=False), f"{tmp}/m2b")}
+
+
+def test_overlapped_dp_reduction_equals_blocking_at_tp2_dp2(data, tmp_path) -> None:
+    """TP=2 x DP=2 (4 ranks), Domino m2 and sync TP with accumulation, with dropout: the DP
+    buckets launched during the backward give the blocking reduction's losses, norms and
+    validation exactly (that path matches the single process: the test above)."""
+    ranks = run_distributed(_tp2_dp2, 4, data, str(tmp_path))
+    for res in ranks:
+        assert res["overlap"] == res["blocking"]
+        assert res["m2"] == res["m2 blocking"]
+    assert all(res == ranks[0] for res in ranks)

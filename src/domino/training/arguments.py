@@ -98,10 +98,18 @@ class TrainArgs:
                            "TP x PP.", "parallel")
     device: str | None = _f(None, "cpu or cuda; default cuda when available.", "parallel",
                             ("cpu", "cuda"))
+    overlap_grad_reduce: bool = _f(
+        True, "With DP > 1: sum gradients over DP in buckets launched during the backward, as "
+        "soon as their layers' gradients are final (off: one blocking reduction after it).",
+        "parallel")
     emulate_link: str | None = _f(
         None, "Measure overlap on a slow network: run each local rank in its own network "
         "namespace over a veth shaped to RATE (e.g. 1gbit, 100mbit); CPU, local processes, root "
         "only.", "parallel")
+    emulate_hosts: int | None = _f(
+        None, "With --emulate-link: this many emulated hosts, consecutive ranks sharing one (they "
+        "talk over its loopback); e.g. 2 hosts x 2 ranks puts TP=2 inside a host and DP=2 "
+        "across the link. Default: one host per rank.", "parallel")
     distributed_timeout_minutes: float = _f(
         5.0, "Process-group timeout: a rank blocked this long on a dead peer fails.", "parallel")
     # optimisation

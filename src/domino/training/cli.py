@@ -53,7 +53,8 @@ def run(ns: argparse.Namespace) -> int:
         return run_worker(run)
     assert run_dir is not None
     config_path = write_config(run_dir, args)
-    code = launch_local(config_path, args.nproc or 1, args.device or "cpu", args.emulate_link)
+    code = launch_local(config_path, args.nproc or 1, args.device or "cpu", args.emulate_link,
+                        args.emulate_hosts)
     if code == 0:
         print(f"domino train: done in {time.perf_counter() - t0:.1f} s (including start-up); "
               f"outputs in {run_dir}")

@@ -22,9 +22,13 @@ from domino.utils import free_port
 WIND_DOWN_S = 120.0
 
 
-def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | None = None) -> int:
-    """Run ``nproc`` worker processes on this host (each in its own network namespace on an
-    emulated link of ``link_rate``, when given); returns the exit code of the run."""
+def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | None = None,
+                 hosts: int | None = None) -> int:
+    """Run ``nproc`` worker processes on this host (with ``link_rate``: on ``hosts`` emulated
+    hosts, default one per rank, joined by a link of that rate; consecutive ranks share a host);
+    returns the exit code of the run."""
+    hosts = hosts or nproc
+    per_host = nproc // hosts
     extra = {}
     if device == "cpu":  # ranks share the cores: no oversubscription
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
@@ -35,7 +39,7 @@ def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | No
             from domino.bench.netem import EmulatedLink, cleanup_stale
 
             cleanup_stale()  # namespaces left by runs that were killed
-            link = stack.enter_context(EmulatedLink(num_hosts=nproc, rate=link_rate))
+            link = stack.enter_context(EmulatedLink(num_hosts=hosts, rate=link_rate))
         # A fresh namespace has every port free; on loopback pick one that is free now.
         port = 29500 if link is not None else free_port()
         commands, envs = [], []
@@ -44,8 +48,8 @@ def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | No
             if link is None:
                 commands.append(command)
             else:
-                env.update(link.env_for(r, port), TORCH_CPP_LOG_LEVEL="ERROR")
-                commands.append(link.wrap(r, command))
+                env.update(link.env_for(r // per_host, port), TORCH_CPP_LOG_LEVEL="ERROR")
+                commands.append(link.wrap(r // per_host, command))
             envs.append(env)
         return _run(commands, envs)
 

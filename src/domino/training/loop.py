@@ -28,6 +28,7 @@ from domino.pipeline.runtime import PipelineRunner
 from domino.plan import SYNC, Plan
 from domino.tensor_parallel import is_partitioned
 from domino.training.data import rank_batches
+from domino.training.grad_sync import GradReducer
 from domino.training.logging import RunLogger
 from domino.training.optim import DynamicLossScaler, agree, build_optimizer, learning_rate, set_lr
 from domino.training.prepare import Run
@@ -87,6 +88,9 @@ class Trainer:
         else:
             self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # The pipeline runner reduces after its schedule (one blocking reduction per step).
+        self.reducer = (GradReducer(self.model, self.params, dp) if dp.size > 1 and args.overlap_grad_reduce
+                        and self.runner is None else None)
         self.optimizer = build_optimizer(self.model, args)
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
@@ -164,7 +168,7 @@ class Trainer:
                              >= args.save_interval_minutes * 60)
             out = train_step(self.model, self.params, self.optimizer, self.scaler, batches, args,
                              self.state, requests=(self.stop.signum is not None, clock_due),
-                             runner=self.runner)
+                             runner=self.runner, reducer=self.reducer)
             stop_requested, save_due = out.requests
             self.consumed += g
             result.skipped += out.skipped
@@ -174,7 +178,7 @@ class Trainer:
             self.log.step(step, out.loss)
             for key, value in (("loss", out.loss), ("time", step_time),
                                ("comm", out.exposed_comm_s), ("pipe", out.pipeline_wait_s),
-                               ("n", 1.0)):
+                               ("dp", out.exposed_dp_s), ("n", 1.0)):
                 window[key] = window.get(key, 0.0) + value
             bad = not math.isfinite(out.loss) or (out.skipped and (
                 self.scaler is None or self.scaler.scale <= self.scaler.min_scale))
@@ -206,6 +210,8 @@ class Trainer:
                     rec["loss_scale"] = self.scaler.scale
                 if self.runner is not None:
                     rec["pipeline_wait_s"] = window["pipe"] / n
+                if dp.size > 1:
+                    rec["exposed_dp_comm_s"] = window["dp"] / n
                 self.log.record(rec)
                 window = {}
             if stop_requested:

@@ -172,6 +172,9 @@ def _check_pipeline(args: TrainArgs, dp: int, progress: bool) -> None:
 def _check_link(args: TrainArgs, world_size: int) -> None:
     """``--emulate-link``: one emulated host per local rank."""
     if args.emulate_link is None:
+        if args.emulate_hosts is not None:
+            raise ValueError("--emulate-hosts sets how many hosts --emulate-link emulates: add "
+                             "--emulate-link RATE")
         return
     from domino.bench.netem import check_can_emulate, parse_rate
 
@@ -183,6 +186,10 @@ def _check_link(args: TrainArgs, world_size: int) -> None:
         raise ValueError(f"--emulate-link needs two or more ranks (one emulated host each); "
                          f"the world size is {world_size}: raise --nproc or "
                          "--tensor-model-parallel-size")
+    hosts = args.emulate_hosts if args.emulate_hosts is not None else world_size
+    if hosts < 2 or world_size % hosts:
+        raise ValueError(f"--emulate-hosts={hosts} must be >= 2 and divide the world size "
+                         f"{world_size} (each host runs world / hosts consecutive ranks)")
     if args.device not in (None, "cpu"):
         raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
     try:

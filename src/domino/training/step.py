@@ -14,6 +14,7 @@ import torch
 from domino.parallel_state import ParallelState
 from domino.training.arguments import TrainArgs
 from domino.training.data import rank_batches
+from domino.training.grad_sync import GradReducer
 from domino.training.optim import (
     agree,
     allreduce_grads,
@@ -49,6 +50,7 @@ class StepOutcome:
     skipped: bool
     requests: list[bool]  # the caller's requests, true when any rank made them
     pipeline_wait_s: float = 0.0  # this rank's time waiting for other pipeline stages
+    exposed_dp_s: float = 0.0  # this rank's time blocked on the DP gradient reduction
 
 
 def autocast(args: TrainArgs, device: torch.device):
@@ -92,10 +94,13 @@ def evaluate(model, dataset, args: TrainArgs, state: ParallelState,
 
 
 def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state: ParallelState,
-               requests: Sequence[bool] = (), runner=None) -> StepOutcome:
+               requests: Sequence[bool] = (), runner=None,
+               reducer: GradReducer | None = None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches (through ``runner``, a
     PipelineRunner, when the model is a pipeline). ``requests`` (e.g. "stop after this step")
-    are agreed on by every rank in the same collective as the overflow check."""
+    are agreed on by every rank in the same collective as the overflow check. With ``reducer``
+    the DP reduction of the last micro-batch's backward overlaps it (``--overlap-grad-reduce``);
+    without, it runs after the backward."""
     dp, tp, device = state.dp, state.tp, state.device
     comm0 = tp.stats.wait_s
     # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
@@ -108,19 +113,27 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     pipeline_wait = 0.0
     if runner is None:
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        for batch in batches:  # gradient accumulation: the schedule adds into .grad
-            lsum = forward_loss(model, batch, args, device)
-            (lsum * (scale / denom)).backward()
+        for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
+            last = i == len(batches) - 1
+            with reducer.armed(model) if reducer is not None and last else \
+                    contextlib.nullcontext():
+                lsum = forward_loss(model, batch, args, device)
+                (lsum * (scale / denom)).backward()
             loss_sum += lsum.detach().double()
     else:
         loss_sum, stats = runner.step(batches, scale / denom, lambda: autocast(args, device))
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
+    dp0 = dp.stats.wait_s
+    if reducer is not None and runner is None:
+        reducer.finish()
     grads = grads_of(params)
     if runner is not None:
         for table in model.tied_word_tables():  # first and last stage: one tied weight
             state.embedding.all_reduce(table.grad, name="tied embedding grads")
-    allreduce_grads(grads, dp)
+    if reducer is None or runner is not None:
+        allreduce_grads(grads, dp)
+    exposed_dp = dp.stats.wait_s - dp0
     dp.all_reduce(loss_sum, name="loss")
     if scaler is not None:
         for grad in grads:
@@ -133,4 +146,5 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         optimizer.step()
     if scaler is not None:
         scaler.update(overflow)
-    return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait)
+    return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait,
+                       exposed_dp)

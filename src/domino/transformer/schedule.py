@@ -292,7 +292,8 @@ class Executor:
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, rec: _Record, grad_y: torch.Tensor, sink: list | None = None,
-                 late: LateWork | None = None):
+                 late: LateWork | None = None,
+                 on_final: Callable[[Block], None] | None = None):
         """Backward of :meth:`forward`; returns (grad_x or None with a prologue, grad_memory
         or None).
 
@@ -303,8 +304,20 @@ class Executor:
         head's weight gradient) and the prologue's weight gradient, for the last input-gradient
         all-reduces, which nothing after the stack could hide. With ``sink`` (a zero-bubble
         pipeline), what is left when the input gradients are done goes there instead of running.
+
+        ``on_final(block)`` is called as soon as every gradient of a block's parameters is
+        complete (its norm, its TP region and the bias its exit adds), last block first: what a
+        data-parallel reducer launches its buckets on.
         """
         B, M = len(self.blocks), len(rec.mbs)
+        if on_final is not None and sink is not None:
+            raise ValueError("on_final needs the weight gradients run here, not sunk")
+        left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards to go
+
+        def done(j: int) -> None:
+            left[j] -= 1
+            if left[j] == 0 and on_final is not None:
+                on_final(self.blocks[j])
         late = late if late is not None else LateWork()
         pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
         deferred: deque[WgradStash] = deque()
@@ -323,6 +336,7 @@ class Executor:
                         # The last waits (j = -1) may also use the late work.
                         ready = self._fill(deferred, pending.pop((j + 1, m)), late if j < 0 else None)
                         self._local_backward(rec.local.pop((j + 1, m)), ready.wait())
+                        done(j + 1)
                 if j < 0:
                     if rec.prologue is not None:
                         self._queue_prologue_backward(rec, m, late)
@@ -335,7 +349,7 @@ class Executor:
                     torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
                     ln_leaf = rec.local[(j, m)].ln_leaf
                     pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
-                    deferred.append(stash)
+                    deferred.append(_Counted(stash, lambda j=j: done(j)))
                     keep = 0 if self.plan.overlap == "none" else (
                         len(deferred) if self.blocks[j].layer == first_layer else M)
                     while sink is None and len(deferred) > keep:
@@ -384,6 +398,18 @@ class Executor:
             torch.autograd.backward([piece.ln], [ln_grad + res_grad])
         else:
             torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
+
+
+@dataclass(eq=False)
+class _Counted:
+    """A block's deferred weight-gradient stash that reports when it has run."""
+
+    stash: WgradStash
+    after: Callable[[], None]
+
+    def run(self) -> None:
+        self.stash.run()
+        self.after()
 
 
 def _collect(gen, parts: list):

@@ -49,7 +49,8 @@ class _ScheduledStack(torch.autograd.Function):
         # needs no grad mode.
         grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous(),
                                                  sink=ctx.stack.wgrad_sink,
-                                                 late=ctx.stack.late_work)
+                                                 late=ctx.stack.late_work,
+                                                 on_final=ctx.stack.on_final_block)
         ctx.record = None
         return (None, None, None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
@@ -94,6 +95,9 @@ class DominoTransformer(nn.Module):
         # Weight-gradient work of the layers after the stack (the LM head), run by the stack's
         # backward under its last all-reduces (see schedule.LateWork).
         self.late_work = LateWork()
+        # Called with each block whose parameter gradients a backward has completed (a
+        # data-parallel reducer's hook; see domino.training.grad_sync).
+        self.on_final_block = None
 
     @property
     def plan(self) -> Plan:

@@ -1,0 +1,140 @@
+"""Data-parallel gradient reduction overlapped with the backward schedule.
+
+Gradients are summed over the DP group in buckets (a few MiB each, parameters in backward order:
+last layers first). A bucket is launched, asynchronously, as soon as every parameter in it has its
+final gradient - which the Domino schedule reports block by block (``Executor.backward``'s
+``on_final``: a block's norm, TP region and exit bias are done, including its deferred
+weight-gradient GEMMs) - so its all-reduce runs under the backward of the layers before it.
+Parameters outside the transformer blocks (embedding, final norm, LM head) are launched when the
+backward ends. :meth:`GradReducer.finish` waits for every bucket before the optimizer step.
+
+Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`): earlier
+ones only add into ``.grad``. Every DP rank launches the same buckets in the same order (blocks
+finish last-first whatever the timing), which collectives on one group require.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from domino.tensor_parallel import CommGroup
+from domino.tensor_parallel.comm import Handle
+from domino.training.optim import BUCKET_NUMEL
+
+MIN_BUCKET_NUMEL = 1 << 16
+
+
+@dataclass(eq=False)
+class _Bucket:
+    params: list[nn.Parameter]
+    waiting: int = 0  # parameters whose gradient is not final yet
+    flat: torch.Tensor | None = None
+    handle: Handle | None = None
+    grads: list[torch.Tensor] = field(default_factory=list)
+
+
+def backward_order(model: nn.Module, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """``params`` in the order the backward finishes them: the Domino stacks' blocks last
+    first, then everything else (embedding, final norm, head: final when the backward ends)."""
+    from domino.transformer.stack import stacks_of
+
+    wanted = {id(p) for p in params}
+    ordered, seen = [], set()
+    for stack in reversed(stacks_of(model)):
+        for block in reversed([b for layer in stack.layers for b in layer.blocks()]):
+            for p in [*block.norm.parameters(), *block.op.parameters()]:
+                if id(p) in wanted and id(p) not in seen:
+                    ordered.append(p)
+                    seen.add(id(p))
+    return ordered + [p for p in params if id(p) not in seen]
+
+
+class GradReducer:
+    """Buckets of ``model``'s ``params`` reduced over ``dp`` as they become final."""
+
+    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], dp: CommGroup,
+                 bucket_numel: int | None = None) -> None:
+        self.dp = dp
+        if bucket_numel is None:
+            # At least ~4 buckets, or the last one would wait for the whole backward; few enough
+            # that launches stay cheap.
+            total = sum(p.numel() for p in params)
+            bucket_numel = max(MIN_BUCKET_NUMEL, min(BUCKET_NUMEL, total // 4))
+        self.buckets: list[_Bucket] = []
+        size = 0
+        for p in backward_order(model, params):
+            last = self.buckets[-1] if self.buckets else None
+            if last is None or size + p.numel() > bucket_numel or p.dtype != last.params[0].dtype:
+                self.buckets.append(_Bucket([]))
+                size = 0
+            self.buckets[-1].params.append(p)
+            size += p.numel()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._ready: set[int] = set()
+        self._armed = False
+
+    @contextlib.contextmanager
+    def armed(self, model: nn.Module) -> Iterator[None]:
+        """Within: backwards of ``model``'s Domino stacks report final blocks, whose buckets
+        are launched then (use around the last micro-step's backward; then :meth:`finish`)."""
+        from domino.transformer.stack import stacks_of
+
+        self._ready.clear()
+        for b in self.buckets:
+            b.waiting, b.flat, b.handle, b.grads = len(b.params), None, None, []
+        stacks = stacks_of(model)
+        saved = [s.on_final_block for s in stacks]
+        self._armed = True
+        try:
+            for s in stacks:
+                s.on_final_block = self._block_final
+            yield
+        finally:
+            for s, before in zip(stacks, saved, strict=True):
+                s.on_final_block = before
+
+    def _block_final(self, block) -> None:
+        self.ready([*block.norm.parameters(), *block.op.parameters()])
+
+    def ready(self, params: Sequence[nn.Parameter]) -> None:
+        """These parameters' gradients are final: launch every bucket that is now complete."""
+        for p in params:
+            bucket = self._bucket_of.get(id(p))
+            if bucket is None or id(p) in self._ready:
+                continue  # frozen, or already reported
+            self._ready.add(id(p))
+            bucket.waiting -= 1
+            if bucket.waiting == 0:
+                self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:  # unused this step: every rank must still send the same buffer
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        bucket.grads = grads
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.handle = self.dp.all_reduce(bucket.flat, async_op=True, name="dp grads")
+
+    def finish(self) -> None:
+        """Launch what is left (in bucket order), wait for every bucket and write the sums back
+        into ``.grad``."""
+        if not self._armed:
+            raise RuntimeError("GradReducer.finish() without an armed backward")
+        self._armed = False
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self.ready(bucket.params)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            offset = 0
+            for g in bucket.grads:
+                g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket.flat, bucket.grads = None, []
