@@ -159,6 +159,7 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
     dp_log = [json.loads(line) for line in
               (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
     assert all(rec["exposed_dp_comm_s"] >= 0 for rec in dp_log)
+    assert all(rec["peak_mem_bytes"] > 1 << 20 for rec in dp_log)  # the process's RSS peak
     assert dataclasses.asdict(_args(data))  # settings stay plain data (picklable, JSON-able)
 
 

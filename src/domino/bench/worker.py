@@ -25,6 +25,7 @@ from domino.bench.probe import probe_allreduce
 from domino.bench.timeline import Timeline
 from domino.config import TransformerConfig
 from domino.enums import AttnMaskType
+from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
 from domino.timing import time_rotated
 from domino.transformer.stack import using_plan
@@ -142,26 +143,6 @@ def _quiet_fd2() -> Iterator[None]:
         os.close(saved)
 
 
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # "5" resets the peak RSS (VmHWM) of this process
-        return True
-    except OSError:
-        return False
-
-
-def _read_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int | None]]:
     """Per mode, this rank's peak step memory (see CPU/CUDA_MEMORY_METHOD)."""
     device = bench.state.device
@@ -191,12 +172,12 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             # would otherwise offset its allocations.
             bench.model.zero_grad(set_to_none=True)
             gc.collect()
-            hwm_ok = _reset_hwm()
+            hwm_ok = reset_peak(torch.device("cpu"))
             bench.state.tp.stats.reset()
             with record_function(f"domino-bench-mem:{mode.name}"):
                 bench.step(mode)
             sent[mode.name] = bench.state.tp.stats.bytes if mode.comm else 0
-            rss[mode.name] = _read_hwm() if hwm_ok else None
+            rss[mode.name] = peak_bytes(torch.device("cpu")) if hwm_ok else None
     events = list(prof.profiler.kineto_results.events())
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     for mode in modes:

@@ -110,6 +110,8 @@ def format_record(rec: dict[str, Any], total: int) -> str:
         parts.append(f"{rec['step_time_s'] * 1e3:.0f} ms/step")
     if "exposed_comm_s" in rec:
         parts.append(f"exposed comm {rec['exposed_comm_s'] * 1e3:.1f} ms")
+    if "peak_mem_bytes" in rec:
+        parts.append(f"peak mem {rec['peak_mem_bytes'] / 2**20:.0f} MiB")
     if "exposed_dp_comm_s" in rec:
         parts.append(f"exposed DP comm {rec['exposed_dp_comm_s'] * 1e3:.1f} ms")
     if rec.get("skipped"):

@@ -21,6 +21,8 @@ import torch
 import domino
 from domino.checkpoint import Meta, load_model, load_optimizer, load_rng, save
 from domino.inference.sampling import generate
+from domino.memory import method as memory_method
+from domino.memory import peak_bytes
 from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
@@ -212,6 +214,9 @@ class Trainer:
                     rec["pipeline_wait_s"] = window["pipe"] / n
                 if dp.size > 1:
                     rec["exposed_dp_comm_s"] = window["dp"] / n
+                peak = peak_bytes(self.state.device)
+                if peak is not None:
+                    rec["peak_mem_bytes"] = peak  # this rank's (rank 0 writes the log)
                 self.log.record(rec)
                 window = {}
             if stop_requested:
@@ -227,6 +232,12 @@ class Trainer:
 
     def finish(self, result: TrainResult) -> TrainResult:
         """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
+        device = self.state.device
+        peaks = self.state.world.all_gather_json(peak_bytes(device))
+        result.peak_mem_bytes = peaks
+        if self.rank0 and all(p is not None for p in peaks):
+            self.log.print(f"peak memory per rank ({memory_method(device)}): "
+                           + ", ".join(f"{p / 2**20:.0f}" for p in peaks) + " MiB")
         self.log.close()
         if result.losses and result.stopped_at is None:
             self.save(self.start + len(result.losses))

@@ -38,6 +38,7 @@ class TrainResult:
     wall_s: float = 0.0
     skipped: int = 0
     stopped_at: int | None = None  # the step a SIGTERM / Ctrl-C stopped the run after
+    peak_mem_bytes: list[int | None] = field(default_factory=list)  # per rank (domino.memory)
 
 
 @dataclass
