@@ -21,6 +21,7 @@ from domino.utils import init_method_normal, scaled_init_method_normal
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
 ROPE_SCALING_TYPES = ("llama3",)
 
 
@@ -97,6 +98,11 @@ class TransformerConfig:
         default="cross_layer", metadata={"help": "Domino overlap: none, intra_layer, cross_layer."})
     domino_column_chunks: int = field(
         default=1, metadata={"help": "Domino: split row-parallel GEMM outputs into column chunks."})
+    recompute_granularity: str | None = field(
+        default=None,
+        metadata={"help": "Activation recomputation (Megatron's names): full (every piece of "
+                          "every layer is recomputed in backward from its inputs) or selective "
+                          "(the core attention only); None keeps every activation."})
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers", "hidden_size", "num_attention_heads",
@@ -125,6 +131,8 @@ class TransformerConfig:
         _choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         _choice(self, "normalization", NORMALIZATIONS)
         _choice(self, "activation", ACTIVATIONS)
+        if self.recompute_granularity is not None:
+            _choice(self, "recompute_granularity", RECOMPUTE_GRANULARITIES)
         check_fields(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks,
                      "domino_{}".format)
         Plan.from_config(self).check_width(self.hidden_size)

@@ -60,6 +60,7 @@ def build_config(spec: dict[str, Any]) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=DTYPES[spec["dtype"]],
+        recompute_granularity=spec.get("recompute_granularity"),
     )
 
 

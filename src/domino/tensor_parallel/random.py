@@ -52,6 +52,14 @@ class RNGTracker:
     def model_parallel(self, device: torch.device) -> torch.Generator:
         return self._get("model_parallel", device)
 
+    def snapshot(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both streams' states on ``device`` (to replay a recomputed piece's dropout)."""
+        return self.replicated(device).get_state(), self.model_parallel(device).get_state()
+
+    def restore(self, device: torch.device, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.replicated(device).set_state(snap[0])
+        self.model_parallel(device).set_state(snap[1])
+
     def state_dict(self) -> dict:
         return {"seed": self._seed,
                 "states": {f"{k[0]}|{k[1]}": g.get_state() for k, g in self._generators.items()}}

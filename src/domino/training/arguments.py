@@ -71,6 +71,10 @@ class TrainArgs:
     attention_dropout: float = _f(0.0, group="model")
     init_method_std: float = _f(0.02, group="model")
     make_vocab_size_divisible_by: int = _f(128, group="model")
+    recompute_granularity: str | None = _f(
+        None, "Activation recomputation: full (every layer's pieces are rerun in backward from "
+        "their inputs) or selective (the core attention only); saves memory for compute.",
+        "model", ("full", "selective"))
     domino_micro_batches: int = _f(2, group="model")
     domino_overlap: str = _f("cross_layer", group="model")
     domino_column_chunks: int = _f(1, group="model")

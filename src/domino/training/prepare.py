@@ -73,7 +73,8 @@ def model_config(args: TrainArgs, vocab_size: int) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear, layernorm_epsilon=args.norm_epsilon,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        recompute_granularity=args.recompute_granularity)
 
 
 def default_run_dir() -> Path:

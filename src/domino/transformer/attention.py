@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from domino.config import TransformerConfig
@@ -72,6 +73,29 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
 
+def _recomputed(fn, gen: torch.Generator, *args):
+    """``fn(*args)`` whose intermediate tensors are not kept but recomputed in backward
+    (selective recomputation: the core attention's s x s scores and probabilities), through
+    ``torch.utils.checkpoint``; the dropout stream ``gen`` replays the forward's masks, and is
+    left where the forward left it."""
+    start = gen.get_state()
+    calls = 0
+
+    def run(*a):
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the forward itself
+            return fn(*a)
+        after = gen.get_state()
+        gen.set_state(start)
+        try:
+            return fn(*a)
+        finally:
+            gen.set_state(after)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
 def causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     """[sq, sk] bool, True where key j lies after query i (queries are the last sq positions)."""
     q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
@@ -106,6 +130,7 @@ class _AttentionBase(nn.Module):
         self.q_per_group = divide(config.num_attention_heads, config.num_query_groups)
         self.dropout_p = config.attention_dropout
         self.softmax_fp32 = config.attention_softmax_in_fp32
+        self.recompute = config.recompute_granularity == "selective"
         self.dense = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, group=tp,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
@@ -116,6 +141,9 @@ class _AttentionBase(nn.Module):
         k = k.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else k
         v = v.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else v
         gen = self.rng.model_parallel(q.device)  # heads differ per rank: TP-distinct masks
+        if self.recompute and torch.is_grad_enabled():
+            return _recomputed(core_attention, gen, q, k, v, mask, causal, self.dropout_p,
+                               self.training, gen, self.softmax_fp32)
         return core_attention(q, k, v, mask, causal, self.dropout_p, self.training, gen,
                               self.softmax_fp32)
 

@@ -36,6 +36,7 @@ gradients accumulate into ``.grad`` directly).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
 from collections.abc import Callable
@@ -186,14 +187,39 @@ class _Record:
     local: dict = field(default_factory=dict)  # (j, m) -> _Local, or final output for j = B
     par: dict = field(default_factory=dict)  # (j, m) -> (partial sums, deferred dW GEMMs)
     reduced: dict = field(default_factory=dict)  # (j, m) -> leaf holding the reduced partials
+    rng: dict = field(default_factory=dict)  # full recompute: ("local"|"par", j, m) -> streams
 
 
 class Executor:
     """Runs a stack of blocks under a :class:`Plan` (forward, and backward when training)."""
 
     def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None,
-                 group: CommGroup, plan: Plan) -> None:
+                 group: CommGroup, plan: Plan, recompute: bool = False) -> None:
+        """``recompute``: full activation recomputation - training forwards keep only each
+        piece's inputs (the leaves between pieces) and dropout stream states, and the backward
+        reruns every piece's forward just before its backward (the all-reduced sums are kept,
+        so recomputing communicates nothing)."""
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
+        self.recompute = recompute and bool(blocks)
+
+    def _local_piece(self, j: int, mb: MicroBatch, residual: torch.Tensor | None,
+                     reduced: torch.Tensor | None, prologue: Prologue | None):
+        """local(j, m): exit(j - 1) (or the prologue's finish) then enter(j) -> (ln, residual),
+        or for j = B the final norm -> the stack output."""
+        h = residual
+        if j == 0 and prologue is not None:
+            h = prologue.finish(reduced, mb)
+        elif j > 0:
+            h = self.blocks[j - 1].exit(reduced, h)
+        if j == len(self.blocks):
+            return self.final_norm(h) if self.final_norm is not None else h
+        return self.blocks[j].enter(h)
+
+    def _snapshot(self, rec: _Record, key: tuple, device: torch.device) -> None:
+        rec.rng[key] = self.blocks[0].rng.snapshot(device)
+
+    def _replay(self, rec: _Record, key: tuple, device: torch.device) -> None:
+        self.blocks[0].rng.restore(device, rec.rng.pop(key))
 
     def _span(self, name: str, m: int | None):
         return self.group.region(name, "compute", mb=m)
@@ -251,42 +277,48 @@ class Executor:
             rec.x_leaves.append(xm)
         residual: list[torch.Tensor | None] = list(rec.x_leaves) or [None] * M
         outs: list[torch.Tensor] = []
+        recompute = graph and self.recompute
+        # Recomputed pieces run without a graph now (only their input leaves are kept).
+        nograd = torch.no_grad if recompute else contextlib.nullcontext
+        device = rec.x_leaves[0].device if rec.x_leaves else None
         for j in range(B + 1):
             if self._syncs_before(j) or (self.plan.overlap == "intra_layer" and j == B):
                 for m in range(M):
                     pending[(j - 1, m)].wait()
             for m in range(M):
                 with self._span(f"fwd local {j}", m):
-                    h = residual[m]
-                    if j == 0 and prologue is not None:
-                        reduced = pending.pop((-1, m)).wait()
-                        if graph:
-                            rec.reduced[(-1, m)] = reduced.requires_grad_()
-                        h = prologue.finish(reduced, mbs[m])
-                    if j > 0:
+                    reduced = None
+                    if j > 0 or prologue is not None:
                         reduced = pending.pop((j - 1, m)).wait()
                         if graph:
                             rec.reduced[(j - 1, m)] = reduced.requires_grad_()
-                        h = self.blocks[j - 1].exit(reduced, h)
+                        device = reduced.device
+                    if recompute:
+                        self._snapshot(rec, ("local", j, m), device)
+                    with nograd():
+                        out = self._local_piece(j, mbs[m], residual[m], reduced, prologue)
                     if j == B:
-                        out = self.final_norm(h) if self.final_norm is not None else h
                         outs.append(out)
-                        rec.local[(j, m)] = out
+                        rec.local[(j, m)] = None if recompute else out
                         continue
-                    ln, res = self.blocks[j].enter(h)
+                    ln, res = out
                     if graph:
-                        piece = _Local(ln, None if res is ln else res, ln.detach().requires_grad_(),
-                                       res.detach().requires_grad_())
+                        piece = _Local(None if recompute else ln,
+                                       None if res is ln or recompute else res,
+                                       ln.detach().requires_grad_(), res.detach().requires_grad_())
                         rec.local[(j, m)] = piece
                         ln, res = piece.ln_leaf, piece.res_leaf
                     residual[m] = res
                 with self._span(f"fwd par {j}", m):
                     parts: list[torch.Tensor] = []
-                    stash = WgradStash() if graph else None
-                    gen = self.blocks[j].partials(ln, mbs[m], self._chunks(j, m, B, M), stash)
-                    pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
+                    stash = WgradStash() if graph and not recompute else None
+                    if recompute:
+                        self._snapshot(rec, ("par", j, m), device)
+                    with nograd():
+                        gen = self.blocks[j].partials(ln, mbs[m], self._chunks(j, m, B, M), stash)
+                        pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
                     if graph:
-                        rec.par[(j, m)] = (parts, stash)
+                        rec.par[(j, m)] = (None if recompute else parts, stash)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)
         return y, (rec if graph else None)
 
@@ -319,6 +351,8 @@ class Executor:
             if left[j] == 0 and on_final is not None:
                 on_final(self.blocks[j])
         late = late if late is not None else LateWork()
+        device = grad_y.device
+        streams = self.blocks[0].rng.snapshot(device) if self.recompute else None
         pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
         deferred: deque[WgradStash] = deque()
         first_layer = self.blocks[0].layer if self.blocks else None
@@ -331,11 +365,19 @@ class Executor:
                     if j + 1 == B:
                         mb = rec.mbs[m]
                         g = grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
-                        torch.autograd.backward([rec.local.pop((B, m))], [g])
+                        out = rec.local.pop((B, m))
+                        if self.recompute:
+                            out = self._recomputed_local(rec, B, m, device)
+                        torch.autograd.backward([out], [g])
                     else:
                         # The last waits (j = -1) may also use the late work.
                         ready = self._fill(deferred, pending.pop((j + 1, m)), late if j < 0 else None)
-                        self._local_backward(rec.local.pop((j + 1, m)), ready.wait())
+                        piece = rec.local.pop((j + 1, m))
+                        if self.recompute:
+                            ln, res = self._recomputed_local(rec, j + 1, m, device)
+                            piece = _Local(ln, None if res is ln else res, piece.ln_leaf,
+                                           piece.res_leaf)
+                        self._local_backward(piece, ready.wait())
                         done(j + 1)
                 if j < 0:
                     if rec.prologue is not None:
@@ -343,6 +385,13 @@ class Executor:
                     continue
                 with self._span(f"bwd par {j}", m):
                     parts, stash = rec.par.pop((j, m))
+                    if self.recompute:
+                        stash = WgradStash()
+                        self._replay(rec, ("par", j, m), device)
+                        with torch.enable_grad():
+                            parts = list(self.blocks[j].partials(
+                                rec.local[(j, m)].ln_leaf, rec.mbs[m], self._chunks(j, m, B, M),
+                                stash))
                     g = rec.reduced.pop((j, m)).grad
                     grads = ([g] if len(parts) == 1
                              else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
@@ -361,12 +410,23 @@ class Executor:
         while deferred:
             deferred.popleft().run()
         late.drain()
+        if streams is not None:  # where the forward left the dropout streams
+            self.blocks[0].rng.restore(device, streams)
         grad_x = _cat_grads(rec.x_leaves) if rec.x_leaves else None
         grad_mem = None
         if rec.mem_leaves[0] is not None:
             grad_mem = _cat_grads(rec.mem_leaves)
             self.group.all_reduce(grad_mem)  # sum of every cross attention's K/V input gradient
         return grad_x, grad_mem
+
+    def _recomputed_local(self, rec: _Record, j: int, m: int, device: torch.device):
+        """local(j, m)'s graph rebuilt from its kept input leaves (full recompute)."""
+        residual = (rec.local[(j - 1, m)].res_leaf if j > 0
+                    else rec.x_leaves[m] if rec.x_leaves else None)
+        self._replay(rec, ("local", j, m), device)
+        with torch.enable_grad():
+            return self._local_piece(j, rec.mbs[m], residual, rec.reduced.get((j - 1, m)),
+                                     rec.prologue)
 
     def _fill(self, deferred: deque, pending: _Pending, late: LateWork | None = None) -> _Pending:
         """Run deferred weight-gradient work (then ``late`` work) while ``pending`` is in

@@ -179,7 +179,8 @@ class DominoTransformer(nn.Module):
         mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
                                   inference_params, rotary_pos_emb, needs_graph)
         blocks = [blk for layer in self.layers for blk in layer.blocks()]
-        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan())
+        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan(),
+                            recompute=self.config.recompute_granularity == "full")
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
         return _ScheduledStack.apply(self, executor, mbs, prologue, hidden_states, encoder_output,
