@@ -1,0 +1,455 @@
+"""Compare domino's Domino schedules with DeepSpeed's ``DominoTransformer`` on the same sizes.
+
+Run with the project's venv (it imports ``domino``); DeepSpeed runs in its own venv, made by
+``bash scripts/compare_deepspeed/setup.sh``::
+
+    python scripts/compare_deepspeed/compare.py [--links loopback,1gbit,500mbit] [--rounds 4]
+
+Per round and per link, our side is one ``domino bench`` run (sync, nocomm and four domino:*
+modes, a few steps each) and DeepSpeed's side one run of ``ds_worker.py`` (DeepSpeed's Domino
+transformer, cross-layer, the same sizes and loss), one after the other, the order alternating
+every round. Emulated links are :class:`domino.bench.netem.EmulatedLink` for both systems: each
+rank in its own network namespace, joined by a veth shaped with the same tbf (rate, burst,
+latency). A round's figure is the median step time of that run (a step's time being its
+slowest rank's); the table shows, per link, the median over rounds and the range over rounds.
+See README.md next to this file for the method and its caveats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "ds_worker.py")
+DEFAULT_DS_VENV = os.path.join(REPO, ".venv-deepspeed")
+SETUP_CMD = "bash scripts/compare_deepspeed/setup.sh"
+
+DEFAULT_MODES = ("sync,nocomm,domino:m2:cross,domino:m4:cross,domino:m2:cross:c2,"
+                 "domino:m4:cross:c2")
+DEFAULT_TP1_MODES = "sync,nocomm,domino:m2:cross"
+LOOPBACK = "loopback"
+TP1 = "TP=1"  # the single-process row's key
+HEADER = ("link", "our sync", "our nocomm", "our best Domino", "DeepSpeed Domino",
+          "DeepSpeed / ours")
+
+
+# ---- pure helpers (unit-tested in tests/test_compare_deepspeed_script.py) --------------------
+
+
+def parse_links(text: str) -> list[str]:
+    """``"loopback,1gbit,500MBit"`` -> ``["loopback", "1gbit", "500mbit"]`` (rates validated,
+    repeats dropped, order kept)."""
+    from domino.bench.netem import parse_rate
+
+    links: list[str] = []
+    for part in text.split(","):
+        name = part.strip().lower()
+        if not name:
+            continue
+        if name != LOOPBACK:
+            name = parse_rate(name)  # ValueError naming the accepted units
+        if name not in links:
+            links.append(name)
+    if not links:
+        raise ValueError("--links is empty; give e.g. loopback,1gbit,500mbit")
+    return links
+
+
+def order_for_round(index: int) -> tuple[str, str]:
+    """Which system runs first in round ``index`` (0-based): ours on even rounds."""
+    return ("ours", "deepspeed") if index % 2 == 0 else ("deepspeed", "ours")
+
+
+def best_domino(step_times: dict[str, float]) -> tuple[str, float] | None:
+    """The fastest comm-enabled Domino mode (``domino:*``) of one run, or None without one."""
+    domino = {m: t for m, t in step_times.items() if m.startswith("domino:")}
+    if not domino:
+        return None
+    mode = min(domino, key=domino.__getitem__)
+    return mode, domino[mode]
+
+
+def ours_from_report(report: dict[str, Any]) -> dict[str, float]:
+    """``domino bench --json`` report -> {mode: median step seconds of that run}."""
+    return {r["mode"]: float(r["step_time_s"]) for r in report["results"]}
+
+
+def summarize(values: Sequence[float]) -> dict[str, float] | None:
+    """Median, min and max of the per-round figures (None for no rounds)."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": len(values)}
+
+
+def fmt_ms(summary: dict[str, float] | None) -> str:
+    """Seconds summary -> ``"812 (670-1013)"`` in ms; a single round has no range."""
+    if summary is None:
+        return "-"
+    med, lo, hi = (round(summary[k] * 1e3) for k in ("median", "min", "max"))
+    return f"{med}" if summary["rounds"] < 2 else f"{med} ({lo}-{hi})"
+
+
+def fmt_ratio(ratio: float | None, per_round: Sequence[float]) -> str:
+    """``"1.52x (1.31-1.70)"``: the ratio of medians, then the range of per-round ratios."""
+    if ratio is None:
+        return "-"
+    text = f"{ratio:.2f}x"
+    if len(per_round) >= 2:
+        text += f" ({min(per_round):.2f}-{max(per_round):.2f})"
+    return text
+
+
+@dataclass
+class LinkRounds:
+    """Every round's figures for one row of the table (one link, or the TP=1 row)."""
+
+    link: str
+    tp: int
+    sync: list[float] = field(default_factory=list)
+    nocomm: list[float] = field(default_factory=list)
+    best: list[float] = field(default_factory=list)
+    best_mode: list[str] = field(default_factory=list)
+    deepspeed: list[float] = field(default_factory=list)
+
+    def add_ours(self, step_times: dict[str, float]) -> None:
+        if "sync" in step_times:
+            self.sync.append(step_times["sync"])
+        if "nocomm" in step_times:
+            self.nocomm.append(step_times["nocomm"])
+        best = best_domino(step_times)
+        if best is not None:
+            self.best_mode.append(best[0])
+            self.best.append(best[1])
+
+    def add_deepspeed(self, step_times_s: Sequence[float]) -> None:
+        self.deepspeed.append(statistics.median(step_times_s))
+
+    def summary(self) -> dict[str, Any]:
+        best, ds = summarize(self.best), summarize(self.deepspeed)
+        ratio = ds["median"] / best["median"] if best and ds else None
+        # Per-round ratios pair runs made in the same round (next to each other in time).
+        per_round = [d / b for d, b in zip(self.deepspeed, self.best)]
+        counts: dict[str, int] = {}
+        for m in self.best_mode:
+            counts[m] = counts.get(m, 0) + 1
+        return {"link": self.link, "tp": self.tp, "our_sync": summarize(self.sync),
+                "our_nocomm": summarize(self.nocomm), "our_best_domino": best,
+                "deepspeed_domino": ds, "deepspeed_over_ours": ratio,
+                "deepspeed_over_ours_per_round": per_round, "best_mode_counts": counts}
+
+
+def row_label(link: str, tp: int) -> str:
+    if tp == 1:
+        return "TP=1, 1 process (no comm; loopback)"
+    return LOOPBACK if link == LOOPBACK else f"{link} emulated"
+
+
+def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """The markdown table, one row per summary (see :meth:`LinkRounds.summary`)."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] + ["---:"] * 5) + "|"]
+    for s in summaries:
+        cells = (row_label(s["link"], s["tp"]), fmt_ms(s["our_sync"]), fmt_ms(s["our_nocomm"]),
+                 fmt_ms(s["our_best_domino"]), fmt_ms(s["deepspeed_domino"]),
+                 fmt_ratio(s["deepspeed_over_ours"], s["deepspeed_over_ours_per_round"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_best_modes(summaries: Sequence[dict[str, Any]]) -> str:
+    """Which of our domino:* modes was fastest, per row, over the rounds."""
+    parts = []
+    for s in summaries:
+        counts = sorted(s["best_mode_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
+        if counts:
+            modes = ", ".join(f"{m.removeprefix('domino:')} x{n}" for m, n in counts)
+            parts.append(f"{row_label(s['link'], s['tp'])}: {modes}")
+    return "our best Domino mode per round: " + "; ".join(parts) if parts else ""
+
+
+# ---- running the two systems -------------------------------------------------------------------
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def size_flags(args: argparse.Namespace) -> list[str]:
+    """The model / timing flags both sides take, spelled the same way."""
+    return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.num_attention_heads),
+            "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--threads-per-rank", str(args.threads_per_rank), "--dtype", args.dtype,
+            "--seed", str(args.seed), "--timeout", str(args.timeout)]
+
+
+def run_ours(args: argparse.Namespace, link: str, tp: int, modes: str, workdir: str,
+             tag: str) -> dict[str, float]:
+    """One ``domino bench`` run; {mode: median step seconds}."""
+    out = os.path.join(workdir, f"ours_{tag}.json")
+    log = os.path.join(workdir, f"ours_{tag}.log")
+    cmd = [sys.executable, "-m", "domino.cli", "bench", "--modes", modes, *size_flags(args),
+           "--tensor-model-parallel-size", str(tp), "--device", "cpu", "--json", out]
+    if link != LOOPBACK:
+        cmd += ["--emulate-link", link]
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, check=False)
+    if proc.returncode != 0:
+        raise RunFailed(f"domino bench failed (exit {proc.returncode}); log {log}:\n{_tail(log)}")
+    with open(out) as f:
+        return ours_from_report(json.load(f))
+
+
+def _ds_env(base: dict[str, str]) -> dict[str, str]:
+    """The DeepSpeed ranks' environment: nothing from our venv may leak into theirs."""
+    env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def run_deepspeed(args: argparse.Namespace, link: str, tp: int, workdir: str,
+                  tag: str) -> list[float]:
+    """One DeepSpeed run of ``tp`` ranks (one per emulated host on an emulated link); the step
+    times (max over ranks)."""
+    from domino.bench.netem import EmulatedLink
+    from domino.supervisor import RankFailed, local_env, run_ranks
+    from domino.utils import free_port
+
+    out = os.path.join(workdir, f"ds_{tag}.json")
+    logs = [os.path.join(workdir, f"ds_{tag}_rank{r}.log") for r in range(tp)]
+    threads = str(args.threads_per_rank)
+
+    def launch(emulated: EmulatedLink | None) -> None:
+        # A fresh namespace has every port free; on loopback pick one that is free now.
+        port = 29500 if emulated is not None else free_port()
+        commands, envs = [], []
+        for rank in range(tp):
+            env = _ds_env(local_env(rank, tp, port, OMP_NUM_THREADS=threads,
+                                    MKL_NUM_THREADS=threads))
+            argv = [args.ds_python, WORKER, *size_flags(args), "--out", out, "--log", logs[rank]]
+            if emulated is not None:
+                env.update(emulated.env_for(rank, port))
+                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+                argv = emulated.wrap(rank, argv)
+            else:
+                env["GLOO_SOCKET_IFNAME"] = "lo"
+            commands.append(argv)
+            envs.append(env)
+        run_ranks(commands, envs, label="deepspeed domino", straggler_s=args.timeout)
+
+    try:
+        if link == LOOPBACK:
+            launch(None)
+        else:
+            # The same class, rate and defaults (burst, latency, MTU) domino bench uses.
+            with EmulatedLink(num_hosts=tp, rate=link) as emulated:
+                launch(emulated)
+    except RankFailed as err:
+        tails = "\n".join(f"--- {p}:\n{_tail(p)}" for p in logs)
+        raise RunFailed(f"{err}\n{tails}") from err
+    with open(out) as f:
+        return json.load(f)["step_times_s"]
+
+
+def deepspeed_info(ds_python: str) -> dict[str, str]:
+    """Versions in the DeepSpeed venv; SystemExit naming the setup command when it is missing."""
+    if not os.path.exists(ds_python):
+        raise SystemExit(f"compare.py: the DeepSpeed venv's python {ds_python} does not exist; "
+                         f"create the venv with: {SETUP_CMD} (or pass --ds-python)")
+    probe = ("import json, torch, deepspeed; from deepspeed.runtime.domino.transformer import "
+             "DominoTransformer; print(json.dumps({'deepspeed': deepspeed.__version__, "
+             "'torch': torch.__version__}))")
+    proc = subprocess.run([ds_python, "-c", probe], capture_output=True, text=True,
+                          env=_ds_env(dict(os.environ)), check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"compare.py: {ds_python} cannot import deepspeed's DominoTransformer "
+                         f"({proc.stderr.strip().splitlines()[-1:]}); rerun: {SETUP_CMD}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--links", default="loopback,1gbit,500mbit",
+      help="comma-separated: loopback and/or tc rates to emulate (e.g. 1gbit, 500mbit; root)")
+    a("--rounds", type=int, default=4, help="interleaved rounds per link")
+    a("--steps", type=int, default=6, help="measured steps per run (per mode on our side)")
+    a("--warmup", type=int, default=2, help="unmeasured steps per run (per mode on our side)")
+    a("--modes", default=DEFAULT_MODES, help="our domino bench modes (TP=2 rows)")
+    a("--tensor-model-parallel-size", type=int, default=2, help="TP size of the link rows")
+    a("--tp1-rounds", type=int, default=2,
+      help="rounds of the single-process TP=1 row (same compute, no comm); 0 leaves it out")
+    a("--tp1-modes", default=DEFAULT_TP1_MODES, help="our modes in the TP=1 row")
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=512)
+    a("--num-attention-heads", type=int, default=8)
+    a("--seq-length", type=int, default=256)
+    a("--micro-batch-size", type=int, default=8)
+    a("--threads-per-rank", type=int, default=1)
+    a("--dtype", choices=("fp32", "bf16"), default="fp32")
+    a("--seed", type=int, default=1234)
+    a("--timeout", type=float, default=300.0, help="seconds a rank may wait for a peer")
+    a("--ds-python", default=os.path.join(DEFAULT_DS_VENV, "bin", "python"),
+      help=f"python of the DeepSpeed venv (made by {SETUP_CMD})")
+    a("--json", metavar="PATH", default=None, help="also write every round's figures here")
+    a("--keep-dir", metavar="DIR", default=None,
+      help="keep every run's raw JSON and logs here (default: a temporary directory)")
+    args = p.parse_args(argv)
+    for name in ("rounds", "steps", "threads_per_rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or args.tp1_rounds < 0:
+        p.error("--warmup and --tp1-rounds must be >= 0")
+    if args.tensor_model_parallel_size < 2:
+        p.error("--tensor-model-parallel-size must be >= 2 (the TP=1 row is --tp1-rounds)")
+    try:
+        args.link_list = parse_links(args.links)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def measure(args: argparse.Namespace, workdir: str) -> list[LinkRounds]:
+    """All rounds; one :class:`LinkRounds` per row, the TP=1 row last."""
+    tp = args.tensor_model_parallel_size
+    rows = [LinkRounds(link, tp) for link in args.link_list]
+    tp1 = LinkRounds(LOOPBACK, 1) if args.tp1_rounds else None
+    for r in range(max(args.rounds, args.tp1_rounds)):
+        order = order_for_round(r)
+        jobs = [(row, args.modes) for row in rows if r < args.rounds]
+        if tp1 is not None and r < args.tp1_rounds:
+            jobs.append((tp1, args.tp1_modes))
+        for row, modes in jobs:
+            label = row_label(row.link, row.tp)
+            for system in order:
+                tag = f"r{r}_{'tp1' if row.tp == 1 else row.link}"
+                t0 = time.monotonic()
+                if system == "ours":
+                    times = run_ours(args, row.link, row.tp, modes, workdir, tag)
+                    row.add_ours(times)
+                    best = best_domino(times)
+                    what = (f"best {best[0]} {best[1] * 1e3:.0f} ms" if best else
+                            f"sync {times.get('sync', float('nan')) * 1e3:.0f} ms")
+                else:
+                    steps = run_deepspeed(args, row.link, row.tp, workdir, tag)
+                    row.add_deepspeed(steps)
+                    what = f"median {statistics.median(steps) * 1e3:.0f} ms"
+                _log(f"[round {r + 1}] {label}: {system}: {what} "
+                     f"({time.monotonic() - t0:.0f} s)")
+    return rows + ([tp1] if tp1 is not None else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import domino  # noqa: F401
+        from domino.bench.netem import check_can_emulate, cleanup_stale
+    except ImportError:
+        raise SystemExit("compare.py: run it with the project's venv (it imports domino), e.g. "
+                         ". .venv/bin/activate") from None
+    info = deepspeed_info(args.ds_python)
+    if any(link != LOOPBACK for link in args.link_list):
+        try:
+            check_can_emulate()
+        except RuntimeError as err:
+            raise SystemExit(f"compare.py: {err}") from None
+        cleanup_stale()  # namespaces left by killed runs
+    import torch
+
+    command = shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
+                          *(sys.argv[1:] if argv is None else argv)])
+    started = datetime.datetime.now(datetime.timezone.utc)
+    _log(f"compare: deepspeed {info['deepspeed']} (torch {info['torch']}) vs domino "
+         f"(torch {torch.__version__}); links {','.join(args.link_list)}, {args.rounds} rounds")
+    t0 = time.monotonic()
+    if args.keep_dir is not None:
+        os.makedirs(args.keep_dir, exist_ok=True)
+        rows = measure(args, args.keep_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="compare-deepspeed-") as tmp:
+            rows = measure(args, tmp)
+    elapsed = time.monotonic() - t0
+    summaries = [row.summary() for row in rows]
+    desc = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} "
+            f"heads, seq {args.seq_length}, batch {args.micro_batch_size}, {args.dtype}, "
+            f"{args.threads_per_rank} thread(s)/rank, CPU (gloo)")
+    lines = [
+        f"Date: {started.isoformat(timespec='seconds')}; command: `{command}`",
+        "",
+        f"Median ms of one forward+backward step, TP={args.tensor_model_parallel_size} unless "
+        f"noted; {desc}. Each cell: median over rounds of each round's median (range over rounds "
+        f"in brackets); {args.rounds} interleaved rounds ({args.tp1_rounds} for TP=1), "
+        f"{args.steps} steps after {args.warmup} warm-up per run and mode. DeepSpeed "
+        f"{info['deepspeed']} (torch {info['torch']}) DominoTransformer, cross-layer, 2 halves; "
+        f"ours: domino {domino_version()} (torch {torch.__version__}), best of "
+        f"{', '.join(m for m in args.modes.split(',') if m.strip().startswith('domino:'))}. "
+        f"DeepSpeed / ours = DeepSpeed median / our best Domino median (per-round ratios in "
+        f"brackets). Took {elapsed / 60:.1f} min on {os.cpu_count()} CPUs.",
+        "",
+        format_table(summaries),
+        "",
+        format_best_modes(summaries),
+    ]
+    print("\n".join(lines), flush=True)
+    if args.json is not None:
+        report = {
+            "command": command, "date": started.isoformat(timespec="seconds"),
+            "elapsed_s": elapsed, "config": {k: v for k, v in vars(args).items()},
+            "deepspeed_version": info["deepspeed"], "deepspeed_torch_version": info["torch"],
+            "torch_version": torch.__version__, "python_version": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "rows": [{**s, "rounds": {"our_sync_s": row.sync, "our_nocomm_s": row.nocomm,
+                                      "our_best_domino_s": row.best,
+                                      "our_best_domino_mode": row.best_mode,
+                                      "deepspeed_domino_s": row.deepspeed}}
+                     for s, row in zip(summaries, rows)],
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def domino_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("domino-lm")
+    except Exception:  # only a label
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
