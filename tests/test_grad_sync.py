@@ -75,3 +75,30 @@ def test_buckets_launch_during_backward_last_layer_first(plan: Plan) -> None:
         assert torch.equal(p.grad, expected[name]), name
     with pytest.raises(RuntimeError, match="without an armed backward"):
         reducer.finish()
+
+
+def test_distributed_optimizer_holds_a_dp_share_of_the_state() -> None:
+    """ZeRO-1 at DP=4 (one rank of it, collectives off): AdamW moments for a quarter of the
+    parameters, against the full set for the plain optimizer."""
+    from domino.training.dist_optim import DistributedAdamW
+
+    dp = CommGroup(size=4, rank=1, enabled=False)
+    torch.manual_seed(0)
+    model = GPTModel(config(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64),
+                     parallel_state=ParallelState(dp=dp))
+    params = [p for p in model.parameters() if p.requires_grad]
+    reducer = GradReducer(model, params, dp, shard=True)
+    opt = DistributedAdamW(reducer, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+    plain = torch.optim.AdamW(params, 1e-3)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with reducer.armed(model):
+        model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
+    reducer.finish()
+    assert all(b.shard.numel() == b.padded(4) // 4 for b in reducer.buckets)
+    opt.step()
+    plain.step()
+    full = sum(v.numel() * v.element_size() for st in plain.state.values()
+               for v in st.values() if v.dim())
+    mine = sum(v.numel() * v.element_size() for st in opt.inner.state.values()
+               for v in st.values() if v.dim())
+    assert full / 4 <= mine <= full / 4 + 2 * 4 * 4 * len(reducer.buckets), (mine, full)

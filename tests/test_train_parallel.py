@@ -115,6 +115,10 @@ def _parallel(rank: int, world: int, data: str, tmp: str) -> dict:
         "dp2": _train(_args(data, **dp2), f"{tmp}/dp2"),
         "dp2 accum": _train(_args(data, **accum), f"{tmp}/dp2a"),
         "tp2": _train(_args(data, tensor_model_parallel_size=2), f"{tmp}/tp2"),
+        # ZeRO-1: moments sharded over DP, gradients reduce-scattered, parameters all-gathered.
+        "zero": _train(_args(data, **dp2, use_distributed_optimizer=True), f"{tmp}/zero"),
+        "zero accum": _train(_args(data, **accum, use_distributed_optimizer=True,
+                                   overlap_grad_reduce=False), f"{tmp}/zeroa"),
         # The blocking DP reduction, to compare the overlapped one with bit for bit.
         "blocking": {"dp2": _train(_args(data, **dp2, overlap_grad_reduce=False),
                                    f"{tmp}/dp2b"),
@@ -184,3 +188,27 @@ def test_overlapped_dp_reduction_equals_blocking_at_tp2_dp2(data, tmp_path) -> N
         assert res["overlap"] == res["blocking"]
         assert res["m2"] == res["m2 blocking"]
     assert all(res == ranks[0] for res in ranks)
+
+
+def _zero_resume(rank: int, world: int, data: str, tmp: str) -> dict:
+    """ZeRO-1 at DP=2: 3 steps, checkpoint, resumed at DP=2 with ZeRO; the checkpoint also
+    loads at DP=1 with the plain optimizer (in the test)."""
+    zero = dict(tensor_model_parallel_size=1, micro_batch_size=2, use_distributed_optimizer=True)
+    full = _train(_args(data, **zero), f"{tmp}/full")
+    _train(_args(data, **zero, exit_interval=3), f"{tmp}/first")
+    resumed = _train(_args(data, **zero, load=f"{tmp}/first"), f"{tmp}/second")
+    return {"full": full, "resumed": resumed}
+
+
+def _plain_from_zero(rank: int, world: int, data: str, tmp: str) -> dict:
+    return _train(_args(data, tensor_model_parallel_size=1, load=f"{tmp}/first"), f"{tmp}/plain")
+
+
+def test_distributed_optimizer_checkpoint_resumes_and_reshards(data, tmp_path) -> None:
+    ranks = run_distributed(_zero_resume, 2, data, str(tmp_path))
+    for res in ranks:
+        assert res["resumed"]["losses"] == res["full"]["losses"][3:]  # exact: moments restored
+        assert res["resumed"]["norms"] == res["full"]["norms"][3:]
+    (plain,) = run_distributed(_plain_from_zero, 1, data, str(tmp_path))
+    assert plain["losses"] == pytest.approx(ranks[0]["full"]["losses"][3:], rel=1e-5)
+    assert plain["norms"] == pytest.approx(ranks[0]["full"]["norms"][3:], rel=1e-5)

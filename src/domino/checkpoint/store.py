@@ -40,7 +40,17 @@ def named_model_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         yield from model.named_parameters()
 
 
-def _rank_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+def optimizer_state(optimizer: Any) -> dict | None:
+    """Per parameter, the AdamW state a checkpoint holds: ``optimizer.state``, or for a
+    distributed optimizer its shards gathered over DP (a collective: every rank calls it)."""
+    if optimizer is None:
+        return None
+    if hasattr(optimizer, "full_state"):
+        return optimizer.full_state()
+    return optimizer.state
+
+
+def _rank_tensors(model: nn.Module, opt_state: dict | None,
                   state: ParallelState) -> tuple[dict, dict, dict]:
     """(model, optimizer, spec) tensors this rank writes: sharded ones always, replicated ones
     only on TP rank 0 (they are identical on every TP rank)."""
@@ -54,7 +64,7 @@ def _rank_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         if is_partitioned(p) or tp.rank == 0:
             weights[name] = p.detach()
             specs[name] = describe(p.detach(), p, tp.size, model_files)
-        slots = optimizer.state.get(p, {}) if optimizer is not None else {}
+        slots = opt_state.get(p, {}) if opt_state is not None else {}
         for key, value in slots.items():
             value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             spec = describe(value.detach(), p, tp.size, optim_files)
@@ -93,8 +103,9 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
             meta.tokenizer = save_tokenizer(tokenizer, tmp / layout.TOKENIZER_DIR)
             for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
                 records[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
+        opt_state = optimizer_state(optimizer)
         if _writes(state):
-            weights, moments, rank_specs = _rank_tensors(model, optimizer, state)
+            weights, moments, rank_specs = _rank_tensors(model, opt_state, state)
             tp, pp = state.tp.rank, state.pp.rank
             records[layout.model_file(tp, pp)] = _save_tensors(weights,
                                                                tmp / layout.model_file(tp, pp))
@@ -211,13 +222,15 @@ def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelStat
 
 def load_optimizer(step_dir: Path, meta: Meta, optimizer: torch.optim.Optimizer,
                    model: nn.Module, state: ParallelState) -> None:
-    """Fill ``optimizer``'s state (AdamW moments and steps) with this rank's part."""
+    """Fill ``optimizer``'s state (AdamW moments and steps) with this rank's part (a
+    distributed optimizer keeps its DP chunks of it)."""
     reader = ShardReader(step_dir)
     slots: dict[str, list[str]] = {}
     for key in meta.tensors:
         if key.startswith("optimizer."):
             slot, name = key[len("optimizer."):].split("/", 1)
             slots.setdefault(name, []).append(slot)
+    entries = {}
     for name, p in named_model_tensors(model):
         entry = {}
         for slot in slots.get(name, []):
@@ -226,6 +239,11 @@ def load_optimizer(step_dir: Path, meta: Meta, optimizer: torch.optim.Optimizer,
             value = read_part(reader, meta, key, like, state)
             entry[slot] = value.to(p.device) if value.dim() else value
         if entry:
+            entries[p] = entry
+    if hasattr(optimizer, "load_full_state"):
+        optimizer.load_full_state(entries)
+    else:
+        for p, entry in entries.items():
             optimizer.state[p] = entry
 
 

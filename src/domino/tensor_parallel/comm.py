@@ -154,6 +154,47 @@ class CommGroup:
             handle.wait()
         return handle
 
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
+                       name: str = "reduce_scatter") -> Handle:
+        """Sum ``tensor`` (1-D, ``size`` equal chunks) over the group; this rank's chunk of the
+        sum lands in ``output``. Disabled: ``output`` gets this rank's own chunk."""
+        if self.size == 1 or not self.enabled:
+            output.copy_(tensor.chunk(self.size)[self.rank])
+            return DONE
+        return self._start(tensor, name, lambda: dist.reduce_scatter_tensor(
+            output, tensor, group=self.group, async_op=True), async_op,
+            lambda: output.copy_(tensor.chunk(self.size)[self.rank]))
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
+                        name: str = "all_gather") -> Handle:
+        """Every rank's ``tensor`` (1-D) concatenated in rank order into ``output``. Disabled:
+        ``output`` gets ``size`` copies of this rank's."""
+        if self.size == 1 or not self.enabled:
+            output.copy_(tensor.repeat(self.size))
+            return DONE
+        return self._start(output, name, lambda: dist.all_gather_into_tensor(
+            output, tensor, group=self.group, async_op=True), async_op,
+            lambda: output.copy_(tensor.repeat(self.size)))
+
+    def _start(self, tensor: torch.Tensor, name: str, real, async_op: bool, local) -> Handle:
+        """A collective moving ``tensor``'s bytes (counted, traced, or replaced by the hook,
+        in which case ``local()`` fills the output as a disabled group would)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        trace = work = None
+        if self.hook is not None:
+            trace = (self.hook, name, {}, nbytes, time.perf_counter())
+            work = self.hook.launch(tensor, self)
+            if work is not None:
+                local()
+        if work is None:
+            work = real()
+        self.stats.count += 1
+        self.stats.bytes += nbytes
+        handle = Handle(work, self.stats, trace)
+        if not async_op:
+            handle.wait()
+        return handle
+
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along the last dimension (rank order)."""
         if self.size == 1:

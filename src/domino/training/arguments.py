@@ -106,6 +106,10 @@ class TrainArgs:
         True, "With DP > 1: sum gradients over DP in buckets launched during the backward, as "
         "soon as their layers' gradients are final (off: one blocking reduction after it).",
         "parallel")
+    use_distributed_optimizer: bool = _f(
+        False, "With DP > 1: ZeRO-1 - AdamW state sharded over DP (memory per rank / DP), "
+        "gradients reduce-scattered during the backward, parameters all-gathered after the "
+        "update.", "parallel")
     emulate_link: str | None = _f(
         None, "Measure overlap on a slow network: run each local rank in its own network "
         "namespace over a veth shaped to RATE (e.g. 1gbit, 100mbit); CPU, local processes, root "

@@ -36,6 +36,15 @@ class _Bucket:
     flat: torch.Tensor | None = None
     handle: Handle | None = None
     grads: list[torch.Tensor] = field(default_factory=list)
+    shard: torch.Tensor | None = None  # sharded: this rank's chunk of the summed gradients
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def padded(self, parts: int) -> int:
+        """The flat length, padded so ``parts`` ranks get equal chunks."""
+        return -(-self.numel // parts) * parts
 
 
 def backward_order(model: nn.Module, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
@@ -58,8 +67,10 @@ class GradReducer:
     """Buckets of ``model``'s ``params`` reduced over ``dp`` as they become final."""
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], dp: CommGroup,
-                 bucket_numel: int | None = None) -> None:
-        self.dp = dp
+                 bucket_numel: int | None = None, shard: bool = False) -> None:
+        """``shard`` (a distributed optimizer): reduce-scatter each bucket instead, every DP rank
+        keeping its chunk of the sums (:attr:`_Bucket.shard`); ``.grad`` is left unreduced."""
+        self.dp, self.shard = dp, shard
         if bucket_numel is None:
             # At least ~4 buckets, or the last one would wait for the whole backward; few enough
             # that launches stay cheap.
@@ -84,12 +95,9 @@ class GradReducer:
         are launched then (use around the last micro-step's backward; then :meth:`finish`)."""
         from domino.transformer.stack import stacks_of
 
-        self._ready.clear()
-        for b in self.buckets:
-            b.waiting, b.flat, b.handle, b.grads = len(b.params), None, None, []
+        self.begin()
         stacks = stacks_of(model)
         saved = [s.on_final_block for s in stacks]
-        self._armed = True
         try:
             for s in stacks:
                 s.on_final_block = self._block_final
@@ -97,6 +105,14 @@ class GradReducer:
         finally:
             for s, before in zip(stacks, saved, strict=True):
                 s.on_final_block = before
+
+    def begin(self) -> None:
+        """Start a step's reduction (:meth:`armed` does; call it directly to reduce everything
+        at :meth:`finish`, without overlap)."""
+        self._ready.clear()
+        for b in self.buckets:
+            b.waiting, b.flat, b.handle, b.grads, b.shard = len(b.params), None, None, [], None
+        self._armed = True
 
     def _block_final(self, block) -> None:
         self.ready([*block.norm.parameters(), *block.op.parameters()])
@@ -119,8 +135,19 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         bucket.grads = grads
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
-        bucket.handle = self.dp.all_reduce(bucket.flat, async_op=True, name="dp grads")
+        if not self.shard:
+            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            bucket.handle = self.dp.all_reduce(bucket.flat, async_op=True, name="dp grads")
+            return
+        size = self.dp.size
+        pad = bucket.padded(size) - bucket.numel
+        parts = [g.reshape(-1) for g in grads]
+        if pad:
+            parts.append(grads[0].new_zeros(pad))
+        bucket.flat = torch.cat(parts)
+        bucket.shard = bucket.flat.new_empty(bucket.flat.numel() // size)
+        bucket.handle = self.dp.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
+                                               name="dp grads (reduce-scatter)")
 
     def finish(self) -> None:
         """Launch what is left (in bucket order), wait for every bucket and write the sums back
@@ -134,7 +161,8 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.handle.wait()
             offset = 0
-            for g in bucket.grads:
-                g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            if not self.shard:
+                for g in bucket.grads:
+                    g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
             bucket.flat, bucket.grads = None, []

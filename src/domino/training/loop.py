@@ -30,6 +30,7 @@ from domino.pipeline.runtime import PipelineRunner
 from domino.plan import SYNC, Plan
 from domino.tensor_parallel import is_partitioned
 from domino.training.data import rank_batches
+from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
 from domino.training.logging import RunLogger
 from domino.training.optim import DynamicLossScaler, agree, build_optimizer, learning_rate, set_lr
@@ -90,10 +91,15 @@ class Trainer:
         else:
             self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # The pipeline runner reduces after its schedule (one blocking reduction per step).
-        self.reducer = (GradReducer(self.model, self.params, dp) if dp.size > 1 and args.overlap_grad_reduce
-                        and self.runner is None else None)
-        self.optimizer = build_optimizer(self.model, args)
+        zero = args.use_distributed_optimizer and dp.size > 1
+        # The pipeline runner reduces after its schedule (no overlap: unarmed, see step.py).
+        self.reducer = (GradReducer(self.model, self.params, dp, shard=zero)
+                        if zero or (dp.size > 1 and args.overlap_grad_reduce
+                                    and self.runner is None) else None)
+        self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
+                                                                   args.adam_beta2),
+                                           args.adam_eps, args.weight_decay)
+                          if zero else build_optimizer(self.model, args))
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
         self.rank0 = self.state.world.rank == 0
@@ -234,10 +240,14 @@ class Trainer:
         """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
         device = self.state.device
         peaks = self.state.world.all_gather_json(peak_bytes(device))
-        result.peak_mem_bytes = peaks
+        states = self.state.world.all_gather_json(optimizer_state_bytes(self.optimizer))
+        result.peak_mem_bytes, result.optimizer_state_bytes = peaks, states
         if self.rank0 and all(p is not None for p in peaks):
             self.log.print(f"peak memory per rank ({memory_method(device)}): "
-                           + ", ".join(f"{p / 2**20:.0f}" for p in peaks) + " MiB")
+                           + ", ".join(f"{p / 2**20:.0f}" for p in peaks) + " MiB; optimizer "
+                           "state per rank: " + ", ".join(f"{b / 2**20:.1f}" for b in states)
+                           + " MiB" + (" (sharded over DP)" if isinstance(
+                               self.optimizer, DistributedAdamW) else ""))
         self.log.close()
         if result.losses and result.stopped_at is None:
             self.save(self.start + len(result.losses))
@@ -320,6 +330,14 @@ class Trainer:
                 {"chosen": str(best), "regime": regime.name if regime else None,
                  "median_s": medians,
                  "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of AdamW moments (and steps) this rank holds."""
+    if isinstance(optimizer, DistributedAdamW):
+        return optimizer.state_bytes()
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor))
 
 
 def train(run: Run, state: ParallelState | None = None,

@@ -109,11 +109,16 @@ def global_grad_norm(params: Sequence[nn.Parameter], tp: CommGroup,
     return float(total.sqrt())
 
 
+def clip_coeff(max_norm: float, norm: float) -> float:
+    """The factor clipping to ``max_norm`` scales gradients of global norm ``norm`` by."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:
     """Scale gradients by max_norm / norm when the global norm exceeds max_norm."""
-    if max_norm <= 0 or not math.isfinite(norm):
-        return
-    coeff = max_norm / (norm + 1e-6)
+    coeff = clip_coeff(max_norm, norm)
     if coeff < 1.0:
         for p in params:
             if p.grad is not None:

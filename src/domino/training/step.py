@@ -14,10 +14,12 @@ import torch
 from domino.parallel_state import ParallelState
 from domino.training.arguments import TrainArgs
 from domino.training.data import rank_batches
+from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
 from domino.training.optim import (
     agree,
     allreduce_grads,
+    clip_coeff,
     clip_grads,
     global_grad_norm,
     grads_of,
@@ -39,6 +41,7 @@ class TrainResult:
     skipped: int = 0
     stopped_at: int | None = None  # the step a SIGTERM / Ctrl-C stopped the run after
     peak_mem_bytes: list[int | None] = field(default_factory=list)  # per rank (domino.memory)
+    optimizer_state_bytes: list[int] = field(default_factory=list)  # per rank
 
 
 @dataclass
@@ -112,12 +115,13 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     scale = scaler.scale if scaler is not None else 1.0
     optimizer.zero_grad(set_to_none=False)
     pipeline_wait = 0.0
+    zero = isinstance(optimizer, DistributedAdamW)
+    overlap = reducer is not None and runner is None and (args.overlap_grad_reduce or zero)
     if runner is None:
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
             last = i == len(batches) - 1
-            with reducer.armed(model) if reducer is not None and last else \
-                    contextlib.nullcontext():
+            with reducer.armed(model) if overlap and last else contextlib.nullcontext():
                 lsum = forward_loss(model, batch, args, device)
                 (lsum * (scale / denom)).backward()
             loss_sum += lsum.detach().double()
@@ -126,23 +130,31 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
     dp0 = dp.stats.wait_s
-    if reducer is not None and runner is None:
-        reducer.finish()
     grads = grads_of(params)
     if runner is not None:
         for table in model.tied_word_tables():  # first and last stage: one tied weight
             state.embedding.all_reduce(table.grad, name="tied embedding grads")
-    if reducer is None or runner is not None:
+    if reducer is not None and not overlap:
+        reducer.begin()  # everything is reduced at finish
+    if reducer is not None:
+        reducer.finish()
+    else:
         allreduce_grads(grads, dp)
     exposed_dp = dp.stats.wait_s - dp0
     dp.all_reduce(loss_sum, name="loss")
     if scaler is not None:
-        for grad in grads:
-            grad.mul_(1.0 / scale)
-    norm = global_grad_norm(params, tp, state.pp)
+        if zero:
+            optimizer.scale_grads(1.0 / scale)
+        else:
+            for grad in grads:
+                grad.mul_(1.0 / scale)
+    norm = (optimizer.grad_norm(tp, state.pp) if zero
+            else global_grad_norm(params, tp, state.pp))
     # Every rank must agree to skip, or the replicas would diverge.
     overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, device)
-    if not overflow:
+    if not overflow and zero:
+        optimizer.step(clip_coeff(args.clip_grad, norm))
+    elif not overflow:
         clip_grads(params, args.clip_grad, norm)
         optimizer.step()
     if scaler is not None:

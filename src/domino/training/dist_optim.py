@@ -1,0 +1,181 @@
+"""ZeRO-1: AdamW whose state is sharded over the data-parallel group (``--use-distributed-optimizer``).
+
+The gradient buckets of :class:`~domino.training.grad_sync.GradReducer` (sharded mode) are
+reduce-scattered, so each DP rank receives the summed gradients of its own 1/DP chunk of every
+bucket - during the backward, as the buckets' layers finish. Each rank runs AdamW on its chunks
+only (its moments are the only ones it holds: optimizer memory per rank / DP), then the updated
+chunks are all-gathered back into every rank's parameters. The global gradient norm is summed
+from the chunks (each element counted once over DP, TP-replicated parameters once over TP), so
+clipping is the unsharded optimizer's. Parameters stay fp32 (bf16 runs under autocast), so they
+are their own master weights; the chunk buffers are refreshed from them before every update.
+
+Checkpoints hold the full moments per parameter, exactly as the unsharded optimizer writes them
+(:meth:`DistributedAdamW.full_state` gathers them over DP), so a checkpoint loads at any DP size,
+with or without the distributed optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from domino.tensor_parallel import CommGroup, is_partitioned
+from domino.training.grad_sync import GradReducer
+
+SLOTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(eq=False)
+class _Segment:
+    """The part of one parameter inside this rank's chunk of a bucket."""
+
+    bucket: int
+    param: nn.Parameter
+    lo: int  # in the flattened parameter
+    hi: int
+    local: int  # offset in the rank's chunk
+    view: torch.Tensor  # the chunk buffer's elements for it (what AdamW updates)
+
+
+class DistributedAdamW:
+    """AdamW on this DP rank's chunks of ``reducer``'s buckets (see the module docstring)."""
+
+    def __init__(self, reducer: GradReducer, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
+        if not reducer.shard:
+            raise ValueError("DistributedAdamW needs a GradReducer built with shard=True")
+        self.reducer, self.dp = reducer, reducer.dp
+        size, rank = self.dp.size, self.dp.rank
+        self.chunks: list[torch.Tensor] = []
+        self.segments: list[_Segment] = []
+        decay, no_decay = [], []
+        for bi, bucket in enumerate(reducer.buckets):
+            n = bucket.padded(size) // size
+            first = bucket.params[0]
+            chunk = torch.zeros(n, dtype=torch.float32, device=first.device)
+            self.chunks.append(chunk)
+            lo, hi, offset = rank * n, (rank + 1) * n, 0
+            for p in bucket.params:
+                a, z = offset, offset + p.numel()
+                s, e = max(a, lo), min(z, hi)
+                if s < e:
+                    view = chunk[s - lo:e - lo]
+                    self.segments.append(_Segment(bi, p, s - a, e - a, s - lo, view))
+                    (decay if p.ndim >= 2 else no_decay).append(view)  # Megatron's rule
+                offset = z
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        # A rank whose chunks hold nothing (tiny models, many ranks) still takes part.
+        self.inner = torch.optim.AdamW(groups or [{"params": [torch.zeros(1)]}], lr=lr,
+                                       betas=betas, eps=eps)
+        self.params = [p for b in reducer.buckets for p in b.params]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its chunks' moments)."""
+        return sum(v.numel() * v.element_size() for st in self.inner.state.values()
+                   for v in st.values() if isinstance(v, torch.Tensor))
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # -- the step -----------------------------------------------------------------------------
+    def _shard_grad(self, seg: _Segment) -> torch.Tensor:
+        shard = self.reducer.buckets[seg.bucket].shard
+        return shard[seg.local:seg.local + seg.hi - seg.lo]
+
+    def scale_grads(self, factor: float) -> None:
+        for bucket in self.reducer.buckets:
+            bucket.shard.mul_(factor)
+
+    def grad_norm(self, tp: CommGroup, pp: CommGroup | None = None) -> float:
+        """The full model's gradient L2 norm from the reduced chunks (equal on every rank)."""
+        device = self.chunks[0].device if self.chunks else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for seg in self.segments:
+            p = seg.param
+            if getattr(p, "tied_copy", False) or not (is_partitioned(p) or tp.rank == 0):
+                continue
+            total += torch.linalg.vector_norm(self._shard_grad(seg),
+                                              dtype=torch.float32).double() ** 2
+        self.dp.all_reduce(total, name="grad norm")  # chunks are disjoint over DP
+        tp.all_reduce(total, name="grad norm")
+        if pp is not None:
+            pp.all_reduce(total, name="grad norm")
+        return float(total.sqrt())
+
+    def step(self, clip_coeff: float = 1.0) -> None:
+        """Update this rank's chunks (gradients scaled by ``clip_coeff``), then all-gather every
+        bucket's chunks into the parameters."""
+        with torch.no_grad():
+            for seg in self.segments:
+                seg.view.copy_(seg.param.detach().reshape(-1)[seg.lo:seg.hi])
+                grad = self._shard_grad(seg)
+                seg.view.grad = grad if clip_coeff == 1.0 else grad * clip_coeff
+            self.inner.step()
+            for seg in self.segments:
+                seg.view.grad = None
+            size = self.dp.size
+            handles, fulls = [], []
+            for chunk in self.chunks:
+                full = chunk.new_empty(chunk.numel() * size)
+                handles.append(self.dp.all_gather_into(full, chunk, async_op=True,
+                                                       name="dp params (all-gather)"))
+                fulls.append(full)
+            for bucket, full, handle in zip(self.reducer.buckets, fulls, handles, strict=True):
+                handle.wait()
+                offset = 0
+                for p in bucket.params:
+                    p.copy_(full[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Every parameter's full AdamW state, as ``torch.optim.AdamW.state`` holds it, on every
+        DP rank (a collective: every DP rank calls it). Empty before the first step."""
+        local = [self.inner.state.get(seg.view, {}) for seg in self.segments]
+        stepped = self.dp.all_gather_json(bool(any(local)))
+        if not any(stepped):
+            return {}
+        step = next((float(st["step"]) for st in local if st), None)
+        steps = [s for s in self.dp.all_gather_json(step) if s is not None]
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        size = self.dp.size
+        for slot in SLOTS:
+            for bi, (bucket, chunk) in enumerate(zip(self.reducer.buckets, self.chunks,
+                                                     strict=True)):
+                mine = torch.zeros_like(chunk)
+                for seg, st in zip(self.segments, local, strict=True):
+                    if seg.bucket == bi and st:
+                        mine[seg.local:seg.local + seg.hi - seg.lo] = st[slot]
+                full = chunk.new_empty(chunk.numel() * size)
+                self.dp.all_gather_into(full, mine, name="optimizer state (all-gather)")
+                offset = 0
+                for p in bucket.params:
+                    entry = out.setdefault(p, {"step": torch.tensor(steps[0])})
+                    entry[slot] = full[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+        return out
+
+    def load_full_state(self, entries: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Keep this rank's chunks of full per-parameter AdamW states (a checkpoint's)."""
+        for seg in self.segments:
+            entry = entries.get(seg.param)
+            if not entry:
+                continue
+            state = {"step": torch.tensor(float(entry["step"]))}
+            for slot in SLOTS:
+                flat = entry[slot].reshape(-1).to(seg.view.device, torch.float32)
+                state[slot] = flat[seg.lo:seg.hi].clone()
+            self.inner.state[seg.view] = state
