@@ -91,10 +91,10 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         tp = self.state.tp
-        stack = self.language_model.encoder
-        # Under an overlapping schedule the stack's last all-reduces hide the rest of the head's
-        # weight-gradient GEMM (sync TP has nothing to hide).
-        late = stack.late_work if stack.effective_plan().overlap != "none" else None
+        # The stack's last all-reduces hide what the head's own all-reduce does not need of its
+        # weight-gradient GEMM; the stack's backward also adds it to .grad together with the
+        # embedding's (one add per backward pass for a tied table, see LateWork).
+        late = self.language_model.encoder.late_work
         logits = parallel_lm_logits(hidden, self.output_weight(), True, parallel_state=self.state,
                                     late=late)  # [s, b, v/tp]
         logits = mask_padded_logits(logits, self.config.vocab_size, tp)

@@ -8,6 +8,7 @@ the same full model at any TP size.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -152,9 +153,10 @@ class _Linear(torch.autograd.Function):
         handle = None
         if ctx.group is not None:
             handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
-        if ctx.late is not None and handle is not None and ctx.rows is None:
+        if ctx.late is not None and ctx.rows is None:
             _split_wgrad(weight, ctx.bias, grad, x, handle, ctx.late)
-            handle.wait()
+            if handle is not None:
+                handle.wait()
             return grad_input, None, None, None, None, None, None
         grad_weight = _wgrad(grad, x, weight.dtype)  # runs while dL/dx is being reduced
         if ctx.rows is not None:
@@ -174,21 +176,34 @@ LATE_WGRAD_CHUNKS = 4
 
 
 def _split_wgrad(weight, bias, grad, x, handle, late) -> None:
-    """Accumulate dL/dW (and dL/db) into ``.grad``: row chunks while ``handle`` is in flight,
-    the rest as ``late`` work. Every chunk adds to its own rows of ``.grad`` directly, before
-    anything in ``late`` behind them, so the result does not depend on where the split fell."""
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
+    """dL/dW (and dL/db) into ``late``'s staged gradients (see ``LateWork``): row chunks while
+    ``handle`` is in flight (all of them without one), the rest as ``late`` work. Each chunk
+    fills its own rows, so the result does not depend on where the split fell."""
+    target = late.stage(weight)
     if bias is not None:
-        _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
+        late.stage(bias).add_(grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
     chunks = column_chunks(weight.shape[0], LATE_WGRAD_CHUNKS)
-    stash = WgradStash()
+
+    def rows_grad(rows: slice) -> None:
+        target[rows] += _wgrad(grad[..., rows], x, weight.dtype)
+
     for i, rows in enumerate(chunks):
-        if handle.ready():
-            stash.extend((weight, None, grad[..., r], x, r) for r in chunks[i:])
-            late.add(stash)
+        if handle is not None and handle.ready():
+            for r in chunks[i:]:
+                late.add(_RowsTask(rows_grad, r))
             return
-        weight.grad[rows] += _wgrad(grad[..., rows], x, weight.dtype)
+        rows_grad(rows)
+
+
+@dataclass(eq=False)
+class _RowsTask:
+    """Late work: one row chunk of a weight gradient."""
+
+    fn: Callable[[slice], None]
+    rows: slice
+
+    def run(self) -> None:
+        self.fn(self.rows)
 
 
 def column_chunks(width: int, chunks: int) -> list[slice]:
@@ -205,8 +220,9 @@ def linear_reduce_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     one after the other). With ``late`` (a schedule's ``LateWork``) the part of the GEMM the
     all-reduce does not need to hide is left to the schedule (see :class:`_Linear`)."""
     grad_on = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if grad_on and group.size > 1:
-        return _Linear.apply(x, weight, bias, group, None, None, late)
+    if grad_on and (group.size > 1 or late is not None):
+        return _Linear.apply(x, weight, bias, group if group.size > 1 else None, None, None,
+                             late)
     return F.linear(x, weight, bias)
 
 

@@ -95,43 +95,86 @@ class Prologue(Protocol):
 class LateWork:
     """Gradient work that is complete but need not run yet (items with ``run()``), handed to a
     stack's backward by what follows the stack (the LM head's weight-gradient GEMM) and by the
-    stack's own prologue: the schedule runs it under its last all-reduces, where nothing else is
-    left to hide them.
+    stack's own prologue (the embedding's): the schedule runs it under its last all-reduces,
+    where nothing else is left to hide them.
 
-    Items run in the order they were added, so every parameter accumulates its gradient parts in
-    a fixed order however the timing falls. The first item added during a backward pass also
-    queues an autograd-engine callback that runs whatever is left when the pass ends, so the
-    work is never lost when no stack backward follows (e.g. ``torch.autograd.grad`` on the head
-    alone).
+    Their gradients are *staged*: each parameter's parts of one backward pass (the head's row
+    chunks, every micro-batch's embedding gradient: a tied word table gets both) are summed in a
+    scratch tensor in a fixed order - items run oldest first - and added to ``.grad`` once, when
+    the pass's late work is done (:meth:`flush`). So the result does not depend on where the
+    timing put the split, and accumulating micro-steps adds one tensor per step, as data
+    parallelism sums them: DP and gradient accumulation agree bit for bit.
+
+    The first item or stage of a backward pass also queues an autograd-engine callback that
+    runs and flushes whatever is left when the pass ends, so nothing is lost when no stack
+    backward follows (e.g. ``torch.autograd.grad`` on the head alone).
     """
 
     def __init__(self) -> None:
         self._items: deque = deque()
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._armed = False
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, item) -> None:
-        self._items.append(item)
+    def _arm(self) -> None:
         if not self._armed and torch._C._current_graph_task_id() != -1:
             # The engine's end-of-backward callback (what DDP uses to finish its buckets).
             torch.autograd.Variable._execution_engine.queue_callback(self.drain)
             self._armed = True
+
+    def add(self, item) -> None:
+        self._items.append(item)
+        self._arm()
+
+    def space(self) -> dict:
+        """This backward pass's staging space (for items that stage when they run, which may
+        be after :meth:`take_all` handed the pass to a pipeline's W pass)."""
+        return self._staged
+
+    def stage(self, param: torch.Tensor, space: dict | None = None) -> torch.Tensor:
+        """The scratch gradient of ``param`` in ``space`` (default: this backward pass's),
+        zeros at first use."""
+        space = self._staged if space is None else space
+        entry = space.get(id(param))
+        if entry is None:
+            entry = (param, torch.zeros_like(param))
+            space[id(param)] = entry
+            self._arm()
+        return entry[1]
 
     def pop(self):
         """The oldest item, or None."""
         return self._items.popleft() if self._items else None
 
     def take_all(self) -> list:
+        """Every item, and a last one that flushes the staged gradients (a zero-bubble
+        pipeline's W pass runs them later)."""
         items, self._items = list(self._items), deque()
-        return items
+        # This pass's scratches go with its items: a later pass stages into fresh ones.
+        staged, self._staged = self._staged, {}
+        return [*items, Task(lambda: _add_staged(staged))] if items or staged else items
+
+    def flush(self) -> None:
+        """Add every staged gradient to its parameter's ``.grad``."""
+        staged, self._staged = self._staged, {}
+        _add_staged(staged)
 
     def drain(self) -> None:
-        """Run every item (oldest first)."""
+        """Run every item (oldest first), then :meth:`flush`."""
         self._armed = False
         while self._items:
             self._items.popleft().run()
+        self.flush()
+
+
+def _add_staged(staged: dict) -> None:
+    for param, grad in staged.values():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
 
 
 @dataclass(eq=False)
@@ -405,7 +448,7 @@ class Executor:
                         deferred.popleft().run()
         if sink is not None:
             sink.extend(deferred)
-            sink.extend(late.take_all())
+            sink.extend(late.take_all())  # (ends with the flush of the staged gradients)
             deferred.clear()
         while deferred:
             deferred.popleft().run()
@@ -448,8 +491,18 @@ class Executor:
         scatter-add) as late work: the remaining all-reduces run under it."""
         (part,), _ = rec.par.pop((-1, m))
         grad = rec.reduced.pop((-1, m)).grad
-        if grad is not None and part.requires_grad:
-            late.add(Task(lambda: torch.autograd.backward([part], [grad])))
+        params = [p for p in rec.prologue.parameters() if p.requires_grad]
+        if grad is None or not part.requires_grad or not params:
+            return
+        space = late.space()
+
+        def run() -> None:
+            grads = torch.autograd.grad([part], params, [grad], allow_unused=True)
+            for p, g in zip(params, grads, strict=True):
+                if g is not None:
+                    late.stage(p, space).add_(g)
+
+        late.add(Task(run))
 
     @staticmethod
     def _local_backward(piece: _Local, ln_grad: torch.Tensor) -> None:
