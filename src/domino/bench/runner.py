@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=tuple(DTYPES), default="fp32")
     a("--recompute-granularity", choices=("full", "selective"), default=None,
       help="activation recomputation of every mode's model (memory for compute)")
+    a("--attention-dropout", type=float, default=0.0,
+      help="attention dropout of every mode's model (with it the core attention keeps its "
+           "s x s probabilities for backward, what selective recomputation drops)")
     a("--seed", type=int, default=1234)
     a("--device", choices=("auto", "cpu", "cuda"), default="auto",
       help="auto: cuda when it has a GPU per rank, else cpu")
@@ -133,7 +136,8 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
         k: getattr(args, k) for k in (
             "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
-            "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity")}
+            "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
+            "attention_dropout")}
     build_config(spec).validate_parallel(tp)
     _check_modes(modes, args)
     spec["modes"] = [m.name for m in modes]

@@ -56,9 +56,9 @@ def build_config(spec: dict[str, Any]) -> TransformerConfig:
         seq_length=spec["seq_length"],
         max_position_embeddings=spec["seq_length"],
         vocab_size=spec["vocab_size"] if spec["model"] == "gpt" else 0,
-        # No dropout: its masks would only add noise that differs between modes.
+        # No dropout by default: its masks would only add noise that differs between modes.
         hidden_dropout=0.0,
-        attention_dropout=0.0,
+        attention_dropout=spec.get("attention_dropout") or 0.0,
         params_dtype=DTYPES[spec["dtype"]],
         recompute_granularity=spec.get("recompute_granularity"),
     )

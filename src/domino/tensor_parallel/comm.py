@@ -139,50 +139,43 @@ class CommGroup:
         ``tags`` describe it to the hook (e.g. micro-batch and block of a schedule)."""
         if not self.active:
             return DONE
-        nbytes = tensor.numel() * tensor.element_size()
-        trace = None
-        work = None
-        if self.hook is not None:
-            trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
-            work = self.hook.launch(tensor, self)
-        if work is None:
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        self.stats.count += 1
-        self.stats.bytes += nbytes
-        handle = Handle(work, self.stats, trace)
-        if not async_op:
-            handle.wait()
-        return handle
+        return self._start(tensor, name, lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=True), async_op, lambda: None, tags)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
                        name: str = "reduce_scatter") -> Handle:
         """Sum ``tensor`` (1-D, ``size`` equal chunks) over the group; this rank's chunk of the
         sum lands in ``output``. Disabled: ``output`` gets this rank's own chunk."""
-        if self.size == 1 or not self.enabled:
+        def local() -> None:
             output.copy_(tensor.chunk(self.size)[self.rank])
+
+        if not self.active:
+            local()
             return DONE
         return self._start(tensor, name, lambda: dist.reduce_scatter_tensor(
-            output, tensor, group=self.group, async_op=True), async_op,
-            lambda: output.copy_(tensor.chunk(self.size)[self.rank]))
+            output, tensor, group=self.group, async_op=True), async_op, local)
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
                         name: str = "all_gather") -> Handle:
         """Every rank's ``tensor`` (1-D) concatenated in rank order into ``output``. Disabled:
         ``output`` gets ``size`` copies of this rank's."""
-        if self.size == 1 or not self.enabled:
+        def local() -> None:
             output.copy_(tensor.repeat(self.size))
+
+        if not self.active:
+            local()
             return DONE
         return self._start(output, name, lambda: dist.all_gather_into_tensor(
-            output, tensor, group=self.group, async_op=True), async_op,
-            lambda: output.copy_(tensor.repeat(self.size)))
+            output, tensor, group=self.group, async_op=True), async_op, local)
 
-    def _start(self, tensor: torch.Tensor, name: str, real, async_op: bool, local) -> Handle:
-        """A collective moving ``tensor``'s bytes (counted, traced, or replaced by the hook,
-        in which case ``local()`` fills the output as a disabled group would)."""
+    def _start(self, tensor: torch.Tensor, name: str, real, async_op: bool, local,
+               tags: dict | None = None) -> Handle:
+        """A collective moving ``tensor``'s bytes: counted, traced, or replaced by the hook's
+        transport (then ``local()`` fills the output as a disabled group would)."""
         nbytes = tensor.numel() * tensor.element_size()
         trace = work = None
         if self.hook is not None:
-            trace = (self.hook, name, {}, nbytes, time.perf_counter())
+            trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
             work = self.hook.launch(tensor, self)
             if work is not None:
                 local()
