@@ -239,9 +239,9 @@ def test_pipeline_checkpoints_resume_and_reshard(data: str, tmp_path) -> None:
 
 def _pp_dp_memory_options(rank: int, world: int, data: str, tmp: str) -> dict:
     """PP=2 x DP=2: ZeRO-1 with full recomputation, and selective recomputation, against the
-    plain run, under 1F1B and zero-bubble."""
+    plain run, under zero-bubble (its deferred W passes are the harder case)."""
     out = {}
-    for schedule in ("1f1b", "zero_bubble"):
+    for schedule in ("zero_bubble",):
         base = dict(pipeline_model_parallel_size=2, pipeline_schedule=schedule,
                     hidden_dropout=0.1, train_iters=4, eval_interval=2)
         out[schedule] = {

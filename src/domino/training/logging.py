@@ -37,6 +37,9 @@ class RunLogger:
                 if "val_loss" in rec:
                     self.val_curve.append((rec["step"], rec["val_loss"]))
         self.metrics = open(path, "a", encoding="utf-8")
+        # No monitor thread: a daemon thread holding tqdm's lock at exit deadlocks the
+        # interpreter's teardown (the bar refreshes on updates anyway).
+        tqdm.monitor_interval = 0
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                         dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
         if tensorboard:

@@ -10,6 +10,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -28,7 +29,10 @@ def _stop_on_signals() -> StopRequest:
 
     def handler(signum: int, _frame) -> None:
         if stop.signum is not None:
-            raise KeyboardInterrupt
+            # Raising here could leave whatever lock the interrupted code held taken (a
+            # progress bar's, an allocator's) and hang the exit: leave at once instead. A
+            # checkpoint being written is in its .tmp folder, never published half-done.
+            _exit_now(128 + signum)
         stop.request(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,5 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(run)
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Flush the standard streams and end the process without the interpreter's teardown
+    (its destructors and daemon threads can deadlock on locks a finished run no longer needs:
+    seen with tqdm's monitor thread)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())
