@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,9 @@ def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch, byte_data) 
     err = capfd.readouterr().err
     assert rc != 0
     assert "injected failure on rank 1 at step 2" in err
-    assert "rank 1 exited with code 1; stopping the other ranks" in err
+    # Rank 0 fails on the lost peer within milliseconds: the launcher may see both at once.
+    assert re.search(r"ranks? (\d, )*1(, \d)* exited with codes? .*; stopping the other ranks",
+                     err), err
     # Bound, not a speed check: far below the process-group timeout (5 min) that would
     # otherwise be the only way out for rank 0.
     assert elapsed < 120

@@ -128,12 +128,16 @@ def _watch(procs: list[subprocess.Popen], label: str, straggler_s: float | None,
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
+            # Ranks that lose a peer fail within milliseconds of it: when one poll finds
+            # several, all are named (their own output says which one started it).
             rank, code = failed[0]
-            print(f"{label}: rank {rank} exited with code {code}; stopping the other ranks",
-                  file=sys.stderr, flush=True)
+            who = (f"rank {rank} exited with code {code}" if len(failed) == 1 else
+                   "ranks " + ", ".join(str(r) for r, _ in failed) + " exited with codes "
+                   + ", ".join(str(c) for _, c in failed))
+            print(f"{label}: {who}; stopping the other ranks", file=sys.stderr, flush=True)
             stop_processes(procs, grace_s)
-            raise RankFailed(f"{label}: rank {rank} exited with code {code} (see its output "
-                             "above); the other ranks were stopped", rank, code)
+            raise RankFailed(f"{label}: {who} (see their output above); the other ranks were "
+                             "stopped", rank, code)
         if all(c == 0 for c in codes):
             return
         if straggler_s is not None and any(c == 0 for c in codes):
