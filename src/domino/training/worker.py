@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import torch
 
-from domino.parallel_state import init_distributed, shutdown_distributed
+from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
 from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
 from domino.training.launch import write_config
@@ -46,6 +46,11 @@ def run_worker(run: Run) -> int:
     rank = int(os.environ.get("RANK", "0"))
     args = run.args
     stop = _stop_on_signals()
+    # Threads the process groups start (gloo's workers) inherit this mask: a stop signal
+    # delivered to one of them would interrupt its socket calls mid-collective and leave the
+    # ranks out of step. Only the main thread takes them, once the groups exist.
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
         device = init_distributed(args.device, args.distributed_timeout_minutes * 60.0)
         if device.type == "cpu":
@@ -58,7 +63,10 @@ def run_worker(run: Run) -> int:
             if rank == 0:
                 write_config(run.run_dir, args)
         args.device = str(device)
-        result = train(run, stop=stop)
+        state = ParallelState.build(args.tensor_model_parallel_size,
+                                    args.pipeline_model_parallel_size, device=device)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        result = train(run, state=state, stop=stop)
         world.barrier()  # DP rank 0's TP group may still be sampling: leave together
         if result.stopped_at is not None:
             return 128 + (stop.signum or signal.SIGTERM)
@@ -71,6 +79,7 @@ def run_worker(run: Run) -> int:
             traceback.print_exc()
         return 1
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         shutdown_distributed()
 
 
