@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,15 +46,25 @@ def _workers(run: Path) -> list[int]:
 
 
 def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "domino.cli", "train", *argv],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    # stderr goes to a file: a pipe nobody reads while the run goes fills up (the progress bar
+    # redraws there) and blocks the rank writing to it.
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "domino.cli", "train", *argv],
+                            stdout=subprocess.DEVNULL, stderr=err, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    proc.err_file = err  # type: ignore[attr-defined]
+    return proc
+
+
+def _stderr(proc: subprocess.Popen) -> str:
+    proc.err_file.seek(0)  # type: ignore[attr-defined]
+    return proc.err_file.read()  # type: ignore[attr-defined]
 
 
 def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stderr.read()}"
+        assert proc.poll() is None, f"the run ended before {what}: {_stderr(proc)}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
@@ -94,7 +105,7 @@ def test_sigterm_checkpoints_at_the_step_boundary(tmp_path: Path, data) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    err = proc.stderr.read()
+    err = _stderr(proc)
     assert rc == 128 + signal.SIGTERM, err
     assert "next step boundary with a checkpoint" in err and "interrupted" in err
     step = _latest(run)
