@@ -104,7 +104,10 @@ def test_ctrl_c_stops_all_ranks(tmp_path, byte_data) -> None:
         [sys.executable, "-m", "domino.cli", "train", *SMALL, *byte_data, "--train-iters", "100000",
          "--nproc", "2", "--save", str(run)],
         stdout=subprocess.DEVNULL, stderr=err, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        # As from a terminal: a test run started in the background (`pytest &`) has SIGINT
+        # ignored, which the launcher would inherit.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (run / "metrics.jsonl").exists() or not _workers_of(run / "config.json"):
