@@ -77,11 +77,6 @@ class DistributedAdamW:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (its chunks' moments)."""
-        return sum(v.numel() * v.element_size() for st in self.inner.state.values()
-                   for v in st.values() if isinstance(v, torch.Tensor))
-
     def zero_grad(self, set_to_none: bool = False) -> None:
         for p in self.params:
             if p.grad is not None:

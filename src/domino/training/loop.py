@@ -333,10 +333,10 @@ class Trainer:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of AdamW moments (and steps) this rank holds."""
-    if isinstance(optimizer, DistributedAdamW):
-        return optimizer.state_bytes()
-    return sum(v.numel() * v.element_size() for st in optimizer.state.values()
+    """Bytes of AdamW moments (and steps) this rank holds (a distributed optimizer: its
+    chunks', in its inner AdamW)."""
+    inner = optimizer.inner if isinstance(optimizer, DistributedAdamW) else optimizer
+    return sum(v.numel() * v.element_size() for st in inner.state.values()
                for v in st.values() if isinstance(v, torch.Tensor))
 
 
