@@ -103,6 +103,13 @@ class TransformerConfig:
         metadata={"help": "Activation recomputation (Megatron's names): full (every piece of "
                           "every layer is recomputed in backward from its inputs) or selective "
                           "(the core attention only); None keeps every activation."})
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={"help": "Sequence parallelism (Megatron's name): norms, dropout and residuals "
+                          "run on this TP rank's 1/tp of the sequence; each TP all-reduce becomes "
+                          "an all-gather before the column-parallel GEMM and a reduce-scatter "
+                          "after the row-parallel one. Training and plain forwards only: a "
+                          "forward with a KV cache runs without it (same weights, same math)."})
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers", "hidden_size", "num_attention_heads",
@@ -196,6 +203,11 @@ class TransformerConfig:
                 raise ValueError(
                     f"{name}={value} is not divisible by tensor_model_parallel_size={tp_size}; "
                     f"choose a TP size that divides {name} (or change {name}).")
+        if self.sequence_parallel and tp_size > 1 and self.seq_length % tp_size:
+            raise ValueError(
+                f"sequence_parallel needs seq_length divisible by tensor_model_parallel_size: "
+                f"seq_length={self.seq_length} is not divisible by {tp_size}; choose a sequence "
+                f"length that is a multiple of {tp_size} (or turn sequence_parallel off).")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-able values (the init callables are left out: they only matter

@@ -95,8 +95,10 @@ class GPTModel(nn.Module):
         # weight-gradient GEMM; the stack's backward also adds it to .grad together with the
         # embedding's (one add per backward pass for a tied table, see LateWork).
         late = self.language_model.encoder.late_work
-        logits = parallel_lm_logits(hidden, self.output_weight(), True, parallel_state=self.state,
-                                    late=late)  # [s, b, v/tp]
+        logits = parallel_lm_logits(
+            hidden, self.output_weight(), True, parallel_state=self.state, late=late,
+            sequence_parallel=self.language_model.sequence_parallel_active(inference_params)
+        )  # [s, b, v/tp]
         logits = mask_padded_logits(logits, self.config.vocab_size, tp)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()  # [b, s, v/tp]

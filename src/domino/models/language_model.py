@@ -23,7 +23,10 @@ from domino.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
 )
 from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad, mark_partitioned
-from domino.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from domino.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from domino.transformer import DominoTransformer, InferenceParams
 from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
 from domino.transformer.schedule import LateWork, MicroBatch
@@ -33,14 +36,18 @@ from domino.utils import init_scope
 def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor,
                        parallel_output: bool, bias: torch.Tensor | None = None, *,
                        parallel_state: ParallelState | None = None,
-                       late: LateWork | None = None) -> torch.Tensor:
+                       late: LateWork | None = None,
+                       sequence_parallel: bool = False) -> torch.Tensor:
     """Logits [..., vocab/tp] (``parallel_output``) or [..., vocab] from hidden states [..., h]
     and this rank's vocabulary shard of the (tied or output) weight. ``late``: the
     ``late_work`` of the Domino stack that produced ``input_``, which then runs what its
-    all-reduce does not need of the weight-gradient GEMM."""
+    all-reduce does not need of the weight-gradient GEMM. ``sequence_parallel``: ``input_`` is
+    this rank's sequence shard [s/tp, b, h] (a sequence-parallel stack's output); the logits
+    are the whole sequence's."""
     group = resolve(parallel_state).tp
     # The input-gradient all-reduce runs under the vocabulary shard's weight-gradient GEMM.
-    logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group, late)
+    logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group, late,
+                                      sequence_parallel)
     return logits if parallel_output else gather_from_tensor_model_parallel_region(logits, group)
 
 
@@ -56,7 +63,14 @@ class Pooler(nn.Module):
                                                  CommGroup(), dtype, device))
             self.dense.bias.zero_()
 
-    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0, *,
+                sequence_parallel_group: CommGroup | None = None) -> torch.Tensor:
+        """``sequence_parallel_group``: ``hidden_states`` is this rank's sequence shard over
+        that TP group; the pooled token may live on another rank, so the sequence is gathered
+        (every rank pools the same token: its gradient is each rank's own shard)."""
+        if sequence_parallel_group is not None:
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, sequence_parallel_group, reduce_grad=False)
         return torch.tanh(self.dense(hidden_states[sequence_index]))
 
 
@@ -164,19 +178,28 @@ class EmbeddingPrologue:
             return t  # broadcast over the batch, or the whole batch
         return t[mb.batch_start:mb.batch_start + mb.batch_size]
 
-    def partial(self, mb: MicroBatch) -> torch.Tensor:
-        return self.emb.word_embeddings.partial(self._rows(self.ids, mb))  # [b_m, s, h]
+    def partial(self, mb: MicroBatch, seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
+        part = self.emb.word_embeddings.partial(self._rows(self.ids, mb))  # [b_m, s, h]
+        # Sequence parallel: the reduce-scatter splits the first dim, so put the sequence there.
+        return part if seq_shard is None else part.transpose(0, 1).contiguous()
 
-    def finish(self, reduced: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    def finish(self, reduced: torch.Tensor, mb: MicroBatch,
+               seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
+        s = self.shape[0]
+        cols = slice(0, s)  # the positions this rank holds
+        if seq_shard is not None:
+            rank, size = seq_shard
+            cols = slice(rank * s // size, (rank + 1) * s // size)
+            reduced = reduced.transpose(0, 1)  # [b_m, s/size, h], as the tables give
         emb = reduced
         if self.position_ids is not None:
-            emb = emb + self.emb.position_embeddings(self._rows(self.position_ids, mb))
+            emb = emb + self.emb.position_embeddings(self._rows(self.position_ids, mb)[:, cols])
         if self.tokentype_ids is not None:
-            emb = emb + self.emb.tokentype_embeddings(self._rows(self.tokentype_ids, mb))
+            emb = emb + self.emb.tokentype_embeddings(self._rows(self.tokentype_ids, mb)[:, cols])
         emb = emb.transpose(0, 1).contiguous().to(self.emb.config.params_dtype)  # [s, b_m, h]
         if self.keep is None:
             return emb
-        keep = self.keep[:, mb.batch_start:mb.batch_start + emb.shape[1]]
+        keep = self.keep[cols, mb.batch_start:mb.batch_start + emb.shape[1]]
         return emb * keep * (1.0 / (1.0 - self.emb.dropout_p))
 
 
@@ -254,6 +277,13 @@ class TransformerLanguageModel(nn.Module):
         target = self.encoder if self.add_encoder else self.decoder
         target.set_input_tensor(input_tensor)
 
+    def sequence_parallel_active(self, inference_params: InferenceParams | None = None) -> bool:
+        """Whether a forward's hidden states are sequence shards [s/tp, b, h] (see
+        ``DominoTransformer.sequence_parallel_active``): then so are ``enc_hidden_states``, a
+        stage's input and the returned hidden states."""
+        stack = self.encoder if self.encoder is not None else self.decoder
+        return stack.sequence_parallel_active(inference_params)
+
     def _rotary(self, position_ids: torch.Tensor | None, ids: torch.Tensor | None,
                 hidden: torch.Tensor | None, inference_params: InferenceParams | None):
         if self.rotary_pos_emb is None:
@@ -263,6 +293,8 @@ class TransformerLanguageModel(nn.Module):
                 position_ids = default_position_ids(ids)
             else:
                 s, b = hidden.shape[0], hidden.shape[1]
+                if self.sequence_parallel_active(inference_params):
+                    s *= self.state.tp.size  # a sequence-parallel stage gets its shard
                 position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(b, s)
             if inference_params is not None:
                 position_ids = position_ids + inference_params.sequence_len_offset
@@ -287,7 +319,9 @@ class TransformerLanguageModel(nn.Module):
                                           rotary_pos_emb=rot, prologue=enc_in)
         pooled = None
         if self.post_process and self.add_pooler and encoder_output is not None:
-            pooled = self.pooler(encoder_output, pooling_sequence_index)
+            sp = self.sequence_parallel_active(inference_params)
+            pooled = self.pooler(encoder_output, pooling_sequence_index,
+                                 sequence_parallel_group=self.state.tp if sp else None)
         if not self.add_decoder or output_enc_hidden:
             return (encoder_output, pooled) if pooled is not None else encoder_output
         dec_in = (self.embedding.prologue(dec_input_ids, dec_position_ids, use_tokentypes=False)

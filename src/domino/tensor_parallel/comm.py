@@ -143,30 +143,59 @@ class CommGroup:
             tensor, op=op, group=self.group, async_op=True), async_op, lambda: None, tags)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
-                       name: str = "reduce_scatter") -> Handle:
-        """Sum ``tensor`` (1-D, ``size`` equal chunks) over the group; this rank's chunk of the
-        sum lands in ``output``. Disabled: ``output`` gets this rank's own chunk."""
+                       name: str = "reduce_scatter", tags: dict | None = None) -> Handle:
+        """Sum contiguous ``tensor`` over the group and keep this rank's part of its first
+        dimension (``size`` equal chunks) in ``output``: a flat buffer's chunk, or a
+        sequence shard of [s, ...]. Disabled: ``output`` gets this rank's own chunk."""
         def local() -> None:
             output.copy_(tensor.chunk(self.size)[self.rank])
 
         if not self.active:
             local()
             return DONE
-        return self._start(tensor, name, lambda: dist.reduce_scatter_tensor(
-            output, tensor, group=self.group, async_op=True), async_op, local)
+        return self._start(tensor, name, lambda: dist.reduce_scatter_single(
+            output, tensor, group=self.group, async_op=True), async_op, local, tags)
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
-                        name: str = "all_gather") -> Handle:
-        """Every rank's ``tensor`` (1-D) concatenated in rank order into ``output``. Disabled:
-        ``output`` gets ``size`` copies of this rank's."""
+                        name: str = "all_gather", tags: dict | None = None) -> Handle:
+        """Every rank's contiguous ``tensor`` concatenated along the first dimension, in rank
+        order, into ``output``. Disabled: ``output`` gets ``size`` copies of this rank's."""
         def local() -> None:
-            output.copy_(tensor.repeat(self.size))
+            output.copy_(torch.cat([tensor] * self.size))
 
         if not self.active:
             local()
             return DONE
-        return self._start(output, name, lambda: dist.all_gather_into_tensor(
-            output, tensor, group=self.group, async_op=True), async_op, local)
+        return self._start(output, name, lambda: dist.all_gather_single(
+            output, tensor, group=self.group, async_op=True), async_op, local, tags)
+
+    def reduce_scatter_seq(self, tensor: torch.Tensor, async_op: bool = False,
+                           name: str = "reduce_scatter", tags: dict | None = None
+                           ) -> tuple[torch.Tensor, Handle]:
+        """Sequence parallelism's exit: partial sums [s, ...] -> this rank's summed sequence
+        shard [s / size, ...] (a new tensor, filled when the handle is done)."""
+        tensor = tensor.contiguous()
+        if self.size == 1:
+            return tensor, DONE
+        out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        return out, self.reduce_scatter(out, tensor, async_op, name, tags)
+
+    def all_gather_seq(self, tensor: torch.Tensor, async_op: bool = False,
+                       name: str = "all_gather", tags: dict | None = None
+                       ) -> tuple[torch.Tensor, Handle]:
+        """Sequence parallelism's entry: this rank's shard [s / size, ...] -> the whole
+        sequence [s, ...] (a new tensor, filled when the handle is done)."""
+        tensor = tensor.contiguous()
+        if self.size == 1:
+            return tensor, DONE
+        out = tensor.new_empty((tensor.shape[0] * self.size, *tensor.shape[1:]))
+        return out, self.all_gather_into(out, tensor, async_op, name, tags)
+
+    def seq_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous part of the first (sequence) dimension."""
+        if self.size == 1:
+            return tensor
+        return tensor.chunk(self.size)[self.rank]
 
     def _start(self, tensor: torch.Tensor, name: str, real, async_op: bool, local,
                tags: dict | None = None) -> Handle:

@@ -137,27 +137,34 @@ class _Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, stash, rows, late=None):
+    def forward(ctx, x, weight, bias, group, stash, rows, late=None, seq=False):
+        if seq:  # sequence parallel: x is this rank's shard; the GEMM needs the whole sequence
+            x = group.all_gather_seq(x, name="fwd all_gather (head)")[0]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.stash, ctx.bias, ctx.rows, ctx.late = group, stash, bias, rows, late
+        ctx.seq = seq
         return F.linear(x, weight if rows is None else weight[rows], bias)
 
     @staticmethod
     def backward(ctx, grad):
+        none = (None,) * 7
         x, weight = ctx.saved_tensors
         w = weight if ctx.rows is None else weight[ctx.rows]
         grad_input = grad.matmul(w.to(grad.dtype))
         if ctx.stash is not None:
             ctx.stash.append((weight, ctx.bias, grad, x, ctx.rows))
-            return grad_input, None, None, None, None, None, None
+            return grad_input, *none
         handle = None
-        if ctx.group is not None:
+        if ctx.group is not None and ctx.seq:  # the shard's summed gradient
+            grad_input, handle = ctx.group.reduce_scatter_seq(
+                grad_input, async_op=True, name="dgrad_reduce_scatter")
+        elif ctx.group is not None:
             handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
         if ctx.late is not None and ctx.rows is None:
             _split_wgrad(weight, ctx.bias, grad, x, handle, ctx.late)
             if handle is not None:
                 handle.wait()
-            return grad_input, None, None, None, None, None, None
+            return grad_input, *none
         grad_weight = _wgrad(grad, x, weight.dtype)  # runs while dL/dx is being reduced
         if ctx.rows is not None:
             full = torch.zeros_like(weight)
@@ -168,7 +175,7 @@ class _Linear(torch.autograd.Function):
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 # Row chunks of a weight gradient split between its own all-reduce and a schedule's late work.
@@ -213,16 +220,23 @@ def column_chunks(width: int, chunks: int) -> list[slice]:
 
 
 def linear_reduce_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: CommGroup, late=None) -> torch.Tensor:
+                             group: CommGroup, late=None,
+                             sequence_parallel: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a column-parallel weight shard whose input is replicated:
     backward all-reduces dL/dx over ``group``, launched before and waited for after the
     weight-gradient GEMM, so the GEMM hides it (what a copy-to-region + linear pair would run
     one after the other). With ``late`` (a schedule's ``LateWork``) the part of the GEMM the
-    all-reduce does not need to hide is left to the schedule (see :class:`_Linear`)."""
+    all-reduce does not need to hide is left to the schedule (see :class:`_Linear`).
+
+    ``sequence_parallel``: x is this rank's sequence shard [s / tp, ...]; it is all-gathered
+    for the GEMM, and dL/dx is reduce-scattered back to the shard instead of all-reduced."""
+    seq = sequence_parallel and group.size > 1
     grad_on = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if grad_on and (group.size > 1 or late is not None):
         return _Linear.apply(x, weight, bias, group if group.size > 1 else None, None, None,
-                             late)
+                             late, seq)
+    if seq:
+        x = group.all_gather_seq(x, name="fwd all_gather (head)")[0]
     return F.linear(x, weight, bias)
 
 

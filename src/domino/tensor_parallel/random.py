@@ -92,3 +92,17 @@ def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generato
         return x
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
     return x * keep * (1.0 / (1.0 - p))
+
+
+def dropout_seq_shard(x: torch.Tensor, p: float, training: bool, generator: torch.Generator,
+                      rank: int, size: int) -> torch.Tensor:
+    """:func:`dropout` of rank ``rank``'s sequence shard x [s / size, ...] of a tensor whose
+    mask is drawn for the whole sequence (from a stream every rank shares): the shard's rows
+    of the mask unsharded dropout would draw, so sequence parallelism changes no mask and the
+    masks do not depend on the TP size."""
+    if not training or p == 0.0:
+        return x
+    full = (x.shape[0] * size, *x.shape[1:])
+    keep = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p,
+                                                                          generator=generator)
+    return x * keep.chunk(size)[rank] * (1.0 / (1.0 - p))

@@ -25,7 +25,7 @@ from domino.enums import LayerType
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import RowParallelLinear, dropout
 from domino.tensor_parallel.layers import WgradStash, column_chunks
-from domino.tensor_parallel.random import RNGTracker
+from domino.tensor_parallel.random import RNGTracker, dropout_seq_shard
 from domino.transformer.attention import CrossAttention, SelfAttention
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
@@ -68,7 +68,12 @@ class Block:
         """Row-parallel partial sums [s, b, h_c], one per column chunk, produced lazily so the
         caller can launch chunk c's all-reduce before chunk c+1's GEMM runs. With ``stash`` the
         weight-gradient GEMMs of the whole TP region are deferred to it."""
-        core = self.op.core(ln, mb, stash)  # [s, b, width/tp]
+        return self.dense_partials(self.op.core(ln, mb, stash), chunks, stash)
+
+    def dense_partials(self, core: torch.Tensor, chunks: int,
+                       stash: WgradStash | None) -> Iterator[torch.Tensor]:
+        """:meth:`partials` from the core's output [s, b, width/tp] on (the row-parallel GEMM
+        only): a schedule may run other work between the core and these."""
         dense = self.op.dense
         if chunks == 1:
             yield dense.partial(core, wgrad_stash=stash)
@@ -76,11 +81,19 @@ class Block:
         for cols in column_chunks(dense.output_size, chunks):
             yield dense.partial(core, cols, wgrad_stash=stash)
 
-    def exit(self, reduced: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def exit(self, reduced: torch.Tensor, residual: torch.Tensor,
+             seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
+        """``seq_shard`` = (rank, size): the tensors are this rank's sequence shard (sequence
+        parallelism); the dropout mask is then the shard's rows of the whole sequence's."""
         bias = self.op.dense.bias
         out = reduced if bias is None else reduced + bias
-        # All TP ranks hold the same reduced tensor: the mask must match -> replicated stream.
-        out = dropout(out, self.hidden_dropout, self.op.training, self.rng.replicated(out.device))
+        # All TP ranks hold the same reduced tensor (or shards of one): the mask must match ->
+        # replicated stream.
+        gen = self.rng.replicated(out.device)
+        if seq_shard is None:
+            out = dropout(out, self.hidden_dropout, self.op.training, gen)
+        else:
+            out = dropout_seq_shard(out, self.hidden_dropout, self.op.training, gen, *seq_shard)
         return residual + out
 
 

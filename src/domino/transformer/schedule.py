@@ -82,11 +82,15 @@ class Prologue(Protocol):
 
     shape: tuple[int, int]  # (s, b) of the stack input it produces
 
-    def partial(self, mb: MicroBatch) -> torch.Tensor:
-        """This rank's partial sums for micro-batch ``mb`` (any layout :meth:`finish` reads)."""
+    def partial(self, mb: MicroBatch, seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
+        """This rank's partial sums for micro-batch ``mb`` (any layout :meth:`finish` reads;
+        with ``seq_shard`` = (rank, size), sequence parallelism, [s, b_m, ...]: the schedule
+        reduce-scatters them along the sequence)."""
 
-    def finish(self, reduced: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """The stack input [s, b_m, h] of ``mb`` from the all-reduced partial sums."""
+    def finish(self, reduced: torch.Tensor, mb: MicroBatch,
+               seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
+        """The stack input [s, b_m, h] of ``mb`` from the all-reduced partial sums (with
+        ``seq_shard``: rank's shard [s/size, b_m, h] from its reduce-scattered shard)."""
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters whose gradients its backward produces."""
@@ -237,13 +241,21 @@ class Executor:
     """Runs a stack of blocks under a :class:`Plan` (forward, and backward when training)."""
 
     def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None,
-                 group: CommGroup, plan: Plan, recompute: bool = False) -> None:
+                 group: CommGroup, plan: Plan, recompute: bool = False,
+                 sequence_parallel: bool = False) -> None:
         """``recompute``: full activation recomputation - training forwards keep only each
         piece's inputs (the leaves between pieces) and dropout stream states, and the backward
         reruns every piece's forward just before its backward (the all-reduced sums are kept,
-        so recomputing communicates nothing)."""
+        so recomputing communicates nothing).
+
+        ``sequence_parallel``: the local pieces run on this rank's sequence shard
+        [s / tp, b, h]; each TP region is entered by an all-gather of its input and left by a
+        reduce-scatter of its partial sums (the backward mirrors both), and the gradients of
+        the replicated parameters the shards touch (norms, the row-parallel biases, the
+        prologue's position tables) are summed over the TP group."""
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
         self.recompute = recompute and bool(blocks)
+        self.sp = sequence_parallel and group.size > 1
 
     def _local_piece(self, j: int, mb: MicroBatch, residual: torch.Tensor | None,
                      reduced: torch.Tensor | None, prologue: Prologue | None):
@@ -251,9 +263,9 @@ class Executor:
         or for j = B the final norm -> the stack output."""
         h = residual
         if j == 0 and prologue is not None:
-            h = prologue.finish(reduced, mb)
+            h = prologue.finish(reduced, mb, self._seq_shard())
         elif j > 0:
-            h = self.blocks[j - 1].exit(reduced, h)
+            h = self.blocks[j - 1].exit(reduced, h, self._seq_shard())
         if j == len(self.blocks):
             return self.final_norm(h) if self.final_norm is not None else h
         return self.blocks[j].enter(h)
@@ -272,18 +284,50 @@ class Executor:
         return (self.plan.overlap == "intra_layer" and 0 < j < len(self.blocks)
                 and self.blocks[j].layer != self.blocks[j - 1].layer)
 
+    def _seq_shard(self) -> tuple[int, int] | None:
+        return (self.group.rank, self.group.size) if self.sp else None
+
     def _launch(self, tensors, j: int, m: int, direction: str) -> _Pending:
-        """All-reduce each tensor as soon as ``tensors`` (possibly a generator) yields it."""
+        """All-reduce (sequence parallel: reduce-scatter) each tensor as soon as ``tensors``
+        (possibly a generator) yields it."""
         bufs, handles = [], []
         for c, t in enumerate(tensors):
-            buf = t.detach()  # reduced in place: no autograd node saved these outputs
+            tags = {"mb": m, "block": j, "chunk": c}
+            if self.sp:
+                buf, handle = self.group.reduce_scatter_seq(
+                    t.detach(), async_op=True, name=f"{direction} rs b{j}", tags=tags)
+            else:
+                buf = t.detach()  # reduced in place: no autograd node saved these outputs
+                handle = self.group.all_reduce(buf, async_op=True, name=f"{direction} b{j}",
+                                               tags=tags)
             bufs.append(buf)
-            handles.append(self.group.all_reduce(buf, async_op=True, name=f"{direction} b{j}",
-                                                 tags={"mb": m, "block": j, "chunk": c}))
+            handles.append(handle)
         pending = _Pending(bufs, handles)
         if self.plan.overlap == "none":
             pending.wait()
         return pending
+
+    def _gather(self, t: torch.Tensor, j: int, m: int, direction: str) -> _Pending:
+        """Sequence parallel: all-gather the shard ``t`` (a TP region's input or, in backward,
+        its output gradient) into the whole sequence."""
+        buf, handle = self.group.all_gather_seq(t.detach(), async_op=True,
+                                                name=f"{direction} ag b{j}",
+                                                tags={"mb": m, "block": j, "chunk": 0})
+        pending = _Pending([buf], [handle])
+        if self.plan.overlap == "none":
+            pending.wait()
+        return pending
+
+    def _looks_ahead(self, j: int, m: int, M: int) -> bool:
+        """Sequence parallel: does local(j, m) run inside the par piece before it - par(j, m-1),
+        or par(j-1, M-1) for m = 0 - between that piece's core and its row-parallel GEMM? Then
+        the core hides the reduce-scatter local(j, m) waits for, and the GEMM the all-gather it
+        launches. (Not with one micro-batch, where that reduce-scatter is the piece's own, nor
+        across a wait the plan puts between layers.)"""
+        if M == 1 or self.plan.overlap == "none" or (j == len(self.blocks) and m > 0):
+            return False
+        return m > 0 or not (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
+                                                       and j == len(self.blocks)))
 
     def _chunks(self, j: int, m: int, B: int, M: int) -> int:
         """Column chunks of piece (j, m). The forward's very last piece has no later compute to
@@ -296,20 +340,21 @@ class Executor:
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor | None, mbs: list[MicroBatch], graph: bool,
                 prologue: Prologue | None = None):
-        """Run the stack on x [s, b, h] (or on what ``prologue`` produces, x None); returns
-        (y, record if ``graph`` else None)."""
+        """Run the stack on x [s, b, h] (sequence parallel: this rank's shard [s/tp, b, h]) or
+        on what ``prologue`` produces (x None); returns (y, record if ``graph`` else None)."""
         if graph:  # each micro-batch's inputs become leaves: its backward starts there
             mbs = [mb if mb.memory is None else
                    dataclasses.replace(mb, memory=mb.memory.detach().requires_grad_())
                    for mb in mbs]
         B, M = len(self.blocks), len(mbs)
         rec = _Record(mbs, prologue=prologue)
-        pending: dict[tuple[int, int], _Pending] = {}
+        pending: dict[tuple[int, int], _Pending] = {}  # partial sums in flight, by producer
+        gathered: dict[tuple[int, int], _Pending] = {}  # sequence parallel: par inputs
         for mb in mbs:
             rec.mem_leaves.append(mb.memory)
             if prologue is not None:  # par(-1, m): launched now, consumed by local(0, m)
                 with self._span("fwd embed", mb.index):
-                    part = prologue.partial(mb)
+                    part = prologue.partial(mb, self._seq_shard())
                     pending[(-1, mb.index)] = self._launch([part], -1, mb.index, "fwd")
                     if graph:
                         rec.par[(-1, mb.index)] = ([part], None)
@@ -319,49 +364,86 @@ class Executor:
                 xm = xm.detach().requires_grad_()
             rec.x_leaves.append(xm)
         residual: list[torch.Tensor | None] = list(rec.x_leaves) or [None] * M
+        lns: list[torch.Tensor | None] = [None] * M  # each micro-batch's next par input
         outs: list[torch.Tensor] = []
         recompute = graph and self.recompute
         # Recomputed pieces run without a graph now (only their input leaves are kept).
         nograd = torch.no_grad if recompute else contextlib.nullcontext
         device = rec.x_leaves[0].device if rec.x_leaves else None
-        for j in range(B + 1):
-            if self._syncs_before(j) or (self.plan.overlap == "intra_layer" and j == B):
+
+        def run_local(j: int, m: int) -> None:
+            nonlocal device
+            if m == 0 and (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
+                                                      and j == B)):
+                for mm in range(M):
+                    pending[(j - 1, mm)].wait()
+            with self._span(f"fwd local {j}", m):
+                reduced = None
+                if j > 0 or prologue is not None:
+                    reduced = pending.pop((j - 1, m)).wait()
+                    if graph:
+                        rec.reduced[(j - 1, m)] = reduced.requires_grad_()
+                    device = reduced.device
+                if recompute:
+                    self._snapshot(rec, ("local", j, m), device)
+                with nograd():
+                    out = self._local_piece(j, mbs[m], residual[m], reduced, prologue)
+                if j == B:
+                    outs.append(out)
+                    rec.local[(j, m)] = None if recompute else out
+                    return
+                ln, res = out
+                if graph:
+                    piece = _Local(None if recompute else ln,
+                                   None if res is ln or recompute else res,
+                                   ln.detach().requires_grad_(), res.detach().requires_grad_())
+                    rec.local[(j, m)] = piece
+                    ln, res = piece.ln_leaf, piece.res_leaf
+                residual[m] = res
+                if self.sp:
+                    gathered[(j, m)] = self._gather(ln, j, m, "fwd")
+                else:
+                    lns[m] = ln
+
+        def run_par(j: int, m: int, between: Callable[[], None] | None) -> None:
+            parts: list[torch.Tensor] = []
+            stash = WgradStash() if graph and not recompute else None
+            with self._span(f"fwd par {j}", m):
+                ln = lns[m]
+                if self.sp:  # the whole sequence: what the TP region computes on
+                    ln = gathered.pop((j, m)).wait()
+                    if graph:
+                        rec.local[(j, m)].ln_leaf = ln = ln.requires_grad_()
+                if recompute:
+                    self._snapshot(rec, ("par", j, m), device)
+                with nograd():
+                    core = self.blocks[j].op.core(ln, mbs[m], stash)
+            if between is not None:  # a local piece between the core and the GEMM
+                between()
+            with self._span(f"fwd par {j}", m), nograd():
+                gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
+                pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
+            if graph:
+                rec.par[(j, m)] = (None if recompute else parts, stash)
+
+        if not self.sp:
+            for j in range(B + 1):
                 for m in range(M):
-                    pending[(j - 1, m)].wait()
-            for m in range(M):
-                with self._span(f"fwd local {j}", m):
-                    reduced = None
-                    if j > 0 or prologue is not None:
-                        reduced = pending.pop((j - 1, m)).wait()
-                        if graph:
-                            rec.reduced[(j - 1, m)] = reduced.requires_grad_()
-                        device = reduced.device
-                    if recompute:
-                        self._snapshot(rec, ("local", j, m), device)
-                    with nograd():
-                        out = self._local_piece(j, mbs[m], residual[m], reduced, prologue)
-                    if j == B:
-                        outs.append(out)
-                        rec.local[(j, m)] = None if recompute else out
-                        continue
-                    ln, res = out
-                    if graph:
-                        piece = _Local(None if recompute else ln,
-                                       None if res is ln or recompute else res,
-                                       ln.detach().requires_grad_(), res.detach().requires_grad_())
-                        rec.local[(j, m)] = piece
-                        ln, res = piece.ln_leaf, piece.res_leaf
-                    residual[m] = res
-                with self._span(f"fwd par {j}", m):
-                    parts: list[torch.Tensor] = []
-                    stash = WgradStash() if graph and not recompute else None
-                    if recompute:
-                        self._snapshot(rec, ("par", j, m), device)
-                    with nograd():
-                        gen = self.blocks[j].partials(ln, mbs[m], self._chunks(j, m, B, M), stash)
-                        pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
-                    if graph:
-                        rec.par[(j, m)] = (None if recompute else parts, stash)
+                    run_local(j, m)
+                    if j < B:
+                        run_par(j, m, None)
+        else:
+            # Locals in the same order (the dropout streams draw the same masks), each inside
+            # the par piece before it where it can be (see _looks_ahead).
+            run_local(0, 0)
+            for k in range(1, (B + 1) * M):
+                j, m = divmod(k, M)
+                pj, pm = divmod(k - 1, M)
+                inside = pj < B and self._looks_ahead(j, m, M)
+                if pj < B:
+                    run_par(pj, pm, (lambda j=j, m=m: run_local(j, m)) if inside else None)
+                if not inside:
+                    run_local(j, m)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)
         return y, (rec if graph else None)
 
@@ -388,11 +470,16 @@ class Executor:
         if on_final is not None and sink is not None:
             raise ValueError("on_final needs the weight gradients run here, not sunk")
         left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards to go
+        shard_grads = (_ShardGrads(self.group, self.blocks, self.final_norm, rec.prologue,
+                                   on_final, M) if self.sp else None)
 
         def done(j: int) -> None:
             left[j] -= 1
-            if left[j] == 0 and on_final is not None:
-                on_final(self.blocks[j])
+            if left[j] == 0:
+                if shard_grads is not None:  # on_final once they are summed over TP
+                    shard_grads.block_final(j)
+                elif on_final is not None:
+                    on_final(self.blocks[j])
         late = late if late is not None else LateWork()
         device = grad_y.device
         streams = self.blocks[0].rng.snapshot(device) if self.recompute else None
@@ -422,10 +509,15 @@ class Executor:
                                            piece.res_leaf)
                         self._local_backward(piece, ready.wait())
                         done(j + 1)
+                        if shard_grads is not None:
+                            shard_grads.local_done(j + 1)
                 if j < 0:
                     if rec.prologue is not None:
                         self._queue_prologue_backward(rec, m, late)
                     continue
+                grad_in = rec.reduced.pop((j, m)).grad  # of par(j, m)'s reduced output
+                if self.sp:  # the whole sequence's, for the TP region's backward
+                    grad_in = self._gather(grad_in, j, m, "bwd")
                 with self._span(f"bwd par {j}", m):
                     parts, stash = rec.par.pop((j, m))
                     if self.recompute:
@@ -435,7 +527,7 @@ class Executor:
                             parts = list(self.blocks[j].partials(
                                 rec.local[(j, m)].ln_leaf, rec.mbs[m], self._chunks(j, m, B, M),
                                 stash))
-                    g = rec.reduced.pop((j, m)).grad
+                    g = self._fill(deferred, grad_in).wait() if self.sp else grad_in
                     grads = ([g] if len(parts) == 1
                              else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
                     torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
@@ -453,13 +545,20 @@ class Executor:
         while deferred:
             deferred.popleft().run()
         late.drain()
+        if shard_grads is not None:
+            shard_grads.finish()
         if streams is not None:  # where the forward left the dropout streams
             self.blocks[0].rng.restore(device, streams)
         grad_x = _cat_grads(rec.x_leaves) if rec.x_leaves else None
         grad_mem = None
         if rec.mem_leaves[0] is not None:
+            # The sum of every cross attention's K/V input gradient (sequence parallel: the
+            # memory was gathered, so this rank's shard of that sum).
             grad_mem = _cat_grads(rec.mem_leaves)
-            self.group.all_reduce(grad_mem)  # sum of every cross attention's K/V input gradient
+            if self.sp:
+                grad_mem = self.group.reduce_scatter_seq(grad_mem, name="bwd rs memory")[0]
+            else:
+                self.group.all_reduce(grad_mem)
         return grad_x, grad_mem
 
     def _recomputed_local(self, rec: _Record, j: int, m: int, device: torch.device):
@@ -485,8 +584,7 @@ class Executor:
                 break
         return pending
 
-    @staticmethod
-    def _queue_prologue_backward(rec: _Record, m: int, late: LateWork) -> None:
+    def _queue_prologue_backward(self, rec: _Record, m: int, late: LateWork) -> None:
         """The prologue's backward for micro-batch m (its weight gradient: an embedding's
         scatter-add) as late work: the remaining all-reduces run under it."""
         (part,), _ = rec.par.pop((-1, m))
@@ -495,9 +593,11 @@ class Executor:
         if grad is None or not part.requires_grad or not params:
             return
         space = late.space()
+        gathered = self._gather(grad, -1, m, "bwd") if self.sp else None
 
         def run() -> None:
-            grads = torch.autograd.grad([part], params, [grad], allow_unused=True)
+            g = grad if gathered is None else gathered.wait()
+            grads = torch.autograd.grad([part], params, [g], allow_unused=True)
             for p, g in zip(params, grads, strict=True):
                 if g is not None:
                     late.stage(p, space).add_(g)
@@ -511,6 +611,85 @@ class Executor:
             torch.autograd.backward([piece.ln], [ln_grad + res_grad])
         else:
             torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
+
+
+class _ShardGrads:
+    """Sequence parallelism: the replicated parameters that see only this rank's sequence shard
+    (the blocks' norms and row-parallel biases, the final norm, the prologue's position and
+    token-type tables) get partial gradients. One backward pass's parts are summed over the TP
+    group - a block's, asynchronously, as soon as its local backwards are done, the rest when
+    the pass ends - and only then added to what ``.grad`` held before the pass, so accumulating
+    micro-steps adds each pass's sum once. ``on_final`` hears of a block once it is final
+    (deferred GEMMs included) and summed, in the order blocks became final."""
+
+    def __init__(self, group: CommGroup, blocks: list[Block], final_norm, prologue,
+                 on_final: Callable[[Block], None] | None, micro_batches: int) -> None:
+        self.group, self.blocks, self.on_final = group, blocks, on_final
+        self.per_block = [[*b.norm.parameters(),
+                           *([b.op.dense.bias] if b.op.dense.bias is not None else [])]
+                          for b in blocks]
+        self.tail = [*(final_norm.parameters() if final_norm is not None else []),
+                     *(p for p in (prologue.parameters() if prologue is not None else [])
+                       if not getattr(p, "tensor_model_parallel", False))]
+        self.before: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for p in [*(p for ps in self.per_block for p in ps), *self.tail]:
+            if p.requires_grad and id(p) not in self.before:
+                self.before[id(p)] = (p, p.grad)
+                p.grad = None
+        self.locals_left = [micro_batches] * len(blocks)
+        self.inflight: deque = deque()  # (block index or None, params, flat sum, handle)
+        self.summed: set[int] = set()
+        self.final: deque[int] = deque()  # final blocks not reported yet, in order
+
+    def _launch(self, j: int | None, params: list[torch.Tensor]) -> None:
+        params = [p for p in params if p.grad is not None and id(p) in self.before]
+        flat = torch.cat([p.grad.reshape(-1) for p in params]) if params else None
+        handle = (self.group.all_reduce(flat, async_op=True, name="sp param grads")
+                  if params else None)
+        self.inflight.append((j, params, flat, handle))
+
+    def _settle(self, wait: bool) -> None:
+        while self.inflight and (wait or self.inflight[0][3] is None
+                                 or self.inflight[0][3].ready()):
+            j, params, flat, handle = self.inflight.popleft()
+            if handle is not None:
+                handle.wait()
+            offset = 0
+            for p in params:
+                summed = flat[offset:offset + p.numel()].view_as(p.grad)
+                offset += p.numel()
+                _, old = self.before.pop(id(p))
+                if old is None:
+                    p.grad.copy_(summed)
+                else:  # keep the tensor .grad held before (a reducer may hold it)
+                    p.grad = old.add_(summed)
+            if j is not None:
+                self.summed.add(j)
+        while self.final and self.final[0] in self.summed:
+            j = self.final.popleft()
+            if self.on_final is not None:
+                self.on_final(self.blocks[j])
+
+    def local_done(self, j: int) -> None:
+        """One of block j's local backwards (its norm's) is done: the last launches its sum
+        (its exit's bias was done before, by the next piece's local backward)."""
+        self.locals_left[j] -= 1
+        if self.locals_left[j] == 0:
+            self._launch(j, self.per_block[j])
+        self._settle(wait=False)
+
+    def block_final(self, j: int) -> None:
+        self.final.append(j)
+        self._settle(wait=False)
+
+    def finish(self) -> None:
+        """The input gradients are done: sum what is left and wait for every sum. (A zero-bubble
+        W pass may still run deferred GEMMs later; they touch none of these parameters.)"""
+        self._launch(None, self.tail)
+        self._settle(wait=True)
+        for p, old in self.before.values():  # no gradient this pass: .grad is as before
+            p.grad = old
+        self.before.clear()
 
 
 @dataclass(eq=False)

@@ -90,6 +90,7 @@ class DominoTransformer(nn.Module):
                                 if post_process and config.final_layernorm else None)
         self._plan, self._force = SYNC, False
         self.set_plan(plan if plan is not None else Plan.from_config(config))
+        self.sequence_parallel = config.sequence_parallel  # see sequence_parallel_active
         self.input_tensor: torch.Tensor | None = None
         self.wgrad_sink: list | None = None  # see defer_weight_grads
         # Weight-gradient work of the layers after the stack (the LM head), run by the stack's
@@ -122,6 +123,14 @@ class DominoTransformer(nn.Module):
         is no TP communication to hide and splitting would only cost (kernel launches, smaller
         GEMMs), so the stack runs unsplit (unless the plan was set with ``force``)."""
         return self.plan if self.state.tp.size > 1 or self._force else SYNC
+
+    def sequence_parallel_active(self, inference_params: InferenceParams | None = None) -> bool:
+        """Does a forward run sequence parallel: its input and output [s/tp, b, h] this rank's
+        sequence shard? When :attr:`sequence_parallel` is set (from the config) and TP > 1,
+        except with a KV cache (incremental decoding feeds a token at a time). What feeds the
+        stack and what reads its output (embedding, LM head, pooler, pipeline) ask the same."""
+        return (self.sequence_parallel and self.state.tp.size > 1
+                and inference_params is None)
 
     def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
                        inference_params, rotary_pos_emb, training: bool) -> list[MicroBatch]:
@@ -157,15 +166,29 @@ class DominoTransformer(nn.Module):
         schedule (the embedding, whose all-reduce then overlaps the first block)."""
         if not self.pre_process:
             hidden_states = self.input_tensor
+        sp = self.sequence_parallel_active(inference_params)
+        tp = self.state.tp.size
         if prologue is not None:
             if hidden_states is not None:
                 raise ValueError("pass hidden_states or a prologue, not both.")
             s, b = prologue.shape
+            if sp and s % tp:
+                raise ValueError(
+                    f"sequence parallelism splits the sequence over the {tp} TP ranks: a "
+                    f"sequence of {s} tokens is not divisible by {tp}; pad it to a multiple of "
+                    f"{tp} (or build the model with sequence_parallel=False).")
         elif hidden_states is None:
             raise ValueError("DominoTransformer got no input: pass hidden_states, or call "
                              "set_input_tensor() on a stage built with pre_process=False.")
         else:
             s, b, _ = hidden_states.shape
+        if sp and encoder_output is not None:
+            # Cross attention reads the whole encoder output: gather it once for every layer
+            # (its gradient comes back as this rank's shard, see Executor.backward).
+            encoder_output_full = self.state.tp.all_gather_seq(
+                encoder_output.detach(), name="fwd ag memory")[0]
+        else:
+            encoder_output_full = encoder_output
         check_mask(attention_mask, b, "attention_mask")
         check_mask(enc_dec_attn_mask, b, "enc_dec_attn_mask")
         if self.layer_type == LayerType.decoder and encoder_output is None:
@@ -176,11 +199,12 @@ class DominoTransformer(nn.Module):
         needs_graph = torch.is_grad_enabled() and (
             (hidden_states is not None and hidden_states.requires_grad) or bool(params)
             or (encoder_output is not None and encoder_output.requires_grad))
-        mbs = self._micro_batches(b, attention_mask, encoder_output, enc_dec_attn_mask,
+        mbs = self._micro_batches(b, attention_mask, encoder_output_full, enc_dec_attn_mask,
                                   inference_params, rotary_pos_emb, needs_graph)
         blocks = [blk for layer in self.layers for blk in layer.blocks()]
         executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan(),
-                            recompute=self.config.recompute_granularity == "full")
+                            recompute=self.config.recompute_granularity == "full",
+                            sequence_parallel=sp)
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
         return _ScheduledStack.apply(self, executor, mbs, prologue, hidden_states, encoder_output,

@@ -1,0 +1,173 @@
+"""Sequence parallelism under Domino: at TP=2 and TP=4 with real collectives, a sequence-parallel
+model gives the losses, outputs and gradients of the same model without it (which the TP tests
+hold to the single-process reference), for GPT (every position, norm, activation and output
+variant), an encoder-decoder with a pooler, under sync and Domino plans with column chunks,
+with dropout (the same masks: each rank takes its rows of the whole sequence's), with full and
+selective recomputation, and over accumulated backwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tp_helpers import FLOOR, config, one_thread, register, rel_err, tp_results
+
+from domino import AttnMaskType, ParallelState, TransformerConfig
+from domino.gpt_model import GPTModel
+from domino.language_model import get_language_model
+from domino.tensor_parallel import CommGroup
+from domino.transformer import DominoTransformer, Plan
+
+TOL = 2e-5  # fp32; the shards' norm and bias gradients are summed in another order
+PLANS = [Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(3, "intra_layer", 2),
+         Plan(4, "cross_layer", 2), Plan(2, "none", 1)]
+GPT_VARIANTS = {
+    "learned_gelu_dropout": dict(hidden_dropout=0.2, attention_dropout=0.2),
+    "rope_swiglu_gqa_rms_nobias": dict(position_embedding_type="rope", activation="swiglu",
+                                       num_attention_heads=8, num_query_groups=4,
+                                       normalization="RMSNorm",
+                                       add_bias_linear=False, hidden_dropout=0.1),
+    "post_ln_untied_tokentypes": dict(apply_residual_connection_post_layernorm=True,
+                                      untie_embeddings_and_output_weights=True),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _gpt_run(state, over: dict, plan: Plan, sp: bool, recompute=None, tokentypes=False):
+    over = {"num_attention_heads": 4, **over}
+    cfg = config(hidden_size=32, vocab_size=64, seq_length=8, sequence_parallel=sp,
+                 recompute_granularity=recompute, **over)
+    torch.manual_seed(0)
+    state.rng.seed(3)
+    model = GPTModel(cfg, num_tokentypes=3 if tokentypes else 0, parallel_state=state,
+                     plan=plan)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (4, 9), generator=gen)
+    types = torch.randint(0, 3, (4, 8), generator=gen) if tokentypes else None
+    losses = []
+    for _ in range(2):  # accumulated: each pass's shard sums join .grad once
+        loss = model(ids[:, :-1], None, None, labels=ids[:, 1:], tokentype_ids=types)
+        loss.sum().backward()
+        losses.append(loss.detach())
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids[:, :-1], None, None, tokentype_ids=types)
+    return losses, logits, _grads(model)
+
+
+def _encdec_run(state, plan: Plan, sp: bool, recompute=None):
+    cfg = config(hidden_size=32, num_attention_heads=4, vocab_size=64, decoder_num_layers=2,
+                 seq_length=8, hidden_dropout=0.1, attention_dropout=0.1,
+                 sequence_parallel=sp, recompute_granularity=recompute)
+    torch.manual_seed(0)
+    state.rng.seed(4)
+    model, _ = get_language_model(cfg, 0, True, AttnMaskType.padding, add_decoder=True,
+                                  parallel_state=state, plan=plan)
+    gen = torch.Generator().manual_seed(2)
+    enc = torch.randint(0, 64, (4, 8), generator=gen)
+    dec = torch.randint(0, 64, (4, 4), generator=gen)
+    weights = torch.randn(8, 4, 32, generator=gen)
+    tp = state.tp
+    rows = slice(None) if not sp or tp.size == 1 else slice(
+        tp.rank * 8 // tp.size, (tp.rank + 1) * 8 // tp.size)
+    drows = slice(None) if not sp or tp.size == 1 else slice(
+        tp.rank * 4 // tp.size, (tp.rank + 1) * 4 // tp.size)
+    d, e, pooled = model(enc, None, None, dec, None, None)
+    # Each rank's part of the loss (under SP the outputs are its sequence shards).
+    loss = (d * weights[:4][drows]).sum() + (e * weights[rows]).sum()
+    (loss + pooled.square().sum()).backward()
+    if sp and tp.size > 1:  # gather the shards to compare with the unsharded run
+        d, e = tp.all_gather_seq(d.detach())[0], tp.all_gather_seq(e.detach())[0]
+        loss = loss.detach().clone()
+        tp.all_reduce(loss)
+    return [loss.detach()], (d.detach(), e.detach(), pooled.detach()), _grads(model)
+
+
+def _compare(got, ref) -> list[str]:
+    bad = []
+    for i, (a, b) in enumerate(zip(got[0], ref[0], strict=True)):
+        if rel_err(a, b) > TOL:
+            bad.append(f"loss[{i}] {rel_err(a, b):.2e}")
+    outs_a = got[1] if isinstance(got[1], tuple) else (got[1],)
+    outs_b = ref[1] if isinstance(ref[1], tuple) else (ref[1],)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        if rel_err(a, b) > TOL:
+            bad.append(f"output[{i}] {rel_err(a, b):.2e}")
+    if set(got[2]) != set(ref[2]):
+        bad.append(f"gradients of {sorted(set(got[2]) ^ set(ref[2]))}")
+    for name in ref[2]:
+        if name in got[2] and rel_err(got[2][name], ref[2][name], FLOOR) > TOL:
+            bad.append(f"grad {name} {rel_err(got[2][name], ref[2][name], FLOOR):.2e}")
+    return bad
+
+
+def _sp_checks(state: ParallelState) -> dict:
+    out = {}
+    for name, over in GPT_VARIANTS.items():
+        types = name.endswith("tokentypes")
+        for plan in PLANS:
+            ref = _gpt_run(state, over, plan, False, tokentypes=types)
+            out[("gpt", name, str(plan), None)] = _compare(
+                _gpt_run(state, over, plan, True, tokentypes=types), ref)
+    over = GPT_VARIANTS["learned_gelu_dropout"]
+    for recompute in ("full", "selective"):
+        for plan in (Plan(1, "none", 1), Plan(2, "cross_layer", 2)):
+            ref = _gpt_run(state, over, plan, False)
+            out[("gpt", "recompute", str(plan), recompute)] = _compare(
+                _gpt_run(state, over, plan, True, recompute), ref)
+    for plan in (Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(4, "intra_layer", 2)):
+        ref = _encdec_run(state, plan, False)
+        out[("encdec", "pooler", str(plan), None)] = _compare(_encdec_run(state, plan, True), ref)
+    ref = _encdec_run(state, Plan(2, "cross_layer", 1), False)
+    out[("encdec", "pooler", "m2:cross", "full")] = _compare(
+        _encdec_run(state, Plan(2, "cross_layer", 1), True, "full"), ref)
+    return out
+
+
+register(2, _sp_checks)
+register(4, _sp_checks)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_equals_tp(world: int) -> None:
+    for rank, res in enumerate(tp_results(world, _sp_checks)):
+        bad = {k: v for k, v in res.items() if v}
+        assert not bad, f"TP={world} rank {rank}: {bad}"
+
+
+def test_sequence_parallel_shards_activations() -> None:
+    """The stack's input, output and every tensor between its TP regions is the rank's
+    sequence shard: [s/tp, b, h] (one rank of TP=2, collectives disabled)."""
+    state = ParallelState(tp=CommGroup(size=2, rank=1, enabled=False))
+    cfg = config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                 sequence_parallel=True)
+    stack = DominoTransformer(cfg, state, self_attn_mask_type=AttnMaskType.causal,
+                              plan=Plan(2, "cross_layer", 1))
+    seen = []
+    for layer in stack.layers:
+        layer.input_layernorm.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    y = stack(torch.randn(8, 4, 32, requires_grad=True), None)
+    assert y.shape == (8, 4, 32)
+    assert seen == [(8, 2, 32)] * 4  # two layers x two micro-batches, each [s/2, b/2, h]
+    y.sum().backward()
+
+
+def test_sequence_parallel_validation() -> None:
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=10,
+                            sequence_parallel=True)
+    with pytest.raises(ValueError, match="seq_length=10 is not divisible by 4"):
+        cfg.validate_parallel(4)
+    cfg.validate_parallel(2)
+    state = ParallelState(tp=CommGroup(size=2, rank=0, enabled=False))
+    model = GPTModel(config(hidden_size=32, num_attention_heads=4, vocab_size=64,
+                            sequence_parallel=True), parallel_state=state)
+    with pytest.raises(ValueError, match="sequence of 7 tokens is not divisible by 2"):
+        model(torch.zeros(2, 7, dtype=torch.long), None, None)
