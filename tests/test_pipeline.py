@@ -26,11 +26,11 @@ V, S, MICRO, GLOBAL, STEPS = 97, 16, 2, 8, 3
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
-def _config(tied: bool) -> TransformerConfig:
+def _config(tied: bool, sp: bool = False) -> TransformerConfig:
     return TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=V,
                              seq_length=S, max_position_embeddings=S, hidden_dropout=0.0,
                              attention_dropout=0.0, untie_embeddings_and_output_weights=not tied,
-                             make_vocab_size_divisible_by=16)
+                             make_vocab_size_divisible_by=16, sequence_parallel=sp)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
@@ -100,14 +100,14 @@ def _reference(tied: bool) -> dict:
     return res
 
 
-def _pipelined(state, tied: bool, schedule: str, plan: Plan) -> dict:
+def _pipelined(state, tied: bool, schedule: str, plan: Plan, sp: bool = False) -> dict:
     from domino.pipeline.model import PipelineModel
     from domino.pipeline.partition import partition
     from domino.pipeline.runtime import PipelineRunner
 
     layout = partition(4, 2, layers_per_virtual_stage=1 if schedule == "interleaved" else None)
     torch.manual_seed(0)
-    model = PipelineModel(_config(tied), state, layout, plan=plan)
+    model = PipelineModel(_config(tied, sp), state, layout, plan=plan)
     init = _gathered(model, state, grads=False)
     runner = PipelineRunner(model, schedule, GLOBAL // (MICRO * state.dp.size), S, MICRO)
     res = _train(model, state, _args(), runner)
@@ -122,11 +122,13 @@ def _ranks(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict:
     for tp, pp in layouts:
         state = ParallelState.build(tp, pp)
         plan = Plan(2, "cross_layer", 2) if tp > 1 else Plan(2, "cross_layer")
-        for tied in (True, False):
-            for schedule in SCHEDULES:
-                res = _pipelined(state, tied, schedule, plan)
-                if state.tp.rank == 0 and state.dp.rank == 0:  # full tensors live here
-                    out[(tp, pp, state.dp.size, tied, schedule)] = res
+        # Sequence parallelism at TP > 1: stages send their sequence shards.
+        for sp in (False, True) if tp > 1 else (False,):
+            for tied in (True, False):
+                for schedule in SCHEDULES:
+                    res = _pipelined(state, tied, schedule, plan, sp)
+                    if state.tp.rank == 0 and state.dp.rank == 0:  # full tensors live here
+                        out[(tp, pp, state.dp.size, tied, schedule, sp)] = res
     return out
 
 
@@ -152,10 +154,10 @@ def test_pipelines_match_the_single_process_model() -> None:
     refs = {tied: _reference(tied) for tied in (True, False)}
     results = _merge(run_distributed(_ranks, 2, [(1, 2)]))
     results.update(_merge(run_distributed(_ranks, 4, [(2, 2), (1, 2)])))
-    assert len(results) == 3 * 2 * len(SCHEDULES)
-    for (tp, pp, dp, tied, schedule), res in results.items():
+    assert len(results) == 4 * 2 * len(SCHEDULES)
+    for (tp, pp, dp, tied, schedule, sp), res in results.items():
         ref = refs[tied]
-        where = f"TP={tp} PP={pp} DP={dp} tied={tied} {schedule}"
+        where = f"TP={tp} PP={pp} DP={dp} tied={tied} {schedule} sp={sp}"
         assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5), where
         assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5), where
         for field in ("init", "grads", "weights"):

@@ -115,6 +115,8 @@ def _parallel(rank: int, world: int, data: str, tmp: str) -> dict:
         "dp2": _train(_args(data, **dp2), f"{tmp}/dp2"),
         "dp2 accum": _train(_args(data, **accum), f"{tmp}/dp2a"),
         "tp2": _train(_args(data, tensor_model_parallel_size=2), f"{tmp}/tp2"),
+        "tp2 sp": _train(_args(data, tensor_model_parallel_size=2, sequence_parallel=True),
+                         f"{tmp}/tp2sp"),
         # ZeRO-1: moments sharded over DP, gradients reduce-scattered, parameters all-gathered.
         "zero": _train(_args(data, **dp2, use_distributed_optimizer=True), f"{tmp}/zero"),
         "zero accum": _train(_args(data, **accum, use_distributed_optimizer=True,
@@ -172,16 +174,33 @@ def _tp2_dp2(rank: int, world: int, data: str, tmp: str) -> dict:
     common = dict(tensor_model_parallel_size=2, micro_batch_size=2, global_batch_size=8,
                   domino_micro_batches=2, hidden_dropout=0.1)
     return {"overlap": _train(_args(data, **common), f"{tmp}/o"),
-            "blocking": _train(_args(data, **common, overlap_grad_reduce=False), f"{tmp}/b")}
+            "blocking": _train(_args(data, **common, overlap_grad_reduce=False), f"{tmp}/b"),
+            # Sequence parallelism with everything it combines with: DP overlap (its buckets
+            # wait for the TP sums of the shard-touched gradients), ZeRO-1, recomputation.
+            "sp": _train(_args(data, **common, sequence_parallel=True), f"{tmp}/sp"),
+            "sp zero full": _train(_args(data, **common, sequence_parallel=True,
+                                         use_distributed_optimizer=True,
+                                         recompute_granularity="full"), f"{tmp}/spz"),
+            "sp selective blocking": _train(_args(data, **common, sequence_parallel=True,
+                                                  recompute_granularity="selective",
+                                                  overlap_grad_reduce=False), f"{tmp}/sps")}
 
 
 def test_overlapped_dp_reduction_equals_blocking_at_tp2_dp2(data, tmp_path) -> None:
     """TP=2 x DP=2 (4 ranks), Domino m2 with accumulation and dropout: the DP buckets launched
     during the backward give the blocking reduction's losses, norms and validation exactly
-    (that path matches the single process: the test above)."""
+    (that path matches the single process: the test above); sequence parallelism, also with
+    ZeRO-1 and recomputation, gives them within fp32 rounding."""
     ranks = run_distributed(_tp2_dp2, 4, data, str(tmp_path))
     for res in ranks:
         assert res["overlap"] == res["blocking"]
+        ref = res["overlap"]
+        for name in ("sp", "sp zero full", "sp selective blocking"):
+            run = res[name]
+            assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
+            assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+            assert [v for _, v in run["val"]] == pytest.approx([v for _, v in ref["val"]],
+                                                               rel=1e-5), name
     assert all(res == ranks[0] for res in ranks)
 
 

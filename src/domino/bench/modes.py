@@ -7,6 +7,10 @@ text form (``Plan.parse`` / ``str(plan)``)::
     nocomm                sync TP compute, every TP collective a no-op
     domino:<plan>         a Domino schedule, e.g. domino:m2:cross, domino:m4:cross:c2
     nocomm:<plan>         the same split with comm disabled (what splitting costs)
+
+Any mode may end in ``:sp``: the same with sequence parallelism (each all-reduce becomes a
+reduce-scatter and an all-gather; e.g. sync:sp, nocomm:sp, domino:m2:cross:sp). Its exposed
+and hidden figures are taken against sync:sp and nocomm:sp when they run.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from domino.plan import SYNC, Plan
 __all__ = ["DEFAULT_MODES", "GRAMMAR", "Mode", "parse_mode", "parse_modes"]
 
 GRAMMAR = (
-    f"sync | nocomm | domino:{PLAN_GRAMMAR} | nocomm:{PLAN_GRAMMAR}"
-    " (N micro-batches >= 1, K column chunks >= 1; e.g. domino:m4:cross:c2)"
+    f"sync | nocomm | domino:{PLAN_GRAMMAR} | nocomm:{PLAN_GRAMMAR}, each optionally ending in"
+    " :sp (sequence parallel) (N micro-batches >= 1, K column chunks >= 1; e.g."
+    " domino:m4:cross:c2, domino:m2:cross:sp)"
 )
 
 DEFAULT_MODES = (
@@ -36,6 +41,7 @@ class Mode:
     name: str
     plan: Plan
     comm: bool
+    sequence_parallel: bool = False
 
     @property
     def is_domino(self) -> bool:
@@ -44,13 +50,24 @@ class Mode:
 
     @property
     def split(self) -> tuple[int, int]:
-        """(micro-batches, column chunks): what a comm-free run must share to be comparable."""
+        """(micro-batches, column chunks): what a comm-free run must share to be comparable
+        (and :attr:`sequence_parallel`)."""
         return self.plan.micro_batches, self.plan.column_chunks
+
+    @property
+    def family(self) -> str:
+        """The name suffix of its baselines: '' or ':sp' (sync:sp and nocomm:sp)."""
+        return ":sp" if self.sequence_parallel else ""
 
 
 def parse_mode(text: str) -> Mode:
     """Parse one mode; raise ValueError naming the grammar when it does not match."""
     norm = text.strip().lower()
+    if norm.endswith(":sp"):
+        base = parse_mode(norm.removesuffix(":sp"))
+        if base.sequence_parallel:
+            raise ValueError(f"unknown benchmark mode {text!r}: ':sp' given twice")
+        return Mode(base.name + ":sp", base.plan, base.comm, True)
     if norm in ("sync", "nocomm"):
         return Mode(norm, SYNC, norm == "sync")
     kind, _, plan_text = norm.partition(":")

@@ -7,7 +7,8 @@ See ``worker.py`` for what a rank measures and ``modes.py`` for the mode grammar
 
 Figures per mode (medians over rounds; a round's time is its slowest rank's):
 exposed comm = T_mode - T_nocomm, comm hidden = 1 - exposed(mode) / exposed(sync),
-speedup = T_sync / T_mode, tokens/s = micro_batch_size * seq_length / T_mode (per TP group).
+speedup = T_sync / T_mode, tokens/s = micro_batch_size * seq_length / T_mode (per TP group);
+a sequence-parallel mode (``...:sp``) takes sync:sp and nocomm:sp as its sync and nocomm.
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def _check_modes(modes: list[Mode], args: argparse.Namespace) -> None:
                              batch_name="--micro-batch-size")
         mode.plan.check_width(args.hidden_size, what=f"the column chunks (c<K>) of {mode.name}",
                               width_name="--hidden-size")
+        tp = args.tensor_model_parallel_size
+        if mode.sequence_parallel and args.seq_length % tp:
+            raise ValueError(f"{mode.name} splits the sequence over the {tp} TP ranks: "
+                             f"--seq-length={args.seq_length} is not divisible by {tp}; use a "
+                             f"multiple of {tp} or drop the :sp modes.")
 
 
 def _resolve_device(choice: str, world: int) -> str:
@@ -213,7 +219,8 @@ def _launch(spec_path: str, spec: dict[str, Any], link: EmulatedLink | None,
 
 def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
     """The comm-free run with the same split (same overlap preferred; it is moot without comm)."""
-    same = [m for m in modes if not m.comm and m.split == mode.split]
+    same = [m for m in modes if not m.comm and m.split == mode.split
+            and m.sequence_parallel == mode.sequence_parallel]
     exact = [m for m in same if m.plan == mode.plan]
     return (exact or same or [None])[0]
 
@@ -228,12 +235,18 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     rows = []
     for mode in modes:
         t = med[mode.name]
-        base = t - t_nocomm if t_nocomm is not None else None
+        # Sequence-parallel modes against their own sync and nocomm when those ran.
+        fam = mode.family
+        f_sync, f_nocomm = med.get("sync" + fam, t_sync), med.get("nocomm" + fam, t_nocomm)
+        f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
+                          else None)
+        base = t - f_nocomm if f_nocomm is not None else None
         exposed = base if mode.comm else None
         split = _split_nocomm(mode, modes) if mode.is_domino else None
         hidden = None
-        if mode.is_domino and exposed is not None and exposed_sync is not None and exposed_sync > 0:
-            hidden = 1.0 - exposed / exposed_sync
+        if (mode.is_domino and exposed is not None and f_exposed_sync is not None
+                and f_exposed_sync > 0):
+            hidden = 1.0 - exposed / f_exposed_sync
         peaks = raw["peak_bytes"][mode.name]
         known = [p for p in peaks if p is not None]
         rows.append({
@@ -242,6 +255,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "micro_batches": mode.plan.micro_batches,
             "overlap": mode.plan.overlap,
             "column_chunks": mode.plan.column_chunks,
+            "sequence_parallel": mode.sequence_parallel,
             "step_time_s": t,
             "step_times_s": raw["step_times_s"][mode.name],
             "step_times_s_per_rank": raw["per_rank_step_times_s"][mode.name],
@@ -251,7 +265,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             # For comm-free split runs: what splitting alone costs over unsplit compute.
             "split_cost_s": base if not mode.comm and mode.split != (1, 1) else None,
             "comm_hidden": hidden,
-            "speedup_vs_sync": t_sync / t if t_sync is not None else None,
+            "speedup_vs_sync": f_sync / t if f_sync is not None else None,
             "peak_mem_bytes": max(known) if known else None,
             # Bytes this rank all-reduced in one step, and the host CPU that moving them takes
             # (scaled from the 8 MiB probe): overlapped comm still costs this much CPU.

@@ -28,7 +28,7 @@ from domino.enums import AttnMaskType
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
 from domino.timing import time_rotated
-from domino.transformer.stack import using_plan
+from domino.transformer.stack import using_plan, using_sequence_parallel
 
 __all__ = ["DTYPES", "build_config", "main"]
 
@@ -83,7 +83,14 @@ class _Bench:
             self.model: torch.nn.Module = stack
             x = torch.randn(s, b, h, generator=gen).to(device, dtype)  # [s, b, h]
             w = torch.randn(s, b, h, generator=gen).to(device, dtype)
-            self._loss: Callable[[], torch.Tensor] = lambda: (stack(x, None) * w).float().sum()
+
+            def loss() -> torch.Tensor:
+                if stack.sequence_parallel_active():  # the stack takes this rank's shard
+                    return (stack(state.tp.seq_shard(x), None)
+                            * state.tp.seq_shard(w)).float().sum()
+                return (stack(x, None) * w).float().sum()
+
+            self._loss: Callable[[], torch.Tensor] = loss
         else:
             from domino.models.gpt import GPTModel
 
@@ -106,7 +113,8 @@ class _Bench:
         if self.link is not None:
             self.link.free_at = 0.0  # each step starts on an idle link
         comm = contextlib.nullcontext() if mode.comm else self.state.tp.disabled()
-        with using_plan(self.model, mode.plan), comm:
+        with using_plan(self.model, mode.plan), comm, \
+                using_sequence_parallel(self.model, mode.sequence_parallel):
             self.model.zero_grad(set_to_none=True)
             self._loss().backward()
 

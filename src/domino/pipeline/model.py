@@ -65,6 +65,8 @@ class PipelineModel(nn.Module):
         pp, layout = self.state.pp, self.layout
         s, b = input_ids.shape[1], input_ids.shape[0]
         h = self.config.hidden_size
+        sp = self.chunks[0].language_model.sequence_parallel_active(inference_params)
+        s_stage = s // self.state.tp.size if sp else s  # what crosses a stage boundary
         x = None
         out = None
         for k in range(layout.virtual_stages):
@@ -73,7 +75,7 @@ class PipelineModel(nn.Module):
                 continue
             model = self.chunks[chunk]
             if k > 0:
-                x = torch.empty(s, b, h, dtype=self.config.params_dtype,
+                x = torch.empty(s_stage, b, h, dtype=self.config.params_dtype,
                                 device=self.state.device)
                 pp.irecv(x, (k - 1) % layout.stages, tag=k).wait()
                 model.set_input_tensor(x)

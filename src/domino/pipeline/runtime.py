@@ -53,6 +53,10 @@ class PipelineRunner:
         self.actions = build(schedule, self.stages, micro_batches, self.chunks)[
             self.state.pp.rank]
         self.zero_bubble = schedule == "zero_bubble"
+        # What crosses a stage boundary: the stack's input/output, the rank's sequence shard
+        # under sequence parallelism.
+        if model.chunks[0].language_model.sequence_parallel_active():
+            seq_length //= self.state.tp.size
         self.shape = (seq_length, micro_batch_size, model.config.hidden_size)
         self.dtype = model.config.params_dtype
         self.lookahead = lookahead

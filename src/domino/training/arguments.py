@@ -106,6 +106,11 @@ class TrainArgs:
         True, "With DP > 1: sum gradients over DP in buckets launched during the backward, as "
         "soon as their layers' gradients are final (off: one blocking reduction after it).",
         "parallel")
+    sequence_parallel: bool = _f(
+        False, "With TP > 1: norms, dropout and residuals on each TP rank's 1/TP of the "
+        "sequence (activation memory of those parts / TP); the TP all-reduces become "
+        "reduce-scatters and all-gathers, which the Domino schedule overlaps the same way. "
+        "Needs --seq-length divisible by TP.", "parallel")
     use_distributed_optimizer: bool = _f(
         False, "With DP > 1: ZeRO-1 - AdamW state sharded over DP (memory per rank / DP), "
         "gradients reduce-scattered during the backward, parameters all-gathered after the "

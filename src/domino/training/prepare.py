@@ -74,7 +74,8 @@ def model_config(args: TrainArgs, vocab_size: int) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        recompute_granularity=args.recompute_granularity)
+        recompute_granularity=args.recompute_granularity,
+        sequence_parallel=args.sequence_parallel)
 
 
 def default_run_dir() -> Path:
@@ -215,6 +216,11 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
     _check_device(args, local if under_torchrun() else world_size)
     _check_link(args, world_size)
     check_sizes(world_size, tp, pp)
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp:
+        raise ValueError(
+            f"--sequence-parallel splits each sequence over the TP ranks: --seq-length="
+            f"{args.seq_length} is not divisible by --tensor-model-parallel-size={tp}; use a "
+            f"multiple of {tp} (e.g. {args.seq_length - args.seq_length % tp or tp}).")
     if args.save is None and run_dir is not None:
         args.save = str(run_dir)
     if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":

@@ -203,6 +203,9 @@ class _Pending:
 
     buffers: list[torch.Tensor]
     handles: list[Handle]
+    # Inputs freed once sent: a reduce-scatter's partial sums stay graph roots of the backward,
+    # which needs their shapes and autograd nodes but not their data.
+    release: list[torch.Tensor] = field(default_factory=list)
 
     def ready(self) -> bool:
         return all(h.ready() for h in self.handles)
@@ -210,6 +213,9 @@ class _Pending:
     def wait(self) -> torch.Tensor:
         for h in self.handles:
             h.wait()
+        for t in self.release:
+            t.untyped_storage().resize_(0)
+        self.release = []
         return self.buffers[0] if len(self.buffers) == 1 else torch.cat(self.buffers, dim=-1)
 
 
@@ -287,22 +293,26 @@ class Executor:
     def _seq_shard(self) -> tuple[int, int] | None:
         return (self.group.rank, self.group.size) if self.sp else None
 
-    def _launch(self, tensors, j: int, m: int, direction: str) -> _Pending:
+    def _launch(self, tensors, j: int, m: int, direction: str, release: bool = False
+                ) -> _Pending:
         """All-reduce (sequence parallel: reduce-scatter) each tensor as soon as ``tensors``
-        (possibly a generator) yields it."""
-        bufs, handles = [], []
+        (possibly a generator) yields it. ``release``: free the tensors' data once sent
+        (sequence parallel only; see :class:`_Pending`)."""
+        bufs, handles, sent = [], [], []
         for c, t in enumerate(tensors):
             tags = {"mb": m, "block": j, "chunk": c}
             if self.sp:
                 buf, handle = self.group.reduce_scatter_seq(
                     t.detach(), async_op=True, name=f"{direction} rs b{j}", tags=tags)
+                if release and t.is_contiguous():  # (reduce_scatter_seq copied it otherwise)
+                    sent.append(t.detach())
             else:
                 buf = t.detach()  # reduced in place: no autograd node saved these outputs
                 handle = self.group.all_reduce(buf, async_op=True, name=f"{direction} b{j}",
                                                tags=tags)
             bufs.append(buf)
             handles.append(handle)
-        pending = _Pending(bufs, handles)
+        pending = _Pending(bufs, handles, sent)
         if self.plan.overlap == "none":
             pending.wait()
         return pending
@@ -422,7 +432,8 @@ class Executor:
                 between()
             with self._span(f"fwd par {j}", m), nograd():
                 gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
-                pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
+                pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd",
+                                               release=graph and not recompute)
             if graph:
                 rec.par[(j, m)] = (None if recompute else parts, stash)
 

@@ -263,3 +263,19 @@ def using_plan(model: nn.Module, plan: Plan, *, force: bool = False) -> Iterator
     finally:
         for s, (p, f) in zip(stacks, saved, strict=True):
             s.set_plan(p, force=f)
+
+
+@contextlib.contextmanager
+def using_sequence_parallel(model: nn.Module, on: bool) -> Iterator[None]:
+    """Run the enclosed code with sequence parallelism ``on`` (or off) in every
+    DominoTransformer of ``model`` (what the bench compares; a model normally keeps its
+    config's setting); their own settings are back afterwards, also when the code raises."""
+    stacks = stacks_of(model)
+    saved = [s.sequence_parallel for s in stacks]
+    try:
+        for s in stacks:
+            s.sequence_parallel = bool(on)
+        yield
+    finally:
+        for s, before in zip(stacks, saved, strict=True):
+            s.sequence_parallel = before
