@@ -24,7 +24,7 @@ ROW_KEYS = {
     "step_times_s", "step_times_s_per_rank", "tokens_per_s", "exposed_comm_s",
     "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
-    "chrome_trace", "allreduce_bytes_per_step", "comm_cpu_s_per_step",
+    "chrome_trace", "allreduce_bytes_per_step", "comm_cpu_s_per_step", "sequence_parallel",
 }
 
 
@@ -47,11 +47,16 @@ def _args(argv: list[str]) -> argparse.Namespace:
         ("domino:m2:intra_layer:c1", "domino:m2:intra", Plan(2, "intra_layer", 1), True),
         ("domino:m1:none:c4", "domino:m1:none:c4", Plan(1, "none", 4), True),
         ("nocomm:m4:cross:c2", "nocomm:m4:cross:c2", Plan(4, "cross_layer", 2), False),
+        ("sync:SP", "sync:sp", Plan(1, "none", 1), True),
+        ("nocomm:sp", "nocomm:sp", Plan(1, "none", 1), False),
+        ("domino:m2:cross_layer:sp", "domino:m2:cross:sp", Plan(2, "cross_layer", 1), True),
+        ("nocomm:m4:cross:c2:sp", "nocomm:m4:cross:c2:sp", Plan(4, "cross_layer", 2), False),
     ],
 )
 def test_parse_mode(text: str, name: str, plan: Plan, comm: bool) -> None:
     mode = parse_mode(text)
     assert (mode.name, mode.plan, mode.comm) == (name, plan, comm)
+    assert mode.sequence_parallel == name.endswith(":sp")
     assert mode.is_domino == name.startswith("domino:")
     assert parse_mode(mode.name) == mode  # canonical names parse back to themselves
 
@@ -59,7 +64,8 @@ def test_parse_mode(text: str, name: str, plan: Plan, comm: bool) -> None:
 @pytest.mark.parametrize(
     "bad",
     ["", "fast", "domino", "domino:m2", "domino:m0:cross", "domino:m2:sideways",
-     "domino:m2:cross:c0", "domino:m2:cross:x3", "sync:m2:cross", "domino:2:cross"],
+     "domino:m2:cross:c0", "domino:m2:cross:x3", "sync:m2:cross", "domino:2:cross", "sp",
+     "sync:sp:sp", "domino:sp:m2:cross"],
 )
 def test_parse_mode_rejects(bad: str) -> None:
     with pytest.raises(ValueError, match=r"domino:m<N>:<none\|intra\|cross>"):
@@ -161,6 +167,28 @@ def test_compute_results_and_best_mode() -> None:
     assert runner.detect_regime([rows["sync"]], raw, cpus=2, busy=True) is None
 
 
+def test_sequence_parallel_modes_take_their_own_baselines() -> None:
+    """An :sp mode's exposed and hidden figures are against sync:sp and nocomm:sp, and its
+    split comparison against the comm-free run of the same split *and* layout."""
+    modes = parse_modes("sync,nocomm,domino:m2:cross,nocomm:m2:cross,sync:sp,nocomm:sp,"
+                        "domino:m2:cross:sp,nocomm:m2:cross:sp")
+    med = {"sync": 1.0, "nocomm": 0.6, "domino:m2:cross": 0.7, "nocomm:m2:cross": 0.65,
+           "sync:sp": 1.2, "nocomm:sp": 0.5, "domino:m2:cross:sp": 0.6,
+           "nocomm:m2:cross:sp": 0.55}
+    raw = {"step_times_s": {n: [t] for n, t in med.items()},
+           "per_rank_step_times_s": {n: [[t], [t]] for n, t in med.items()},
+           "peak_bytes": {n: [1, 1] for n in med}, "peak_rss_bytes": {n: [None] for n in med}}
+    rows = {r["mode"]: r for r in runner.compute_results(raw, modes, tokens=100)}
+    sp = rows["domino:m2:cross:sp"]
+    assert sp["sequence_parallel"] and not rows["domino:m2:cross"]["sequence_parallel"]
+    assert sp["exposed_comm_s"] == pytest.approx(0.1)  # vs nocomm:sp, not nocomm
+    assert sp["comm_hidden"] == pytest.approx(1 - 0.1 / 0.7)  # sync:sp exposes 0.7 s
+    assert sp["exposed_comm_vs_split_nocomm_s"] == pytest.approx(0.05)
+    assert sp["speedup_vs_sync"] == pytest.approx(1.2 / 0.6)
+    assert rows["domino:m2:cross"]["comm_hidden"] == pytest.approx(1 - 0.1 / 0.4)
+    assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] == pytest.approx(0.05)
+
+
 def test_cpu_probe_takes_the_median_window() -> None:
     """The 8 MiB probe's CPU per all-reduce is the median over windows: one window disturbed
     by another process on the host (here 10x the others) does not move it."""
@@ -176,7 +204,7 @@ def test_cpu_probe_takes_the_median_window() -> None:
 
 def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_dir = tmp_path / "bench.json", tmp_path / "traces"
-    modes = "sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross"
+    modes = "sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross,domino:m2:cross:sp"
     argv = TINY + ["--modes", modes, "--json", str(out_json), "--out-dir", str(out_dir)]
     assert runner.main(argv) == 0
     table = capsys.readouterr().out
@@ -206,19 +234,28 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert rows["domino:m2:intra:c2"]["exposed_comm_vs_split_nocomm_s"] is None
     assert (rows["domino:m2:intra:c2"]["micro_batches"], rows["domino:m2:intra:c2"]["overlap"],
             rows["domino:m2:intra:c2"]["column_chunks"]) == (2, "intra_layer", 2)
-    assert report["best_domino_mode"] in ("domino:m2:cross", "domino:m2:intra:c2")
+    assert report["best_domino_mode"] in ("domino:m2:cross", "domino:m2:intra:c2",
+                                          "domino:m2:cross:sp")
     regime = report["regime"]
     assert regime["name"] in ("negligible", "host-bound", "link-bound")
     assert f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}" in table
     assert parse_mode(runner.best_mode(report["results"])).plan in (Plan(2, "cross_layer", 1),
                                                                       Plan(2, "intra_layer", 2))
+    sp = rows["domino:m2:cross:sp"]  # against sync and nocomm: no :sp baselines ran
+    assert sp["sequence_parallel"] and sp["exposed_comm_s"] is not None
+    assert sp["allreduce_bytes_per_step"] > 0
 
     # Comm volume: per layer two forward and two backward all-reduces of [s, b, h] fp32, whatever
     # the split; none without comm. The 8 MiB probe's host CPU cost scales it to a step.
+    # Sequence parallel: each becomes a reduce-scatter of that tensor and an all-gather into
+    # one (counted at that size each), plus one all-reduce of the norm and bias gradients the
+    # shards touched (per block norm weight and bias, dense bias; the final norm).
     s, b, h, layers = 32, 4, 64, 2
     for name, r in rows.items():
-        assert r["allreduce_bytes_per_step"] == (0 if name.startswith("nocomm")
-                                                 else 4 * layers * s * b * h * 4), name
+        expected = 0 if name.startswith("nocomm") else 4 * layers * s * b * h * 4
+        if name.endswith(":sp"):
+            expected = 2 * expected + (2 * layers * 3 * h + 2 * h) * 4
+        assert r["allreduce_bytes_per_step"] == expected, name
     assert config["allreduce_8mib_s"] > 0 and config["allreduce_8mib_cpu_s"] > 0
     assert rows["sync"]["comm_cpu_s_per_step"] == pytest.approx(
         config["allreduce_8mib_cpu_s"] * rows["sync"]["allreduce_bytes_per_step"] / (8 << 20))

@@ -66,6 +66,8 @@ def test_bad_inputs(tmp_path, data, capsys) -> None:
                                             "--eval-iters", "2")
     assert "no checkpoint found" in _error(capsys, "--data-path", data, "--load",
                                            str(tmp_path))
+    msg = _error(capsys, "--data-path", data, "--sequence-parallel", "--seq-length", "33")
+    assert "--seq-length=33 is not divisible by --tensor-model-parallel-size=2" in msg
 
 
 def test_megatron_dataset_without_sidecar(tmp_path, data, capsys) -> None:

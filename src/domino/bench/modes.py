@@ -66,7 +66,7 @@ def parse_mode(text: str) -> Mode:
     if norm.endswith(":sp"):
         base = parse_mode(norm.removesuffix(":sp"))
         if base.sequence_parallel:
-            raise ValueError(f"unknown benchmark mode {text!r}: ':sp' given twice")
+            raise ValueError(f"unknown benchmark mode {text!r} (':sp' twice); expected {GRAMMAR}")
         return Mode(base.name + ":sp", base.plan, base.comm, True)
     if norm in ("sync", "nocomm"):
         return Mode(norm, SYNC, norm == "sync")

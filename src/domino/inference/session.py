@@ -45,7 +45,9 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
     step_dir, meta, _ = open_checkpoint(ns.checkpoint, hashes=True)
-    TransformerConfig.from_dict(meta.config).validate_parallel(tp)
+    saved = TransformerConfig.from_dict(meta.config)
+    saved.sequence_parallel = False  # as load_saved_model runs it
+    saved.validate_parallel(tp)
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
@@ -105,6 +107,9 @@ def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
     meta = Meta.from_json(layout.read_json(step_dir / layout.META, "checkpoint record"),
                           step_dir / layout.META)
     config = TransformerConfig.from_dict(meta.config)
+    # Sequence parallelism is a training-memory layout of the same weights; inference feeds
+    # sequences of any length (and KV-cache steps of one token), so it runs without it.
+    config.sequence_parallel = False
     if plan is None and meta.plan:
         plan = Plan.parse(meta.plan)
     torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
