@@ -231,7 +231,6 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     sent = raw.get("allreduce_bytes_per_step", {})
     med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
     t_sync, t_nocomm = med.get("sync"), med.get("nocomm")
-    exposed_sync = t_sync - t_nocomm if t_sync is not None and t_nocomm is not None else None
     rows = []
     for mode in modes:
         t = med[mode.name]
