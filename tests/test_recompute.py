@@ -116,3 +116,22 @@ def test_recompute_keeps_less() -> None:
         kept[granularity] = total
     assert kept["full"] < kept["selective"] < kept[None], kept
     assert kept["full"] == 0, kept
+
+
+def test_deferred_weight_grads_carry_no_graph() -> None:
+    """A zero-bubble W pass runs the deferred weight-gradient GEMMs later, with grad mode on;
+    under full recomputation their inputs are graph tensors. The gradients they write must
+    still be plain data (a .grad with a graph would keep the step's activations alive)."""
+    state = ParallelState(tp=CommGroup(size=2, rank=0, enabled=False))
+    cfg = config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                 recompute_granularity="full")
+    stack = DominoTransformer(cfg, state, self_attn_mask_type=AttnMaskType.causal,
+                              plan=Plan(2, "cross_layer", 1))
+    with stack.defer_weight_grads() as sink:
+        stack(torch.randn(8, 4, 32), None).sum().backward()
+    assert sink
+    with torch.enable_grad():
+        for item in sink:
+            item.run()
+    grads = [p.grad for p in stack.parameters()]
+    assert all(g is not None and not g.requires_grad for g in grads)

@@ -88,6 +88,26 @@ class Handle:
 DONE = Handle()
 
 
+class _Exchange:
+    """Point-to-point sends and receives that make up one collective, finished (e.g. the
+    received chunks summed) once all are done: the work object of a pairwise collective."""
+
+    def __init__(self, works: list, finish) -> None:
+        self._works, self._finish, self._done = works, finish, False
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            w.wait()
+        with torch.no_grad():  # a collective's data movement, never part of a graph
+            self._finish()
+        self._done = True
+
+
 @dataclass(eq=False)
 class CommGroup:
     """A process group plus this rank's place in it.
@@ -103,6 +123,17 @@ class CommGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     hook: CommHook | None = field(default=None, repr=False)
     stats: CommStats = field(default_factory=CommStats, repr=False)
+    _backend: str | None = field(default=None, repr=False)
+
+    @property
+    def pairwise(self) -> bool:
+        """Run reduce-scatters and all-gathers as pairwise point-to-point exchanges? On gloo,
+        yes: its reduce-scatter costs a whole all-reduce (8 MiB at TP=2 on this project's CPU
+        host: 7.2 ms against 3.4 ms for the exchange; all-gather 3.4 against 2.6 ms). NCCL's
+        own collectives are used as they are."""
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.group)) if self.group is not None else ""
+        return self._backend == "gloo"
 
     @classmethod
     def world(cls, device: torch.device | str = "cpu") -> CommGroup:
@@ -153,8 +184,9 @@ class CommGroup:
         if not self.active:
             local()
             return DONE
-        return self._start(tensor, name, lambda: dist.reduce_scatter_single(
-            output, tensor, group=self.group, async_op=True), async_op, local, tags)
+        real = (lambda: self._exchange_reduce_scatter(output, tensor)) if self.pairwise else (
+            lambda: dist.reduce_scatter_single(output, tensor, group=self.group, async_op=True))
+        return self._start(tensor, name, real, async_op, local, tags)
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
                         name: str = "all_gather", tags: dict | None = None) -> Handle:
@@ -166,8 +198,42 @@ class CommGroup:
         if not self.active:
             local()
             return DONE
-        return self._start(output, name, lambda: dist.all_gather_single(
-            output, tensor, group=self.group, async_op=True), async_op, local, tags)
+        real = (lambda: self._exchange_all_gather(output, tensor)) if self.pairwise else (
+            lambda: dist.all_gather_single(output, tensor, group=self.group, async_op=True))
+        return self._start(output, name, real, async_op, local, tags)
+
+    def _peers(self) -> Iterator[tuple[int, int]]:
+        """(send to, receive from) global ranks, one pair per distance d = 1 .. size-1: every
+        rank talks to rank + d while rank - d talks to it, so the exchanges do not queue."""
+        for d in range(1, self.size):
+            yield (dist.get_global_rank(self.group, (self.rank + d) % self.size),
+                   dist.get_global_rank(self.group, (self.rank - d) % self.size))
+
+    def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
+        chunks = tensor.chunk(self.size)
+        works, parts = [], {}
+        for d, (dst, src) in enumerate(self._peers(), start=1):
+            works.append(dist.isend(chunks[(self.rank + d) % self.size], dst, group=self.group))
+            buf = torch.empty_like(output)
+            parts[(self.rank - d) % self.size] = buf
+            works.append(dist.irecv(buf, src, group=self.group))
+
+        def finish() -> None:  # summed in rank order, the same order on every rank
+            parts[self.rank] = chunks[self.rank]
+            torch.add(parts[0], parts[1], out=output)
+            for r in range(2, self.size):
+                output.add_(parts[r])
+        return _Exchange(works, finish)
+
+    def _exchange_all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
+        slots = output.chunk(self.size)
+        with torch.no_grad():
+            slots[self.rank].copy_(tensor)
+        works = []
+        for d, (dst, src) in enumerate(self._peers(), start=1):
+            works.append(dist.isend(tensor, dst, group=self.group))
+            works.append(dist.irecv(slots[(self.rank - d) % self.size], src, group=self.group))
+        return _Exchange(works, lambda: None)
 
     def reduce_scatter_seq(self, tensor: torch.Tensor, async_op: bool = False,
                            name: str = "reduce_scatter", tags: dict | None = None

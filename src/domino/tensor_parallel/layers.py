@@ -94,6 +94,7 @@ class WgradStash(list):
     under an all-reduce, as ``(weight, bias, grad_output, input, rows)`` items (``rows``: the
     slice of the weight's output rows the GEMM used, or None for all)."""
 
+    @torch.no_grad()  # gradients are data: a W pass may run with grad mode on (pipelines)
     def run(self) -> None:
         """Compute and accumulate every deferred weight/bias gradient, then empty the stash."""
         for weight, bias, grad, x, rows in self:
@@ -209,6 +210,7 @@ class _RowsTask:
     fn: Callable[[slice], None]
     rows: slice
 
+    @torch.no_grad()
     def run(self) -> None:
         self.fn(self.rows)
 
