@@ -29,9 +29,9 @@ class _Recorder(BenchHook):
         super().__init__(link=SimulatedLink(1e15))
         self.log = log
 
-    def launch(self, tensor, group):
+    def launch(self, tensor, group, kind="all_reduce"):
         self.log.append(("launch", tensor.numel()))
-        return super().launch(tensor, group)
+        return super().launch(tensor, group, kind)
 
 
 @pytest.mark.parametrize("plan", [Plan(1, "none", 1), Plan(2, "cross_layer", 2)],

@@ -20,7 +20,8 @@ class SimulatedLink:
     """A link that costs wall time but no CPU, for timing schedules alone.
 
     An all-reduce of ``n`` bytes over ``size`` ranks moves ``2 (size - 1) / size * n`` bytes per
-    rank (ring); transfers queue on the one link in launch order. Tensors are left as they are
+    rank (ring), a reduce-scatter of ``n`` bytes (its input) or an all-gather into ``n`` bytes
+    half that; transfers queue on the one link in launch order. Tensors are left as they are
     (like a disabled group), so only timings mean anything.
     """
 
@@ -31,8 +32,9 @@ class SimulatedLink:
         if not self.bits_per_s > 0:
             raise ValueError(f"SimulatedLink.bits_per_s={self.bits_per_s} must be > 0.")
 
-    def schedule(self, nbytes: int, size: int) -> _SimulatedWork:
-        seconds = 2 * (size - 1) / size * nbytes * 8 / self.bits_per_s
+    def schedule(self, nbytes: int, size: int, kind: str = "all_reduce") -> _SimulatedWork:
+        passes = 2 if kind == "all_reduce" else 1
+        seconds = passes * (size - 1) / size * nbytes * 8 / self.bits_per_s
         start = max(time.perf_counter(), self.free_at)
         self.free_at = start + seconds
         return _SimulatedWork(self.free_at)
@@ -61,10 +63,11 @@ class BenchHook:
     timeline: Timeline | None = None
     link: SimulatedLink | None = None
 
-    def launch(self, tensor: torch.Tensor, group: Any) -> _SimulatedWork | None:
+    def launch(self, tensor: torch.Tensor, group: Any, kind: str = "all_reduce"
+               ) -> _SimulatedWork | None:
         if self.link is None:
             return None
-        return self.link.schedule(tensor.numel() * tensor.element_size(), group.size)
+        return self.link.schedule(tensor.numel() * tensor.element_size(), group.size, kind)
 
     def finished(self, name: str, tags: dict[str, Any], nbytes: int, launched_s: float,
                  wait_s: float, done_s: float) -> None:

@@ -42,9 +42,11 @@ class CommHook(Protocol):
     its simulated link) attaches it with ``CommGroup(hook=...)`` or ``group.hook = ...``.
     """
 
-    def launch(self, tensor: torch.Tensor, group: CommGroup) -> Any | None:
-        """At an all-reduce's launch: a work object (``wait()``, ``is_completed()``) to use
-        instead of the real collective, or None to run the real one."""
+    def launch(self, tensor: torch.Tensor, group: CommGroup, kind: str = "all_reduce"
+               ) -> Any | None:
+        """At a collective's launch (``kind``: all_reduce, reduce_scatter - ``tensor`` its
+        input - or all_gather - its output): a work object (``wait()``, ``is_completed()``) to
+        use instead of the real collective, or None to run the real one."""
 
     def finished(self, name: str, tags: dict[str, Any], nbytes: int, launched_s: float,
                  wait_s: float, done_s: float) -> None:
@@ -186,7 +188,7 @@ class CommGroup:
             return DONE
         real = (lambda: self._exchange_reduce_scatter(output, tensor)) if self.pairwise else (
             lambda: dist.reduce_scatter_single(output, tensor, group=self.group, async_op=True))
-        return self._start(tensor, name, real, async_op, local, tags)
+        return self._start(tensor, name, real, async_op, local, tags, "reduce_scatter")
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
                         name: str = "all_gather", tags: dict | None = None) -> Handle:
@@ -200,7 +202,7 @@ class CommGroup:
             return DONE
         real = (lambda: self._exchange_all_gather(output, tensor)) if self.pairwise else (
             lambda: dist.all_gather_single(output, tensor, group=self.group, async_op=True))
-        return self._start(output, name, real, async_op, local, tags)
+        return self._start(output, name, real, async_op, local, tags, "all_gather")
 
     def _peers(self) -> Iterator[tuple[int, int]]:
         """(send to, receive from) global ranks, one pair per distance d = 1 .. size-1: every
@@ -264,14 +266,14 @@ class CommGroup:
         return tensor.chunk(self.size)[self.rank]
 
     def _start(self, tensor: torch.Tensor, name: str, real, async_op: bool, local,
-               tags: dict | None = None) -> Handle:
+               tags: dict | None = None, kind: str = "all_reduce") -> Handle:
         """A collective moving ``tensor``'s bytes: counted, traced, or replaced by the hook's
         transport (then ``local()`` fills the output as a disabled group would)."""
         nbytes = tensor.numel() * tensor.element_size()
         trace = work = None
         if self.hook is not None:
             trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
-            work = self.hook.launch(tensor, self)
+            work = self.hook.launch(tensor, self, kind)
             if work is not None:
                 local()
         if work is None:

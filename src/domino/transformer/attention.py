@@ -159,9 +159,12 @@ class SelfAttention(_AttentionBase):
             config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
 
-    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
+             poll=None) -> torch.Tensor:
         sq, b, _ = x.shape
         qkv, _ = self.query_key_value(x, reduce_input_grad=False, wgrad_stash=stash)
+        if poll is not None:  # a schedule's work between the GEMM and the attention
+            poll()
         qkv = qkv.view(sq, b, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.q_per_group].reshape(sq, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, groups, d]
@@ -206,7 +209,8 @@ class CrossAttention(_AttentionBase):
             bias=config.add_bias_linear, init_method=config.init_method,
             params_dtype=config.params_dtype, device=device)
 
-    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
+             poll=None) -> torch.Tensor:
         if mb.memory is None:
             raise ValueError("cross attention needs the encoder output (enc_hidden_states or an "
                              "encoder in the model).")
@@ -214,6 +218,8 @@ class CrossAttention(_AttentionBase):
         sk = mb.memory.shape[0]
         q, _ = self.query(x, reduce_input_grad=False, wgrad_stash=stash)
         kv, _ = self.key_value(mb.memory, reduce_input_grad=False, wgrad_stash=stash)
+        if poll is not None:
+            poll()
         q = q.view(sq, b, self.heads, self.head_dim)
         kv = kv.view(sk, b, self.groups, 2, self.head_dim)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]

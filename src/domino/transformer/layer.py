@@ -13,7 +13,7 @@ returns its branches in order (self attention, [cross attention], MLP).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,10 +41,12 @@ class BlockOp(Protocol):
     def dense(self) -> RowParallelLinear:
         """The row-parallel exit whose partial sums the schedule all-reduces."""
 
-    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
+             poll: Callable[[], None] | None = None) -> torch.Tensor:
         """Everything from the column-parallel entry to ``dense``'s input: [s, b, h] ->
         [s, b, width/tp]. The entry leaves dL/dx unreduced (the schedule reduces it) and, with
-        ``stash``, defers its weight-gradient GEMMs there."""
+        ``stash``, defers its weight-gradient GEMMs there. ``poll`` (when given) is called once,
+        between the entry GEMM and what follows it: a schedule's chance to run other work."""
 
 
 @dataclass(eq=False)

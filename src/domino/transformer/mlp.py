@@ -38,9 +38,12 @@ class MLP(nn.Module):
         """The row-parallel exit, under the name every block uses."""
         return self.dense_4h_to_h
 
-    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None) -> torch.Tensor:
+    def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
+             poll=None) -> torch.Tensor:
         """fc1 and the activation (a :class:`~domino.transformer.layer.BlockOp`)."""
         h, _ = self.dense_h_to_4h(x, reduce_input_grad=False, wgrad_stash=stash)
+        if poll is not None:  # a schedule's work between the GEMM and the activation
+            poll()
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up

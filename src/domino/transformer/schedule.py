@@ -328,16 +328,18 @@ class Executor:
             pending.wait()
         return pending
 
-    def _looks_ahead(self, j: int, m: int, M: int) -> bool:
-        """Sequence parallel: does local(j, m) run inside the par piece before it - par(j, m-1),
-        or par(j-1, M-1) for m = 0 - between that piece's core and its row-parallel GEMM? Then
-        the core hides the reduce-scatter local(j, m) waits for, and the GEMM the all-gather it
-        launches. (Not with one micro-batch, where that reduce-scatter is the piece's own, nor
-        across a wait the plan puts between layers.)"""
-        if M == 1 or self.plan.overlap == "none" or (j == len(self.blocks) and m > 0):
-            return False
-        return m > 0 or not (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
-                                                       and j == len(self.blocks)))
+    def _polled(self, gen, parts: list, j: int, m: int, poll: Callable[[], None], nograd):
+        """``gen``'s column chunks, each computed in a span of its own and remembered in
+        ``parts``, with ``poll()`` after each one's collective is launched."""
+        it = iter(gen)
+        while True:
+            with self._span(f"fwd par {j}", m), nograd():
+                t = next(it, None)
+            if t is None:
+                return
+            parts.append(t)
+            yield t
+            poll()
 
     def _chunks(self, j: int, m: int, B: int, M: int) -> int:
         """Column chunks of piece (j, m). The forward's very last piece has no later compute to
@@ -415,10 +417,11 @@ class Executor:
                 else:
                     lns[m] = ln
 
-        def run_par(j: int, m: int, between: Callable[[], None] | None) -> None:
+        def run_par(j: int, m: int, poll: Callable[[], None] | None) -> None:
+            """par(j, m); ``poll`` runs between its core and its GEMM's column chunks."""
             parts: list[torch.Tensor] = []
             stash = WgradStash() if graph and not recompute else None
-            with self._span(f"fwd par {j}", m):
+            with _Span(self.group, f"fwd par {j}", m) as span:
                 ln = lns[m]
                 if self.sp:  # the whole sequence: what the TP region computes on
                     ln = gathered.pop((j, m)).wait()
@@ -427,13 +430,16 @@ class Executor:
                 if recompute:
                     self._snapshot(rec, ("par", j, m), device)
                 with nograd():
-                    core = self.blocks[j].op.core(ln, mbs[m], stash)
-            if between is not None:  # a local piece between the core and the GEMM
-                between()
-            with self._span(f"fwd par {j}", m), nograd():
-                gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
-                pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd",
-                                               release=graph and not recompute)
+                    core = self.blocks[j].op.core(ln, mbs[m], stash,
+                                                  None if poll is None else span.outside(poll))
+            gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
+            if poll is None:
+                with self._span(f"fwd par {j}", m), nograd():
+                    pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
+            else:
+                poll()
+                pending[(j, m)] = self._launch(self._polled(gen, parts, j, m, poll, nograd),
+                                               j, m, "fwd", release=graph and not recompute)
             if graph:
                 rec.par[(j, m)] = (None if recompute else parts, stash)
 
@@ -444,17 +450,41 @@ class Executor:
                     if j < B:
                         run_par(j, m, None)
         else:
-            # Locals in the same order (the dropout streams draw the same masks), each inside
-            # the par piece before it where it can be (see _looks_ahead).
-            run_local(0, 0)
-            for k in range(1, (B + 1) * M):
-                j, m = divmod(k, M)
-                pj, pm = divmod(k - 1, M)
-                inside = pj < B and self._looks_ahead(j, m, M)
-                if pj < B:
-                    run_par(pj, pm, (lambda j=j, m=m: run_local(j, m)) if inside else None)
-                if not inside:
-                    run_local(j, m)
+            # Locals run in the same order (the dropout streams draw the same masks), each as
+            # early as its reduce-scatter allows: at the latest just before its par piece, else
+            # at the first point between GEMMs where that reduce-scatter is done - so its
+            # all-gather gets the most compute to hide under.
+            order = [(j, m) for j in range(B + 1) for m in range(M)]
+            nxt = 0  # the next local to run
+
+            def ready(k: int) -> bool:
+                j, m = order[k]
+                if j == 0:
+                    return prologue is None or pending[(-1, m)].ready()
+                if (j - 1, m) not in pending:
+                    return False  # its producer has not run yet
+                if m == 0 and (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
+                                                          and j == B)):
+                    return all((j - 1, mm) in pending and pending[(j - 1, mm)].ready()
+                               for mm in range(M))
+                return pending[(j - 1, m)].ready()
+
+            def poll() -> None:
+                nonlocal nxt
+                while nxt < len(order) and ready(nxt):
+                    run_local(*order[nxt])
+                    nxt += 1
+
+            def force(k: int) -> None:
+                nonlocal nxt
+                while nxt <= k:
+                    run_local(*order[nxt])
+                    nxt += 1
+
+            for k in range(B * M):
+                force(k)  # par k's input
+                run_par(*order[k], poll)
+            force(len(order) - 1)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)
         return y, (rec if graph else None)
 
@@ -622,6 +652,33 @@ class Executor:
             torch.autograd.backward([piece.ln], [ln_grad + res_grad])
         else:
             torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
+
+
+class _Span:
+    """A compute span of the group's hook that other work can step out of (``outside``), so
+    spans never nest."""
+
+    def __init__(self, group: CommGroup, name: str, m: int | None) -> None:
+        self.group, self.name, self.m = group, name, m
+        self.cm = None
+
+    def __enter__(self) -> _Span:
+        self.cm = self.group.region(self.name, "compute", mb=self.m)
+        self.cm.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cm.__exit__(*exc)
+
+    def outside(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` wrapped to run with this span closed (it reopens after)."""
+        def run() -> None:
+            self.cm.__exit__(None, None, None)
+            try:
+                fn()
+            finally:
+                self.__enter__()
+        return run
 
 
 class _ShardGrads:
