@@ -174,3 +174,49 @@ def test_sequence_parallel_validation() -> None:
                             sequence_parallel=True), parallel_state=state)
     with pytest.raises(ValueError, match="sequence of 7 tokens is not divisible by 2"):
         model(torch.zeros(2, 7, dtype=torch.long), None, None)
+
+
+def _kept_by_piece(sp: bool, tp: int) -> dict[str, int]:
+    from domino.memory import kept_by_piece
+
+    state = ParallelState(tp=CommGroup(size=tp, rank=1, enabled=False))
+    cfg = config(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                 seq_length=32, max_position_embeddings=32, hidden_dropout=0.1,
+                 attention_dropout=0.1, sequence_parallel=sp)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, parallel_state=state, plan=Plan(2, "cross_layer", 1))
+    ids = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(0))
+    out = []
+    kept = kept_by_piece(state.tp, model.parameters(), lambda: out.append(
+        model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum()))
+    out[0].backward()
+    return kept
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_divides_local_activations_by_tp(tp: int) -> None:
+    """What backward keeps from the local pieces (norm inputs and statistics, dropout masks,
+    the embedding's sums and mask) is 1/TP of it without sequence parallelism: every such
+    tensor is the rank's sequence shard (and none is a view keeping the whole alive)."""
+    plain, sp = _kept_by_piece(False, tp), _kept_by_piece(True, tp)
+    assert plain["local"] > 0
+    assert sp["local"] * tp == plain["local"], (plain, sp)
+    assert sp["par"] <= plain["par"]  # the TP regions compute on the whole sequence either way
+
+
+def test_sp_memory_script_prints_the_halved_local_part() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sp_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--hidden-size", "128",
+                          "--num-attention-heads", "4", "--num-layers", "1", "--seq-length", "256",
+                          "--vocab-size", "128", "--micro-batch-size", "4"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {line[:28].strip(): [float(v) for v in line[28:].split()]
+            for line in out.splitlines() if line.startswith(("SP", "no SP"))}
+    for recompute in ("none", "selective"):
+        plain, sp = rows[f"no SP, recompute {recompute}"], rows[f"SP, recompute {recompute}"]
+        assert sp[0] == pytest.approx(plain[0] / 2, abs=0.051)  # local: half, at TP=2
+        assert sp[1] == plain[1]  # par: the TP regions see the whole sequence

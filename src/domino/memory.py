@@ -43,3 +43,57 @@ def peak_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+class _PieceBytes:
+    """A CommHook (``domino.tensor_parallel.comm``) that only follows the schedule's compute
+    spans, attributing the bytes autograd saves to the kind of piece running."""
+
+    def __init__(self, skip: set[int]) -> None:
+        self.current = "other"
+        self.saved: dict[str, int] = {}
+        self.seen = set(skip)
+
+    def launch(self, tensor, group, kind="all_reduce"):
+        return None  # the group's own transport
+
+    def finished(self, *args) -> None:
+        pass
+
+    def region(self, name: str, category: str, **tags):
+        import contextlib
+
+        @contextlib.contextmanager
+        def span():
+            # "fwd local 1" -> local, "fwd par 0" -> par, "fwd embed" -> embed
+            parts = name.split()
+            before, self.current = self.current, parts[1] if len(parts) > 1 else name
+            try:
+                yield
+            finally:
+                self.current = before
+        return span()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.is_floating_point() and storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
+        return t
+
+
+def kept_by_piece(group, weights, forward) -> dict[str, int]:
+    """Bytes autograd keeps for backward while ``forward()`` runs, by the kind of Domino piece
+    that saved them: ``local`` (norms, dropout, residuals, the embedding's finish), ``par``
+    (the TP regions), ``embed`` (the embedding's lookups); ``other`` outside the stack (the
+    LM head, the loss). Each storage counts once and whole (a view keeps all of it); the
+    ``weights`` and integer tensors (token and position ids) are not counted. ``group`` is the
+    TP group whose schedule spans are followed (its hook is replaced meanwhile)."""
+    probe = _PieceBytes({w.untyped_storage().data_ptr() for w in weights})
+    before, group.hook = group.hook, probe
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
+            forward()
+    finally:
+        group.hook = before
+    return probe.saved

@@ -167,6 +167,7 @@ class EmbeddingPrologue:
         self.emb, self.ids, self.position_ids, self.tokentype_ids = emb, ids, position_ids, \
             tokentype_ids
         self.keep = keep
+        self.keep_sharded = False  # keep holds only this rank's sequence rows
         self.shape = (ids.shape[1], ids.shape[0])
 
     def parameters(self) -> list[torch.Tensor]:
@@ -199,7 +200,11 @@ class EmbeddingPrologue:
         emb = emb.transpose(0, 1).contiguous().to(self.emb.config.params_dtype)  # [s, b_m, h]
         if self.keep is None:
             return emb
-        keep = self.keep[cols, mb.batch_start:mb.batch_start + emb.shape[1]]
+        if seq_shard is not None and not self.keep_sharded:
+            # Backward keeps the mask (and this prologue): only this rank's rows of it.
+            self.keep, self.keep_sharded = self.keep[cols].clone(), True
+        rows = slice(None) if self.keep_sharded else cols
+        keep = self.keep[rows, mb.batch_start:mb.batch_start + emb.shape[1]]
         return emb * keep * (1.0 / (1.0 - self.emb.dropout_p))
 
 

@@ -105,4 +105,5 @@ def dropout_seq_shard(x: torch.Tensor, p: float, training: bool, generator: torc
     full = (x.shape[0] * size, *x.shape[1:])
     keep = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p,
                                                                           generator=generator)
-    return x * keep.chunk(size)[rank] * (1.0 / (1.0 - p))
+    # A copy of the rows, not a view: backward keeps the mask, and a view would keep all of it.
+    return x * keep.chunk(size)[rank].clone() * (1.0 / (1.0 - p))
