@@ -121,6 +121,9 @@ def _parallel(rank: int, world: int, data: str, tmp: str) -> dict:
         "zero": _train(_args(data, **dp2, use_distributed_optimizer=True), f"{tmp}/zero"),
         "zero accum": _train(_args(data, **accum, use_distributed_optimizer=True,
                                    overlap_grad_reduce=False), f"{tmp}/zeroa"),
+        # Its parameter all-gathers waited at the step's end instead of under the next forward.
+        "zero gather blocking": _train(_args(data, **dp2, use_distributed_optimizer=True,
+                                             overlap_param_gather=False), f"{tmp}/zerog"),
         # The blocking DP reduction, to compare the overlapped one with bit for bit.
         "blocking": {"dp2": _train(_args(data, **dp2, overlap_grad_reduce=False),
                                    f"{tmp}/dp2b"),
@@ -144,6 +147,7 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
         assert res.pop("gen") == gen  # TP=2 generates what TP=1 generates
         for name, blocking in res.pop("blocking").items():
             assert res[name] == blocking, name  # overlapped DP reduction: the same numbers
+        assert res["zero"] == res["zero gather blocking"]  # overlapped parameter all-gathers
     runs = {"accum": single["accum"], **{f"{k} rank{r}": v for r, res in enumerate(ranks)
                                          for k, v in res.items()}}
     for name, run in runs.items():

@@ -106,6 +106,10 @@ class TrainArgs:
         True, "With DP > 1: sum gradients over DP in buckets launched during the backward, as "
         "soon as their layers' gradients are final (off: one blocking reduction after it).",
         "parallel")
+    overlap_param_gather: bool = _f(
+        True, "With --use-distributed-optimizer: the updated parameters' all-gathers run under "
+        "the next forward, each bucket waited for just before its first layer (off: waited at "
+        "the end of the step; pipeline runs always wait there).", "parallel")
     sequence_parallel: bool = _f(
         False, "With TP > 1: norms, dropout and residuals on each TP rank's 1/TP of the "
         "sequence (activation memory of those parts / TP); the TP all-reduces become "

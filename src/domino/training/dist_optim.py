@@ -4,7 +4,9 @@ The gradient buckets of :class:`~domino.training.grad_sync.GradReducer` (sharded
 reduce-scattered, so each DP rank receives the summed gradients of its own 1/DP chunk of every
 bucket - during the backward, as the buckets' layers finish. Each rank runs AdamW on its chunks
 only (its moments are the only ones it holds: optimizer memory per rank / DP), then the updated
-chunks are all-gathered back into every rank's parameters. The global gradient norm is summed
+chunks are all-gathered back into every rank's parameters: with ``overlap_param_gather``
+asynchronously, first layers first, each bucket waited for only where the next forward first
+uses one of its parameters (:meth:`DistributedAdamW.attach`). The global gradient norm is summed
 from the chunks (each element counted once over DP, TP-replicated parameters once over TP), so
 clipping is the unsharded optimizer's. Parameters stay fp32 (bf16 runs under autocast), so they
 are their own master weights; the chunk buffers are refreshed from them before every update.
@@ -43,10 +45,14 @@ class DistributedAdamW:
     """AdamW on this DP rank's chunks of ``reducer``'s buckets (see the module docstring)."""
 
     def __init__(self, reducer: GradReducer, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float) -> None:
+                 weight_decay: float, overlap_param_gather: bool = False) -> None:
+        """``overlap_param_gather``: :meth:`step` leaves the parameters' all-gathers in flight;
+        :meth:`wait_params` (or the hooks :meth:`attach` installs) finishes them."""
         if not reducer.shard:
             raise ValueError("DistributedAdamW needs a GradReducer built with shard=True")
         self.reducer, self.dp = reducer, reducer.dp
+        self.overlap_param_gather = overlap_param_gather
+        self._gathers: dict[int, tuple[torch.Tensor, object]] = {}  # bucket -> (full, handle)
         size, rank = self.dp.size, self.dp.rank
         self.chunks: list[torch.Tensor] = []
         self.segments: list[_Segment] = []
@@ -112,7 +118,8 @@ class DistributedAdamW:
 
     def step(self, clip_coeff: float = 1.0) -> None:
         """Update this rank's chunks (gradients scaled by ``clip_coeff``), then all-gather every
-        bucket's chunks into the parameters."""
+        bucket's chunks into the parameters (left in flight with ``overlap_param_gather``)."""
+        self.wait_params()  # a parameter the last forward did not use
         with torch.no_grad():
             for seg in self.segments:
                 seg.view.copy_(seg.param.detach().reshape(-1)[seg.lo:seg.hi])
@@ -122,18 +129,50 @@ class DistributedAdamW:
             for seg in self.segments:
                 seg.view.grad = None
             size = self.dp.size
-            handles, fulls = [], []
-            for chunk in self.chunks:
+            # Buckets are in backward order: launch the first layers' (the last buckets) first.
+            for bi in reversed(range(len(self.chunks))):
+                chunk = self.chunks[bi]
                 full = chunk.new_empty(chunk.numel() * size)
-                handles.append(self.dp.all_gather_into(full, chunk, async_op=True,
-                                                       name="dp params (all-gather)"))
-                fulls.append(full)
-            for bucket, full, handle in zip(self.reducer.buckets, fulls, handles, strict=True):
-                handle.wait()
-                offset = 0
+                self._gathers[bi] = (full, self.dp.all_gather_into(
+                    full, chunk, async_op=True, name="dp params (all-gather)"))
+        if not self.overlap_param_gather:
+            self.wait_params()
+
+    def wait_params(self, params=None) -> None:
+        """Finish the all-gathers of the buckets holding ``params`` (default: all) and copy the
+        updated values into the parameters."""
+        if not self._gathers:
+            return
+        wanted = None if params is None else {id(p) for p in params}
+        for bi in sorted(self._gathers, reverse=True):
+            bucket = self.reducer.buckets[bi]
+            if wanted is not None and not any(id(p) in wanted for p in bucket.params):
+                continue
+            full, handle = self._gathers.pop(bi)
+            handle.wait()
+            offset = 0
+            with torch.no_grad():
                 for p in bucket.params:
                     p.copy_(full[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
+
+    def attach(self, model: nn.Module) -> list:
+        """Forward pre-hooks that wait for the parameters just before their first use: the
+        model's own (embedding, final norm, head: everything outside the transformer blocks)
+        and each block's norm (which runs first in a block's pieces: its norm and TP region).
+        Returns the hook handles."""
+        from domino.transformer.stack import stacks_of
+
+        blocks = [b for stack in stacks_of(model) for layer in stack.layers
+                  for b in layer.blocks()]
+        inside = {id(p) for b in blocks for p in [*b.norm.parameters(), *b.op.parameters()]}
+        outside = [p for p in self.params if id(p) not in inside]
+        handles = [model.register_forward_pre_hook(lambda m, a: self.wait_params(outside))]
+        for b in blocks:
+            mine = [*b.norm.parameters(), *b.op.parameters()]
+            handles.append(b.norm.register_forward_pre_hook(
+                lambda m, a, mine=mine: self.wait_params(mine)))
+        return handles
 
     # -- checkpoints --------------------------------------------------------------------------
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:

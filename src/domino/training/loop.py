@@ -98,8 +98,11 @@ class Trainer:
                                     and self.runner is None) else None)
         self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
                                                                    args.adam_beta2),
-                                           args.adam_eps, args.weight_decay)
+                                           args.adam_eps, args.weight_decay,
+                                           args.overlap_param_gather and self.runner is None)
                           if zero else build_optimizer(self.model, args))
+        if zero and self.optimizer.overlap_param_gather:
+            self.optimizer.attach(self.model)
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
         self.rank0 = self.state.world.rank == 0
@@ -238,6 +241,8 @@ class Trainer:
 
     def finish(self, result: TrainResult) -> TrainResult:
         """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
+        if isinstance(self.optimizer, DistributedAdamW):
+            self.optimizer.wait_params()  # the last step's parameters, whatever follows
         device = self.state.device
         peaks = self.state.world.all_gather_json(peak_bytes(device))
         states = self.state.world.all_gather_json(optimizer_state_bytes(self.optimizer))
@@ -270,6 +275,8 @@ class Trainer:
         weights are NaN/inf (the previous checkpoint stays the latest)."""
         if self.last_saved == step:
             return True
+        if isinstance(self.optimizer, DistributedAdamW):
+            self.optimizer.wait_params()  # the step's updated parameters, all of them
         if self.bad_since is not None:  # agreed: every rank saw the same global loss
             self.log.print(f"not saving step {step}: its loss or gradients are NaN/inf (the "
                            f"last checkpoint, {self._last_checkpoint()}, stays the latest)")

@@ -111,6 +111,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     # exact global mean, whatever the DP size or accumulation layout.
     n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
     dp.all_reduce(n_tokens, name="token count")
+    gather0 = dp.stats.wait_s  # ZeRO's parameter all-gathers waited in the forward
     denom = float(n_tokens.clamp(min=1))
     scale = scaler.scale if scaler is not None else 1.0
     optimizer.zero_grad(set_to_none=False)
@@ -130,6 +131,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
     dp0 = dp.stats.wait_s
+    gathered = dp0 - gather0
     grads = grads_of(params)
     if runner is not None:
         for table in model.tied_word_tables():  # first and last stage: one tied weight
@@ -140,7 +142,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         reducer.finish()
     else:
         allreduce_grads(grads, dp)
-    exposed_dp = dp.stats.wait_s - dp0
+    exposed_dp = dp.stats.wait_s - dp0 + gathered
     dp.all_reduce(loss_sum, name="loss")
     if scaler is not None:
         if zero:
