@@ -110,10 +110,19 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
     # exact global mean, whatever the DP size or accumulation layout.
     n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
-    dp.all_reduce(n_tokens, name="token count")
+    # Waited for at the first backward: DP collectives finish in order, so behind ZeRO's
+    # parameter all-gathers of the last step (which the first forward overlaps).
+    counted = dp.all_reduce(n_tokens, async_op=True, name="token count")
     gather0 = dp.stats.wait_s  # ZeRO's parameter all-gathers waited in the forward
-    denom = float(n_tokens.clamp(min=1))
+    denom = None
     scale = scaler.scale if scaler is not None else 1.0
+
+    def loss_scale() -> float:
+        nonlocal denom
+        if denom is None:
+            counted.wait()
+            denom = float(n_tokens.clamp(min=1))
+        return scale / denom
     optimizer.zero_grad(set_to_none=False)
     pipeline_wait = 0.0
     zero = isinstance(optimizer, DistributedAdamW)
@@ -124,10 +133,10 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
             last = i == len(batches) - 1
             with reducer.armed(model) if overlap and last else contextlib.nullcontext():
                 lsum = forward_loss(model, batch, args, device)
-                (lsum * (scale / denom)).backward()
+                (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:
-        loss_sum, stats = runner.step(batches, scale / denom, lambda: autocast(args, device))
+        loss_sum, stats = runner.step(batches, loss_scale(), lambda: autocast(args, device))
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
     dp0 = dp.stats.wait_s
@@ -155,7 +164,9 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     # Every rank must agree to skip, or the replicas would diverge.
     overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, device)
     if not overflow and zero:
+        before = dp.stats.wait_s
         optimizer.step(clip_coeff(args.clip_grad, norm))
+        exposed_dp += dp.stats.wait_s - before  # its parameter all-gathers, when waited here
     elif not overflow:
         clip_grads(params, args.clip_grad, norm)
         optimizer.step()
