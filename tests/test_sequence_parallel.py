@@ -135,8 +135,84 @@ def _sp_checks(state: ParallelState) -> dict:
     return out
 
 
+def _collective_checks(state: ParallelState) -> dict:
+    """The sequence collectives (gloo: reduce-scatter as pairwise exchanges), several in
+    flight at once, against what they must compute: integer-valued floats, so sums are exact."""
+    tp = state.tp
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randint(-50, 50, (8, 3, 5), generator=gen).float() for _ in range(tp.size)]
+    mine = full[tp.rank]
+    launched = [tp.reduce_scatter_seq(mine * (k + 1), async_op=True) for k in range(3)]
+    gathered, handle = tp.all_gather_seq(mine.chunk(tp.size)[tp.rank], async_op=True)
+    out = {}
+    total = sum(full)
+    for k, (shard, h) in enumerate(launched):
+        h.wait()
+        out[f"rs{k}"] = torch.equal(shard, (total * (k + 1)).chunk(tp.size)[tp.rank])
+    handle.wait()
+    out["ag"] = torch.equal(gathered, torch.cat([f.chunk(tp.size)[r] for r, f in enumerate(full)]))
+    return out
+
+
+class _LaunchOrder:
+    """A CommHook recording every TP collective's launch and moving it over a simulated link
+    whose speed depends on the rank (rank 0's instant, rank 1's slow; tensors are left as a
+    disabled group leaves them): a schedule that picked places by which collectives had
+    finished would launch in a different order on each rank - a deadlock or wrong sums on a
+    real run."""
+
+    def __init__(self, rank: int) -> None:
+        from domino.bench.hooks import BenchHook, SimulatedLink
+
+        self.launched = []
+        self.inner = BenchHook(link=SimulatedLink(1e15 if rank == 0 else 2e6))
+
+    def launch(self, tensor, group, kind="all_reduce"):
+        self.launched.append((kind, tuple(tensor.shape)))
+        return self.inner.launch(tensor, group, kind)
+
+    def finished(self, *args) -> None:
+        pass
+
+    def region(self, name: str, category: str, **tags):
+        return self.inner.region(name, category, **tags)
+
+
+def _launch_order_checks(state: ParallelState) -> dict:
+    out = {}
+    for plan in (Plan(2, "cross_layer", 1), Plan(4, "cross_layer", 2), Plan(3, "intra_layer", 1)):
+        cfg = config(hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+                     max_position_embeddings=16, sequence_parallel=True, hidden_dropout=0.1)
+        torch.manual_seed(0)
+        model = GPTModel(cfg, parallel_state=state, plan=plan)
+        ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+        state.tp.hook = hook = _LaunchOrder(state.tp.rank)
+        try:
+            model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
+        finally:
+            state.tp.hook = None
+        out[str(plan)] = hook.launched
+    return out
+
+
 register(2, _sp_checks)
 register(4, _sp_checks)
+register(2, _launch_order_checks)
+
+
+def test_every_rank_launches_the_same_collectives_in_the_same_order() -> None:
+    ranks = tp_results(2, _launch_order_checks)
+    for plan, launched in ranks[0].items():
+        assert len(launched) > 20, plan
+        assert launched == ranks[1][plan], plan
+register(2, _collective_checks)
+register(4, _collective_checks)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_collectives(world: int) -> None:
+    for rank, res in enumerate(tp_results(world, _collective_checks)):
+        assert all(res.values()), (rank, res)
 
 
 @pytest.mark.parametrize("world", [2, 4])

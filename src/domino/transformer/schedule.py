@@ -328,18 +328,17 @@ class Executor:
             pending.wait()
         return pending
 
-    def _polled(self, gen, parts: list, j: int, m: int, poll: Callable[[], None], nograd):
-        """``gen``'s column chunks, each computed in a span of its own and remembered in
-        ``parts``, with ``poll()`` after each one's collective is launched."""
-        it = iter(gen)
-        while True:
-            with self._span(f"fwd par {j}", m), nograd():
-                t = next(it, None)
-            if t is None:
-                return
-            parts.append(t)
-            yield t
-            poll()
+    def _looks_ahead(self, j: int, m: int, M: int) -> bool:
+        """Sequence parallel: does local(j, m) run inside the par piece before it - par(j, m-1),
+        or par(j-1, M-1) for m = 0 - right after that piece's entry GEMM? Then the GEMM hides
+        the reduce-scatter local(j, m) waits for, and the rest of the piece (attention or
+        activation, the row-parallel GEMM) the all-gather it launches. Not with one
+        micro-batch (that reduce-scatter would be the piece's own), nor across a wait the plan
+        puts between layers."""
+        if M == 1 or self.plan.overlap == "none":
+            return False
+        return m > 0 or not (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
+                                                       and j == len(self.blocks)))
 
     def _chunks(self, j: int, m: int, B: int, M: int) -> int:
         """Column chunks of piece (j, m). The forward's very last piece has no later compute to
@@ -417,8 +416,8 @@ class Executor:
                 else:
                     lns[m] = ln
 
-        def run_par(j: int, m: int, poll: Callable[[], None] | None) -> None:
-            """par(j, m); ``poll`` runs between its core and its GEMM's column chunks."""
+        def run_par(j: int, m: int, between: Callable[[], None] | None) -> None:
+            """par(j, m); ``between`` (a local piece) runs right after its entry GEMM."""
             parts: list[torch.Tensor] = []
             stash = WgradStash() if graph and not recompute else None
             with _Span(self.group, f"fwd par {j}", m) as span:
@@ -430,16 +429,12 @@ class Executor:
                 if recompute:
                     self._snapshot(rec, ("par", j, m), device)
                 with nograd():
-                    core = self.blocks[j].op.core(ln, mbs[m], stash,
-                                                  None if poll is None else span.outside(poll))
-            gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
-            if poll is None:
-                with self._span(f"fwd par {j}", m), nograd():
-                    pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd")
-            else:
-                poll()
-                pending[(j, m)] = self._launch(self._polled(gen, parts, j, m, poll, nograd),
-                                               j, m, "fwd", release=graph and not recompute)
+                    core = self.blocks[j].op.core(
+                        ln, mbs[m], stash, None if between is None else span.outside(between))
+            with self._span(f"fwd par {j}", m), nograd():
+                gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
+                pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd",
+                                               release=graph and not recompute)
             if graph:
                 rec.par[(j, m)] = (None if recompute else parts, stash)
 
@@ -450,41 +445,19 @@ class Executor:
                     if j < B:
                         run_par(j, m, None)
         else:
-            # Locals run in the same order (the dropout streams draw the same masks), each as
-            # early as its reduce-scatter allows: at the latest just before its par piece, else
-            # at the first point between GEMMs where that reduce-scatter is done - so its
-            # all-gather gets the most compute to hide under.
-            order = [(j, m) for j in range(B + 1) for m in range(M)]
-            nxt = 0  # the next local to run
-
-            def ready(k: int) -> bool:
-                j, m = order[k]
-                if j == 0:
-                    return prologue is None or pending[(-1, m)].ready()
-                if (j - 1, m) not in pending:
-                    return False  # its producer has not run yet
-                if m == 0 and (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
-                                                          and j == B)):
-                    return all((j - 1, mm) in pending and pending[(j - 1, mm)].ready()
-                               for mm in range(M))
-                return pending[(j - 1, m)].ready()
-
-            def poll() -> None:
-                nonlocal nxt
-                while nxt < len(order) and ready(nxt):
-                    run_local(*order[nxt])
-                    nxt += 1
-
-            def force(k: int) -> None:
-                nonlocal nxt
-                while nxt <= k:
-                    run_local(*order[nxt])
-                    nxt += 1
-
-            for k in range(B * M):
-                force(k)  # par k's input
-                run_par(*order[k], poll)
-            force(len(order) - 1)
+            # Locals in the same order (the dropout streams draw the same masks), each inside
+            # the par piece before it where it can be (see _looks_ahead). The places are fixed,
+            # not chosen by which collectives have finished: every TP rank must launch its
+            # collectives in the same order.
+            run_local(0, 0)
+            for k in range(1, (B + 1) * M):
+                j, m = divmod(k, M)
+                pj, pm = divmod(k - 1, M)
+                inside = pj < B and self._looks_ahead(j, m, M)
+                if pj < B:
+                    run_par(pj, pm, (lambda j=j, m=m: run_local(j, m)) if inside else None)
+                if not inside:
+                    run_local(j, m)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)
         return y, (rec if graph else None)
 
