@@ -26,6 +26,14 @@ A :class:`Prologue` (the embedding, whose vocabulary-parallel lookup gives parti
 piece ``par(-1, m)``: its all-reduce runs while the next micro-batches' lookups and the first
 block of micro-batch 0 compute, and its weight gradient joins the backward's late work.
 
+Sequence parallelism (``Executor(sequence_parallel=True)``): local pieces run on this rank's
+sequence shard; par(j, m) starts with an all-gather of local(j, m)'s norm output and its partial
+sums are reduce-scattered instead of all-reduced. local(j, m) then runs inside the par piece
+before it, right after that piece's entry GEMM (:meth:`Executor._looks_ahead`), so that the GEMM
+hides the reduce-scatter it waits for and the rest of the piece the all-gather it launches. The
+places are fixed: every TP rank must launch the same collectives in the same order, so nothing
+here may depend on which collective happens to have finished.
+
 Backward is the mirror image (units ``local^T(j+1, m), par^T(j, m)``), driven explicitly here:
 PyTorch's autograd engine runs ready nodes in reverse creation order, which would make every
 micro-batch wait for its own gradient all-reduce at once; running each piece's backward
