@@ -123,6 +123,9 @@ class Trainer:
             accum = args.global_batch_size // (dp.size * args.micro_batch_size)
             split = ("each micro-batch runs unsplit (one TP rank)" if tp.size == 1 else
                      f"Domino plan {self.plan} inside each micro-batch")
+            if args.sequence_parallel:
+                split += (", sequence parallel (1/TP of each sequence between TP regions)"
+                          if tp.size > 1 else ", sequence parallel (no effect with one TP rank)")
             if self.runner is not None:
                 batching = (f"micro-batch {args.micro_batch_size} x DP {dp.size} x {accum} "
                             f"pipeline micro-batches | pipeline: {args.schedule()}, "
