@@ -248,6 +248,7 @@ class _Record:
     local: dict = field(default_factory=dict)  # (j, m) -> _Local, or final output for j = B
     par: dict = field(default_factory=dict)  # (j, m) -> (partial sums, deferred dW GEMMs)
     reduced: dict = field(default_factory=dict)  # (j, m) -> leaf holding the reduced partials
+    core_leaves: dict = field(default_factory=dict)  # sequence parallel: (j, m) -> dense input
     rng: dict = field(default_factory=dict)  # full recompute: ("local"|"par", j, m) -> streams
 
 
@@ -439,12 +440,18 @@ class Executor:
                 with nograd():
                     core = self.blocks[j].op.core(
                         ln, mbs[m], stash, None if between is None else span.outside(between))
+            core_in = core
+            if self.sp and graph and not recompute:
+                # The backward runs the row-parallel GEMM's and the core's separately (a
+                # local^T goes between them): the GEMM starts from its own leaf.
+                core_in = rec.core_leaves[(j, m)] = core.detach().requires_grad_()
             with self._span(f"fwd par {j}", m), nograd():
-                gen = self.blocks[j].dense_partials(core, self._chunks(j, m, B, M), stash)
+                gen = self.blocks[j].dense_partials(core_in, self._chunks(j, m, B, M), stash)
                 pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd",
                                                release=graph and not recompute)
             if graph:
-                rec.par[(j, m)] = (None if recompute else parts, stash)
+                rec.par[(j, m)] = (None if recompute else parts, stash,
+                                   core if self.sp and not recompute else None)
 
         if not self.sp:
             for j in range(B + 1):
@@ -508,58 +515,110 @@ class Executor:
         pending: dict[tuple[int, int], _Pending] = {}  # input-gradient all-reduces in flight
         deferred: deque[WgradStash] = deque()
         first_layer = self.blocks[0].layer if self.blocks else None
-        for j in range(B - 1, -2, -1):
-            if self._syncs_before(j + 1):
-                for m in range(M):
-                    self._fill(deferred, pending[(j + 1, m)]).wait()
-            for m in range(M):
-                with self._span(f"bwd local {j + 1}", m):
-                    if j + 1 == B:
-                        mb = rec.mbs[m]
-                        g = grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
-                        out = rec.local.pop((B, m))
-                        if self.recompute:
-                            out = self._recomputed_local(rec, B, m, device)
-                        torch.autograd.backward([out], [g])
-                    else:
-                        # The last waits (j = -1) may also use the late work.
-                        ready = self._fill(deferred, pending.pop((j + 1, m)), late if j < 0 else None)
-                        piece = rec.local.pop((j + 1, m))
-                        if self.recompute:
-                            ln, res = self._recomputed_local(rec, j + 1, m, device)
-                            piece = _Local(ln, None if res is ln else res, piece.ln_leaf,
-                                           piece.res_leaf)
-                        self._local_backward(piece, ready.wait())
-                        done(j + 1)
-                        if shard_grads is not None:
-                            shard_grads.local_done(j + 1)
-                if j < 0:
-                    if rec.prologue is not None:
-                        self._queue_prologue_backward(rec, m, late)
-                    continue
-                grad_in = rec.reduced.pop((j, m)).grad  # of par(j, m)'s reduced output
-                if self.sp:  # the whole sequence's, for the TP region's backward
-                    grad_in = self._gather(grad_in, j, m, "bwd")
-                with self._span(f"bwd par {j}", m):
-                    parts, stash = rec.par.pop((j, m))
+        gathered: dict[tuple[int, int], _Pending] = {}  # sequence parallel: par^T inputs
+
+        def local_bwd(jj: int, m: int) -> None:
+            """local^T(jj, m); then (sequence parallel) launch the all-gather of the output
+            gradient of par(jj - 1, m) it produced."""
+            with self._span(f"bwd local {jj}", m):
+                if jj == B:
+                    mb = rec.mbs[m]
+                    g = grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
+                    out = rec.local.pop((B, m))
                     if self.recompute:
-                        stash = WgradStash()
-                        self._replay(rec, ("par", j, m), device)
-                        with torch.enable_grad():
-                            parts = list(self.blocks[j].partials(
-                                rec.local[(j, m)].ln_leaf, rec.mbs[m], self._chunks(j, m, B, M),
-                                stash))
-                    g = self._fill(deferred, grad_in).wait() if self.sp else grad_in
-                    grads = ([g] if len(parts) == 1
-                             else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
-                    torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
-                    ln_leaf = rec.local[(j, m)].ln_leaf
-                    pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
-                    deferred.append(_Counted(stash, lambda j=j: done(j)))
-                    keep = 0 if self.plan.overlap == "none" else (
-                        len(deferred) if self.blocks[j].layer == first_layer else M)
-                    while sink is None and len(deferred) > keep:
-                        deferred.popleft().run()
+                        out = self._recomputed_local(rec, B, m, device)
+                    torch.autograd.backward([out], [g])
+                else:
+                    # The last waits (jj = 0) may also use the late work.
+                    ready = self._fill(deferred, pending.pop((jj, m)), late if jj == 0 else None)
+                    piece = rec.local.pop((jj, m))
+                    if self.recompute:
+                        ln, res = self._recomputed_local(rec, jj, m, device)
+                        piece = _Local(ln, None if res is ln else res, piece.ln_leaf,
+                                       piece.res_leaf)
+                    self._local_backward(piece, ready.wait())
+                    done(jj)
+                    if shard_grads is not None:
+                        shard_grads.local_done(jj)
+            if jj == 0:
+                if rec.prologue is not None:
+                    self._queue_prologue_backward(rec, m, late)
+            elif self.sp:  # the whole sequence's, for the TP region's backward
+                gathered[(jj - 1, m)] = self._gather(rec.reduced[(jj - 1, m)].grad, jj - 1, m,
+                                                     "bwd")
+
+        def par_bwd(j: int, m: int, between: Callable[[], None] | None) -> None:
+            """par^T(j, m); ``between`` (the next piece's local^T) runs between the backward of
+            its row-parallel GEMM and the backward of its core."""
+            with _Span(self.group, f"bwd par {j}", m) as span:
+                parts, stash, core = rec.par.pop((j, m))
+                core_in = None
+                if self.recompute:
+                    stash = WgradStash()
+                    self._replay(rec, ("par", j, m), device)
+                    with torch.enable_grad():
+                        core = self.blocks[j].op.core(rec.local[(j, m)].ln_leaf, rec.mbs[m],
+                                                      stash)
+                        core_in = core.detach().requires_grad_() if self.sp else core
+                        parts = list(self.blocks[j].dense_partials(
+                            core_in, self._chunks(j, m, B, M), stash))
+                    if not self.sp:
+                        core = None
+                reduced = rec.reduced.pop((j, m))
+                g = self._fill(deferred, gathered.pop((j, m))).wait() if self.sp else reduced.grad
+                grads = ([g] if len(parts) == 1
+                         else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
+                torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
+                if core is not None:  # sequence parallel: the core's backward on its own
+                    leaf = core_in if self.recompute else rec.core_leaves.pop((j, m))
+                    if between is not None:
+                        span.outside(between)()
+                    torch.autograd.backward([core], [leaf.grad])
+                elif between is not None:
+                    span.outside(between)()
+                ln_leaf = rec.local[(j, m)].ln_leaf
+                pending[(j, m)] = self._launch([ln_leaf.grad], j, m, "bwd")
+                deferred.append(_Counted(stash, lambda j=j: done(j)))
+                keep = 0 if self.plan.overlap == "none" else (
+                    len(deferred) if self.blocks[j].layer == first_layer else M)
+                while sink is None and len(deferred) > keep:
+                    deferred.popleft().run()
+
+        if not self.sp:
+            for j in range(B - 1, -2, -1):
+                if self._syncs_before(j + 1):
+                    for m in range(M):
+                        self._fill(deferred, pending[(j + 1, m)]).wait()
+                for m in range(M):
+                    local_bwd(j + 1, m)
+                    if j >= 0:
+                        par_bwd(j, m, None)
+        else:
+            # Pieces in the usual order; the local^T a piece needs runs inside the piece before
+            # it where it can (fixed places: every rank launches the same collectives in the
+            # same order), else just before it.
+            order = [(j, m) for j in range(B - 1, -1, -1) for m in range(M)]
+
+            def inside(k: int) -> bool:  # may piece k's local^T run inside piece k - 1?
+                j, m = order[k]
+                if M == 1 or self.plan.overlap == "none" or k == 0:
+                    return False
+                return m > 0 or not self._syncs_before(j + 1)
+
+            for k, (j, m) in enumerate(order):
+                if not inside(k):
+                    if m == 0 and self._syncs_before(j + 1):
+                        for mm in range(M):
+                            self._fill(deferred, pending[(j + 1, mm)]).wait()
+                    local_bwd(j + 1, m)
+                nxt = k + 1 < len(order) and inside(k + 1)
+                par_bwd(j, m, (lambda k=k: local_bwd(order[k + 1][0] + 1, order[k + 1][1]))
+                        if nxt else None)
+            if self._syncs_before(0):
+                for mm in range(M):
+                    self._fill(deferred, pending[(0, mm)]).wait()
+            for m in range(M):
+                local_bwd(0, m)
         if sink is not None:
             sink.extend(deferred)
             sink.extend(late.take_all())  # (ends with the flush of the staged gradients)
