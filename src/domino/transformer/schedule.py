@@ -32,7 +32,10 @@ sums are reduce-scattered instead of all-reduced. local(j, m) then runs inside t
 before it, right after that piece's entry GEMM (:meth:`Executor._looks_ahead`), so that the GEMM
 hides the reduce-scatter it waits for and the rest of the piece the all-gather it launches. The
 places are fixed: every TP rank must launch the same collectives in the same order, so nothing
-here may depend on which collective happens to have finished.
+here may depend on which collective happens to have finished. The backward mirrors it: the
+local^T that produces a piece's output gradient runs inside the piece before it, between that
+piece's row-parallel GEMM backward and its core's backward, which then hides the gradient's
+all-gather.
 
 Backward is the mirror image (units ``local^T(j+1, m), par^T(j, m)``), driven explicitly here:
 PyTorch's autograd engine runs ready nodes in reverse creation order, which would make every
