@@ -296,3 +296,14 @@ def test_sp_memory_script_prints_the_halved_local_part() -> None:
         plain, sp = rows[f"no SP, recompute {recompute}"], rows[f"SP, recompute {recompute}"]
         assert sp[0] == pytest.approx(plain[0] / 2, abs=0.051)  # local: half, at TP=2
         assert sp[1] == plain[1]  # par: the TP regions see the whole sequence
+
+
+def test_a_whole_sequence_given_as_a_shard_is_refused() -> None:
+    state = ParallelState(tp=CommGroup(size=2, rank=0, enabled=False))
+    cfg = config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
+                 sequence_parallel=True)
+    stack = DominoTransformer(cfg, state, plan=Plan(1, "none", 1))
+    mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    stack(torch.randn(4, 2, 32), mask)  # the shard: 4 of 8 positions
+    with pytest.raises(ValueError, match="attention_mask must cover 16 positions"):
+        stack(torch.randn(8, 2, 32), mask)  # the whole sequence passed as if a shard

@@ -60,7 +60,9 @@ class DominoTransformer(nn.Module):
 
     ``plan`` is the schedule (default: ``Plan.from_config(config)``, the config's ``domino_*``
     fields); :meth:`set_plan` swaps it (same weights, another schedule). Input and output are
-    [s, b, h].
+    [s, b, h]; with sequence parallelism (:meth:`sequence_parallel_active`) this rank's
+    sequence shard [s/tp, b, h] of each, and of ``encoder_output`` (masks and RoPE angles
+    still cover the whole sequence).
     """
 
     def __init__(self, config: TransformerConfig, parallel_state: ParallelState | None = None,
@@ -182,6 +184,15 @@ class DominoTransformer(nn.Module):
                              "set_input_tensor() on a stage built with pre_process=False.")
         else:
             s, b, _ = hidden_states.shape
+            if sp:  # a shard [s/tp, b, h]: what else covers the sequence must say s * tp
+                for name, t, dim in (("attention_mask", attention_mask, -2),
+                                     ("rotary_pos_emb", rotary_pos_emb, 0)):
+                    if t is not None and t.shape[dim] not in (1, s * tp):
+                        raise ValueError(
+                            f"sequence parallelism: hidden_states are this rank's sequence "
+                            f"shard [s/{tp}, b, h], {s} positions, so {name} must cover "
+                            f"{s * tp} positions, but its dim {dim} is {t.shape[dim]}; pass "
+                            "the shard (state.tp.seq_shard(x)) or turn sequence_parallel off.")
         if sp and encoder_output is not None:
             # Cross attention reads the whole encoder output: gather it once for every layer
             # (its gradient comes back as this rank's shard, see Executor.backward).
