@@ -101,13 +101,25 @@ class PipelineRunner:
         sends.append((tensor, handle))
 
     # -- one step -----------------------------------------------------------------------------
+    @property
+    def overlaps_dp(self) -> bool:
+        """Can a DP reducer launch its buckets during this schedule's backwards? Not under
+        zero-bubble: its W passes finish the weight gradients after the last backward."""
+        return not self.zero_bubble
+
     def step(self, batches: list[dict[str, torch.Tensor]], loss_scale: float,
              autocast: Callable[[], AbstractContextManager] | None = None,
-             ) -> tuple[torch.Tensor, StepStats]:
+             reducer=None) -> tuple[torch.Tensor, StepStats]:
         """Forward and backward of every pipeline micro-batch (``batches``, this DP rank's);
         gradients accumulate in ``.grad``, the loss being summed over tokens and multiplied by
-        ``loss_scale`` before its backward. Returns (the step's summed loss, on every pipeline
-        rank; this rank's stats)."""
+        ``loss_scale`` before its backward. With ``reducer`` (a begun ``GradReducer``; needs
+        :attr:`overlaps_dp`) each chunk's last backward launches the DP buckets of the blocks
+        it finishes. Returns (the step's summed loss, on every pipeline rank; this rank's
+        stats)."""
+        if reducer is not None and not self.overlaps_dp:
+            raise ValueError("zero-bubble's W passes finish the weight gradients after the "
+                             "backwards: reduce DP after the step instead")
+        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == "B"}
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was built for {self.micro_batches} pipeline "
                              f"micro-batches per step, got {len(batches)}")
@@ -154,7 +166,10 @@ class PipelineRunner:
                         torch.autograd.backward(out, grad)
                     deferred[key] = sink
                 else:
-                    torch.autograd.backward(out, grad)
+                    armed = reducer is not None and last_backward[a.chunk] == i
+                    with reducer.armed(chunk, begin=False) if armed else \
+                            contextlib.nullcontext():
+                        torch.autograd.backward(out, grad)
                     held -= 1
                 x = inputs.pop(key)
                 if k > 0:

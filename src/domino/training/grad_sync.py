@@ -6,7 +6,9 @@ final gradient - which the Domino schedule reports block by block (``Executor.ba
 ``on_final``: a block's norm, TP region and exit bias are done, including its deferred
 weight-gradient GEMMs) - so its all-reduce runs under the backward of the layers before it.
 Parameters outside the transformer blocks (embedding, final norm, LM head) are launched when the
-backward ends. :meth:`GradReducer.finish` waits for every bucket before the optimizer step.
+backward ends. A pipeline (``PipelineRunner.step(reducer=...)``) arms each model chunk around
+its last micro-batch's backward, except under zero-bubble, whose W passes finish the weight
+gradients later: there everything is launched at :meth:`GradReducer.finish`. :meth:`GradReducer.finish` waits for every bucket before the optimizer step.
 
 Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`): earlier
 ones only add into ``.grad``. Every DP rank launches the same buckets in the same order (blocks
@@ -88,14 +90,18 @@ class GradReducer:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: set[int] = set()
         self._armed = False
+        self.launched_early = 0
 
     @contextlib.contextmanager
-    def armed(self, model: nn.Module) -> Iterator[None]:
+    def armed(self, model: nn.Module, begin: bool = True) -> Iterator[None]:
         """Within: backwards of ``model``'s Domino stacks report final blocks, whose buckets
-        are launched then (use around the last micro-step's backward; then :meth:`finish`)."""
+        are launched then (use around the last micro-step's backward; then :meth:`finish`).
+        ``begin=False``: part of a step already begun (a pipeline arms each of its model
+        chunks around that chunk's last backward)."""
         from domino.transformer.stack import stacks_of
 
-        self.begin()
+        if begin:
+            self.begin()
         stacks = stacks_of(model)
         saved = [s.on_final_block for s in stacks]
         try:
@@ -155,6 +161,8 @@ class GradReducer:
         if not self._armed:
             raise RuntimeError("GradReducer.finish() without an armed backward")
         self._armed = False
+        # How many buckets the backward launched itself (the overlap; the rest launch now).
+        self.launched_early = sum(b.handle is not None for b in self.buckets)
         for bucket in self.buckets:
             if bucket.handle is None:
                 self.ready(bucket.params)

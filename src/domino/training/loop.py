@@ -92,10 +92,11 @@ class Trainer:
             self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         zero = args.use_distributed_optimizer and dp.size > 1
-        # The pipeline runner reduces after its schedule (no overlap: unarmed, see step.py).
+        # A pipeline overlaps the reduction with its schedule except under zero-bubble (see
+        # PipelineRunner.overlaps_dp), which reduces after it.
         self.reducer = (GradReducer(self.model, self.params, dp, shard=zero)
-                        if zero or (dp.size > 1 and args.overlap_grad_reduce
-                                    and self.runner is None) else None)
+                        if zero or (dp.size > 1 and args.overlap_grad_reduce and (
+                            self.runner is None or self.runner.overlaps_dp)) else None)
         self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
                                                                    args.adam_beta2),
                                            args.adam_eps, args.weight_decay,

@@ -126,7 +126,8 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     optimizer.zero_grad(set_to_none=False)
     pipeline_wait = 0.0
     zero = isinstance(optimizer, DistributedAdamW)
-    overlap = reducer is not None and runner is None and (args.overlap_grad_reduce or zero)
+    overlap = reducer is not None and (args.overlap_grad_reduce or zero) and (
+        runner is None or runner.overlaps_dp)
     if runner is None:
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
@@ -136,7 +137,10 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
                 (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:
-        loss_sum, stats = runner.step(batches, loss_scale(), lambda: autocast(args, device))
+        if overlap:
+            reducer.begin()  # each chunk's last backward launches its blocks' buckets
+        loss_sum, stats = runner.step(batches, loss_scale(), lambda: autocast(args, device),
+                                      reducer=reducer if overlap else None)
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
     dp0 = dp.stats.wait_s
