@@ -3,8 +3,9 @@
 A block is one residual branch::
 
     enter:    h -> norm -> (ln, residual)                  local, replicated on TP ranks
-    partials: ln -> column-parallel ... row-parallel GEMM  TP region; yields partial sums,
-              (one per column chunk)                       each needing an all-reduce
+    op.core:  ln -> column-parallel ... (attention, act)   TP region, then
+    dense_partials: -> row-parallel GEMM                   partial sums, one per column
+                                                           chunk, each needing an all-reduce
     exit:     (reduced, residual) -> residual + dropout(reduced + bias)   local
 
 The layer itself holds the modules under Megatron's names; :meth:`TransformerLayer.blocks`
@@ -65,17 +66,12 @@ class Block:
         ln = self.norm(h)
         return ln, (ln if self.residual_post_norm else h)
 
-    def partials(self, ln: torch.Tensor, mb: MicroBatch, chunks: int,
-                 stash: WgradStash | None) -> Iterator[torch.Tensor]:
-        """Row-parallel partial sums [s, b, h_c], one per column chunk, produced lazily so the
-        caller can launch chunk c's all-reduce before chunk c+1's GEMM runs. With ``stash`` the
-        weight-gradient GEMMs of the whole TP region are deferred to it."""
-        return self.dense_partials(self.op.core(ln, mb, stash), chunks, stash)
-
     def dense_partials(self, core: torch.Tensor, chunks: int,
                        stash: WgradStash | None) -> Iterator[torch.Tensor]:
-        """:meth:`partials` from the core's output [s, b, width/tp] on (the row-parallel GEMM
-        only): a schedule may run other work between the core and these."""
+        """Row-parallel partial sums [s, b, h_c] of the core's output ``op.core(ln, ...)``
+        [s, b, width/tp], one per column chunk, produced lazily so the caller can launch chunk
+        c's all-reduce before chunk c+1's GEMM runs. With ``stash`` the weight-gradient GEMMs
+        are deferred to it (as the core's are, given the same stash)."""
         dense = self.op.dense
         if chunks == 1:
             yield dense.partial(core, wgrad_stash=stash)

@@ -3,7 +3,8 @@
 The executor runs a stack of blocks under a :class:`~domino.plan.Plan` and hands each piece what
 it needs as arguments: a read-only :class:`MicroBatch` (its slice of the batch, masks, RoPE
 angles, encoder memory, KV cache) and, when training, the stash its weight-gradient GEMMs are
-deferred to (``Block.partials``; a block's TP region implements ``layer.BlockOp``).
+deferred to (``Block.op.core`` and ``Block.dense_partials``; a block's TP region implements
+``layer.BlockOp``).
 
 A stack of B blocks (see ``layer.py``) has, per micro-batch m, pieces
 
