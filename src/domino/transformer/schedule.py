@@ -618,10 +618,7 @@ class Executor:
                 nxt = k + 1 < len(order) and inside(k + 1)
                 par_bwd(j, m, (lambda k=k: local_bwd(order[k + 1][0] + 1, order[k + 1][1]))
                         if nxt else None)
-            if self._syncs_before(0):
-                for mm in range(M):
-                    self._fill(deferred, pending[(0, mm)]).wait()
-            for m in range(M):
+            for m in range(M):  # the first block's norms (no par^T left to run them in)
                 local_bwd(0, m)
         if sink is not None:
             sink.extend(deferred)
