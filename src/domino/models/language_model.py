@@ -69,8 +69,8 @@ class Pooler(nn.Module):
         that TP group; the pooled token may live on another rank, so the sequence is gathered
         (every rank pools the same token: its gradient is each rank's own shard)."""
         if sequence_parallel_group is not None:
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, sequence_parallel_group, reduce_grad=False)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states,
+                                                                 sequence_parallel_group)
         return torch.tanh(self.dense(hidden_states[sequence_index]))
 
 

@@ -53,6 +53,8 @@ class PipelineRunner:
         self.actions = build(schedule, self.stages, micro_batches, self.chunks)[
             self.state.pp.rank]
         self.zero_bubble = schedule == "zero_bubble"
+        # Each chunk's last backward action: where a DP reducer is armed (see step).
+        self._last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == "B"}
         # What crosses a stage boundary: the stack's input/output, the rank's sequence shard
         # under sequence parallelism.
         if model.chunks[0].language_model.sequence_parallel_active():
@@ -119,7 +121,6 @@ class PipelineRunner:
         if reducer is not None and not self.overlaps_dp:
             raise ValueError("zero-bubble's W passes finish the weight gradients after the "
                              "backwards: reduce DP after the step instead")
-        last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == "B"}
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was built for {self.micro_batches} pipeline "
                              f"micro-batches per step, got {len(batches)}")
@@ -166,7 +167,7 @@ class PipelineRunner:
                         torch.autograd.backward(out, grad)
                     deferred[key] = sink
                 else:
-                    armed = reducer is not None and last_backward[a.chunk] == i
+                    armed = reducer is not None and self._last_backward[a.chunk] == i
                     with reducer.armed(chunk, begin=False) if armed else \
                             contextlib.nullcontext():
                         torch.autograd.backward(out, grad)

@@ -206,21 +206,19 @@ class CommGroup:
             output, tensor, group=self.group, async_op=True), async_op, local, tags,
             "all_gather")
 
-    def _peers(self) -> Iterator[tuple[int, int]]:
-        """(send to, receive from) global ranks, one pair per distance d = 1 .. size-1: every
-        rank talks to rank + d while rank - d talks to it, so the exchanges do not queue."""
-        for d in range(1, self.size):
-            yield (dist.get_global_rank(self.group, (self.rank + d) % self.size),
-                   dist.get_global_rank(self.group, (self.rank - d) % self.size))
-
     def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
+        """Each rank sends every peer that peer's chunk and sums the chunks it receives. At
+        distance d every rank sends to rank + d while rank - d sends to it, so the exchanges
+        do not queue."""
         chunks = tensor.chunk(self.size)
         works, parts = [], {}
-        for d, (dst, src) in enumerate(self._peers(), start=1):
-            works.append(dist.isend(chunks[(self.rank + d) % self.size], dst, group=self.group))
-            buf = torch.empty_like(output)
-            parts[(self.rank - d) % self.size] = buf
-            works.append(dist.irecv(buf, src, group=self.group))
+        for d in range(1, self.size):
+            dst, src = (self.rank + d) % self.size, (self.rank - d) % self.size
+            works.append(dist.isend(chunks[dst], dist.get_global_rank(self.group, dst),
+                                    group=self.group))
+            parts[src] = torch.empty_like(output)
+            works.append(dist.irecv(parts[src], dist.get_global_rank(self.group, src),
+                                    group=self.group))
 
         def finish() -> None:  # summed in rank order, the same order on every rank
             parts[self.rank] = chunks[self.rank]

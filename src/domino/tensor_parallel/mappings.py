@@ -85,42 +85,21 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) 
 # -- sequence parallelism: the sequence dim (first of [s, b, h]) is split over the TP ranks ------
 
 class _GatherFromSequence(torch.autograd.Function):
-    """Forward: every rank's sequence shard -> the whole sequence. Backward: the gradient of
-    the whole sequence is either partial per rank (``reduce_grad``: it fed a TP region, e.g.
-    the vocabulary-parallel head), so it is reduce-scattered, or the same on every rank (it fed
-    replicated work, e.g. the pooler), so each rank keeps its shard."""
-
-    @staticmethod
-    def forward(ctx, x, group, reduce_grad):
-        ctx.group, ctx.reduce_grad = group, reduce_grad
-        return group.all_gather_seq(x)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce_grad:
-            return ctx.group.reduce_scatter_seq(grad)[0], None, None
-        return ctx.group.seq_shard(grad).clone(), None, None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    """Forward: keep this rank's sequence shard; backward: gather the whole sequence."""
+    """Forward: every rank's sequence shard -> the whole sequence, for work every rank repeats
+    on it (the pooler); its gradient is then the same on every rank, which keeps its shard.
+    (What feeds a TP region instead reduce-scatters its partial gradient: the LM head's
+    ``linear_reduce_input_grad(..., sequence_parallel=True)``, the schedule's own pieces.)"""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return group.seq_shard(x).clone()
+        return group.all_gather_seq(x)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.group.all_gather_seq(grad)[0], None
+        return ctx.group.seq_shard(grad).clone(), None
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: CommGroup,
-                                         reduce_grad: bool = True) -> torch.Tensor:
-    """[s / tp, ...] shards -> [s, ...] (see :class:`_GatherFromSequence` for ``reduce_grad``)."""
-    return _GatherFromSequence.apply(x, group, reduce_grad) if group.size > 1 else x
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """[s, ...] (the same on every rank) -> this rank's shard [s / tp, ...]."""
-    return _ScatterToSequence.apply(x, group) if group.size > 1 else x
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """[s / tp, ...] shards -> [s, ...] (see :class:`_GatherFromSequence`)."""
+    return _GatherFromSequence.apply(x, group) if group.size > 1 else x

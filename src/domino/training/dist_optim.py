@@ -165,14 +165,13 @@ class DistributedAdamW:
 
         blocks = [b for stack in stacks_of(model) for layer in stack.layers
                   for b in layer.blocks()]
-        inside = {id(p) for b in blocks for p in [*b.norm.parameters(), *b.op.parameters()]}
+        inside = {id(p) for b in blocks for p in b.parameters()}
         outside = [p for p in self.params if id(p) not in inside]
-        handles = [model.register_forward_pre_hook(lambda m, a: self.wait_params(outside))]
-        for b in blocks:
-            mine = [*b.norm.parameters(), *b.op.parameters()]
-            handles.append(b.norm.register_forward_pre_hook(
-                lambda m, a, mine=mine: self.wait_params(mine)))
-        return handles
+        def waiter(params: list[nn.Parameter]):
+            return lambda module, args: self.wait_params(params)
+
+        return [model.register_forward_pre_hook(waiter(outside)),
+                *(b.norm.register_forward_pre_hook(waiter(b.parameters())) for b in blocks)]
 
     # -- checkpoints --------------------------------------------------------------------------
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:

@@ -8,7 +8,8 @@ weight-gradient GEMMs) - so its all-reduce runs under the backward of the layers
 Parameters outside the transformer blocks (embedding, final norm, LM head) are launched when the
 backward ends. A pipeline (``PipelineRunner.step(reducer=...)``) arms each model chunk around
 its last micro-batch's backward, except under zero-bubble, whose W passes finish the weight
-gradients later: there everything is launched at :meth:`GradReducer.finish`. :meth:`GradReducer.finish` waits for every bucket before the optimizer step.
+gradients later: there everything is launched at :meth:`GradReducer.finish`, which waits for
+every bucket before the optimizer step.
 
 Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`): earlier
 ones only add into ``.grad``. Every DP rank launches the same buckets in the same order (blocks
@@ -58,7 +59,7 @@ def backward_order(model: nn.Module, params: Sequence[nn.Parameter]) -> list[nn.
     ordered, seen = [], set()
     for stack in reversed(stacks_of(model)):
         for block in reversed([b for layer in stack.layers for b in layer.blocks()]):
-            for p in [*block.norm.parameters(), *block.op.parameters()]:
+            for p in block.parameters():
                 if id(p) in wanted and id(p) not in seen:
                     ordered.append(p)
                     seen.add(id(p))
@@ -121,7 +122,7 @@ class GradReducer:
         self._armed = True
 
     def _block_final(self, block) -> None:
-        self.ready([*block.norm.parameters(), *block.op.parameters()])
+        self.ready(block.parameters())
 
     def ready(self, params: Sequence[nn.Parameter]) -> None:
         """These parameters' gradients are final: launch every bucket that is now complete."""

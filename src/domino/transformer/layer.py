@@ -62,6 +62,10 @@ class Block:
     residual_post_norm: bool
     rng: RNGTracker
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The block's own parameters: its norm's and its TP region's."""
+        return [*self.norm.parameters(), *self.op.parameters()]
+
     def enter(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ln = self.norm(h)
         return ln, (ln if self.residual_post_norm else h)

@@ -350,8 +350,13 @@ class Executor:
         puts between layers."""
         if M == 1 or self.plan.overlap == "none":
             return False
-        return m > 0 or not (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
-                                                       and j == len(self.blocks)))
+        return m > 0 or not self._syncs_into(j)
+
+    def _syncs_into(self, j: int) -> bool:
+        """Forward: does local(j, 0) wait for every all-reduce of the pieces before it? Under
+        intra_layer at each layer boundary, and before the final norm."""
+        return self._syncs_before(j) or (self.plan.overlap == "intra_layer"
+                                         and j == len(self.blocks))
 
     def _chunks(self, j: int, m: int, B: int, M: int) -> int:
         """Column chunks of piece (j, m). The forward's very last piece has no later compute to
@@ -397,8 +402,7 @@ class Executor:
 
         def run_local(j: int, m: int) -> None:
             nonlocal device
-            if m == 0 and (self._syncs_before(j) or (self.plan.overlap == "intra_layer"
-                                                      and j == B)):
+            if m == 0 and self._syncs_into(j):
                 for mm in range(M):
                     pending[(j - 1, mm)].wait()
             with self._span(f"fwd local {j}", m):
@@ -457,26 +461,19 @@ class Executor:
                 rec.par[(j, m)] = (None if recompute else parts, stash,
                                    core if self.sp and not recompute else None)
 
-        if not self.sp:
-            for j in range(B + 1):
-                for m in range(M):
-                    run_local(j, m)
-                    if j < B:
-                        run_par(j, m, None)
-        else:
-            # Locals in the same order (the dropout streams draw the same masks), each inside
-            # the par piece before it where it can be (see _looks_ahead). The places are fixed,
-            # not chosen by which collectives have finished: every TP rank must launch its
-            # collectives in the same order.
-            run_local(0, 0)
-            for k in range(1, (B + 1) * M):
-                j, m = divmod(k, M)
-                pj, pm = divmod(k - 1, M)
-                inside = pj < B and self._looks_ahead(j, m, M)
-                if pj < B:
-                    run_par(pj, pm, (lambda j=j, m=m: run_local(j, m)) if inside else None)
-                if not inside:
-                    run_local(j, m)
+        # Locals in (j, m) order, each after the par piece before it; under sequence
+        # parallelism inside it where it can be (see _looks_ahead). The dropout streams thus
+        # draw the same masks either way. The places are fixed, not chosen by which collectives
+        # have finished: every TP rank must launch its collectives in the same order.
+        run_local(0, 0)
+        for k in range(1, (B + 1) * M):
+            j, m = divmod(k, M)
+            pj, pm = divmod(k - 1, M)
+            inside = self.sp and pj < B and self._looks_ahead(j, m, M)
+            if pj < B:
+                run_par(pj, pm, (lambda j=j, m=m: run_local(j, m)) if inside else None)
+            if not inside:
+                run_local(j, m)
         y = outs[0] if M == 1 else torch.cat(outs, dim=1)
         return y, (rec if graph else None)
 
@@ -588,38 +585,27 @@ class Executor:
                 while sink is None and len(deferred) > keep:
                     deferred.popleft().run()
 
-        if not self.sp:
-            for j in range(B - 1, -2, -1):
-                if self._syncs_before(j + 1):
-                    for m in range(M):
-                        self._fill(deferred, pending[(j + 1, m)]).wait()
-                for m in range(M):
-                    local_bwd(j + 1, m)
-                    if j >= 0:
-                        par_bwd(j, m, None)
-        else:
-            # Pieces in the usual order; the local^T a piece needs runs inside the piece before
-            # it where it can (fixed places: every rank launches the same collectives in the
-            # same order), else just before it.
-            order = [(j, m) for j in range(B - 1, -1, -1) for m in range(M)]
+        # Pieces in order, each after the local^T it needs; under sequence parallelism that
+        # local^T runs inside the piece before it where it can (fixed places, as in forward).
+        order = [(j, m) for j in range(B - 1, -1, -1) for m in range(M)]
 
-            def inside(k: int) -> bool:  # may piece k's local^T run inside piece k - 1?
-                j, m = order[k]
-                if M == 1 or self.plan.overlap == "none" or k == 0:
-                    return False
-                return m > 0 or not self._syncs_before(j + 1)
+        def inside(k: int) -> bool:  # does piece k's local^T run inside piece k - 1?
+            j, m = order[k]
+            if not self.sp or M == 1 or self.plan.overlap == "none" or k == 0:
+                return False
+            return m > 0 or not self._syncs_before(j + 1)
 
-            for k, (j, m) in enumerate(order):
-                if not inside(k):
-                    if m == 0 and self._syncs_before(j + 1):
-                        for mm in range(M):
-                            self._fill(deferred, pending[(j + 1, mm)]).wait()
-                    local_bwd(j + 1, m)
-                nxt = k + 1 < len(order) and inside(k + 1)
-                par_bwd(j, m, (lambda k=k: local_bwd(order[k + 1][0] + 1, order[k + 1][1]))
-                        if nxt else None)
-            for m in range(M):  # the first block's norms (no par^T left to run them in)
-                local_bwd(0, m)
+        for k, (j, m) in enumerate(order):
+            if not inside(k):
+                if m == 0 and self._syncs_before(j + 1):
+                    for mm in range(M):
+                        self._fill(deferred, pending[(j + 1, mm)]).wait()
+                local_bwd(j + 1, m)
+            nxt = k + 1 < len(order) and inside(k + 1)
+            par_bwd(j, m, (lambda k=k: local_bwd(order[k + 1][0] + 1, order[k + 1][1]))
+                    if nxt else None)
+        for m in range(M):  # the first block's norms (no par^T left to run them in)
+            local_bwd(0, m)
         if sink is not None:
             sink.extend(deferred)
             sink.extend(late.take_all())  # (ends with the flush of the staged gradients)
