@@ -43,11 +43,15 @@ class ParallelState:
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-              device: torch.device | str | None = None) -> ParallelState:
+              device: torch.device | str | None = None,
+              shared_memory: bool = True) -> ParallelState:
         """Build the groups over the initialised default process group with a DeviceMesh.
 
         Ranks are laid out ``[pp, dp, tp]`` with TP innermost, so a TP group holds consecutive
-        ranks (on one host when ranks are packed per node).
+        ranks (on one host when ranks are packed per node). On CPU, ``shared_memory`` gives the
+        TP and DP groups whose ranks share a host the shared-memory transport
+        (``tensor_parallel.shm``) for their all-reduces, reduce-scatters and all-gathers;
+        ``False`` keeps every collective on gloo. :meth:`transports` says what each got.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -72,7 +76,30 @@ class ParallelState:
                     world=CommGroup.world(device), embedding=_embedding_group(mesh, device),
                     device=device, mesh=mesh)
         state.rng.tp_rank = state.tp.rank
+        if shared_memory and device.type == "cpu":
+            from domino.tensor_parallel.shm import open_transport
+
+            for name in ("tp", "dp"):  # every rank, in the same order: it is collective
+                g = getattr(state, name)
+                g.transport = open_transport(g.group, g.rank, g.size, name)
         return state
+
+    def transports(self) -> dict[str, str]:
+        """How the TP and DP groups move bytes: ``shm``, ``gloo``, ``nccl``, or ``-`` (one
+        rank)."""
+        out = {}
+        for name in ("tp", "dp"):
+            g = getattr(self, name)
+            out[name] = ("-" if g.size == 1 else "shm" if g.transport is not None
+                         else str(dist.get_backend(g.group)))
+        return out
+
+    def close(self) -> None:
+        """Stop the shared-memory transports' worker threads (the end of a rank's run)."""
+        for g in (self.tp, self.dp):
+            if g.transport is not None:
+                g.transport.close()
+                g.transport = None
 
 
 def _embedding_group(mesh, device: torch.device) -> CommGroup:

@@ -129,7 +129,8 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device) -> dict[str, An
     from domino.bench.worker import _quiet_fd2
 
     state = ParallelState.build(spec["tensor_model_parallel_size"],
-                                spec["pipeline_model_parallel_size"], device=device)
+                                spec["pipeline_model_parallel_size"], device=device,
+                                shared_memory=spec.get("shared_memory_comm", True))
     bench = _PipelineBench(spec, state)
     names = list(bench.runners)
     rows = time_rotated(len(names), lambda i: bench.step(names[i]), spec["warmup"],
@@ -229,7 +230,7 @@ def validate_pipeline(args) -> dict[str, Any]:
             "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "pipeline_micro_batches", "steps", "warmup", "threads_per_rank", "dtype", "seed",
-            "timeout", "plan")}
+            "timeout", "plan", "shared_memory_comm")}
     counts = None
     if args.pipeline_stage_layers:
         try:

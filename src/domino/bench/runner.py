@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--link-mtu", type=int, default=None, metavar="BYTES",
       help="MTU of the emulated link's veths (default: the veth default, 1500); e.g. 9000 for "
            "jumbo frames, which cut the host CPU each transfer costs")
+    a("--no-shared-memory-comm", dest="shared_memory_comm", action="store_false",
+      help="keep every collective on gloo (default on CPU: ranks on one host move TP "
+           "collectives through shared memory; emulated hosts always use gloo)")
     a("--timeout", type=float, default=300.0,
       help="seconds a collective may wait for a peer before the ranks give up")
     a("--pipeline-model-parallel-size", type=int, default=1,
@@ -143,7 +146,7 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
             "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
-            "attention_dropout")}
+            "attention_dropout", "shared_memory_comm")}
     build_config(spec).validate_parallel(tp)
     _check_modes(modes, args)
     spec["modes"] = [m.name for m in modes]
@@ -317,6 +320,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"TP={c['tensor_model_parallel_size']}, {c['dtype']}, {c['device']}, "
         f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
         + (f" MTU {c['link_mtu']}" if c.get("link_mtu") else "")
+        + (f", TP over {c['transports']['tp']}" if c.get("transports") else "")
         + (f" (8 MiB all-reduce {ar * 1e3:.1f} ms" if ar is not None else "")
         + (f", {ar_cpu * 1e3:.1f} ms of host CPU" if ar is not None and ar_cpu is not None else "")
         + (")" if ar is not None else "")
@@ -448,6 +452,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": raw["device"],
         "link": link,
         "link_rate_bits_per_s": rate_bits_per_s(rate) if rate is not None else None,
+        "transports": raw.get("transports"),
         "allreduce_8mib_s": raw["allreduce_8mib_s"],
         "allreduce_8mib_cpu_s": raw.get("allreduce_8mib_cpu_s"),
         "param_bytes_per_rank": raw["param_bytes"],

@@ -206,7 +206,8 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
 
 def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
     """Run the whole measurement on this rank; rank 0 returns the raw results."""
-    state = ParallelState.build(spec["tensor_model_parallel_size"], device=device)
+    state = ParallelState.build(spec["tensor_model_parallel_size"], device=device,
+                                shared_memory=spec.get("shared_memory_comm", True))
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state)
     allreduce = probe_allreduce(state.tp)
@@ -224,6 +225,7 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
     names = [m.name for m in modes]
     return {
         "device": str(device),
+        "transports": state.transports(),
         "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],
         "allreduce_8mib_cpu_s": None if allreduce is None else allreduce["cpu_s"],
         "allreduce_bytes_per_step": {n: gathered[0]["memory"][n]["allreduce_bytes"] for n in names},

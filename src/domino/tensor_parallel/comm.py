@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -125,6 +126,9 @@ class CommGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     hook: CommHook | None = field(default=None, repr=False)
     stats: CommStats = field(default_factory=CommStats, repr=False)
+    # Carries all-reduces, reduce-scatters and all-gathers of CPU tensors in place of the
+    # process group when set (shm.SharedMemoryTransport: ranks on one host).
+    transport: Any = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
 
     @property
@@ -174,8 +178,16 @@ class CommGroup:
         ``tags`` describe it to the hook (e.g. micro-batch and block of a schedule)."""
         if not self.active:
             return DONE
-        return self._start(tensor, name, lambda: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=True), async_op, lambda: None, tags)
+        if self._shared(tensor, op=op):
+            real = partial(self.transport.all_reduce, tensor, op)
+        else:
+            real = partial(dist.all_reduce, tensor, op=op, group=self.group, async_op=True)
+        return self._start(tensor, name, real, async_op, lambda: None, tags)
+
+    def _shared(self, *tensors: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> bool:
+        """Does the shared-memory transport carry a collective of these tensors?"""
+        return self.transport is not None and all(
+            self.transport.supports(t, op) for t in tensors)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
                        name: str = "reduce_scatter", tags: dict | None = None) -> Handle:
@@ -188,8 +200,13 @@ class CommGroup:
         if not self.active:
             local()
             return DONE
-        real = (lambda: self._exchange_reduce_scatter(output, tensor)) if self.pairwise else (
-            lambda: dist.reduce_scatter_single(output, tensor, group=self.group, async_op=True))
+        if self._shared(output, tensor):
+            real = partial(self.transport.reduce_scatter, output, tensor)
+        elif self.pairwise:
+            real = partial(self._exchange_reduce_scatter, output, tensor)
+        else:
+            real = partial(dist.reduce_scatter_single, output, tensor, group=self.group,
+                           async_op=True)
         return self._start(tensor, name, real, async_op, local, tags, "reduce_scatter")
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False,
@@ -202,9 +219,12 @@ class CommGroup:
         if not self.active:
             local()
             return DONE
-        return self._start(output, name, lambda: dist.all_gather_single(
-            output, tensor, group=self.group, async_op=True), async_op, local, tags,
-            "all_gather")
+        if self._shared(output, tensor):
+            real = partial(self.transport.all_gather, output, tensor)
+        else:
+            real = partial(dist.all_gather_single, output, tensor, group=self.group,
+                           async_op=True)
+        return self._start(output, name, real, async_op, local, tags, "all_gather")
 
     def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
         """Each rank sends every peer that peer's chunk and sums the chunks it receives. At

@@ -74,7 +74,7 @@ class Trainer:
         self.stop = stop if stop is not None else StopRequest()
         self.state = state if state is not None else ParallelState.build(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            device=args.device)
+            device=args.device, shared_memory=args.shared_memory_comm)
         dp, tp, pp = self.state.dp, self.state.tp, self.state.pp
         torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
         self.state.rng.seed(args.seed)
@@ -138,7 +138,9 @@ class Trainer:
                 f"model: {int(count.item()):,} parameters | TP={tp.size} x "
                 + (f"PP={pp.size} x " if pp.size > 1 else "") + f"DP={dp.size} | global batch {args.global_batch_size} x {args.seq_length} "
                 f"tokens = {batching} | {len(run.train_ds):,} train samples | device "
-                f"{self.state.device}")
+                f"{self.state.device}" + "".join(
+                    f" | {k.upper()} over {v}" for k, v in self.state.transports().items()
+                    if v != "-"))
 
     @property
     def plan(self) -> Plan:

@@ -64,9 +64,11 @@ def run_worker(run: Run) -> int:
                 write_config(run.run_dir, args)
         args.device = str(device)
         state = ParallelState.build(args.tensor_model_parallel_size,
-                                    args.pipeline_model_parallel_size, device=device)
+                                    args.pipeline_model_parallel_size, device=device,
+                                    shared_memory=args.shared_memory_comm)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         result = train(run, state=state, stop=stop)
+        state.close()
         world.barrier()  # DP rank 0's TP group may still be sampling: leave together
         if result.stopped_at is not None:
             return 128 + (stop.signum or signal.SIGTERM)
