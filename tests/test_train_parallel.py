@@ -115,6 +115,12 @@ def _parallel(rank: int, world: int, data: str, tmp: str) -> dict:
         "dp2": _train(_args(data, **dp2), f"{tmp}/dp2"),
         "dp2 accum": _train(_args(data, **accum), f"{tmp}/dp2a"),
         "tp2": _train(_args(data, tensor_model_parallel_size=2), f"{tmp}/tp2"),
+        # The same runs over gloo instead of the shared-memory transport: the same bits (two
+        # ranks sum in one order whatever the transport).
+        "over gloo": {"tp2": _train(_args(data, tensor_model_parallel_size=2,
+                                          shared_memory_comm=False), f"{tmp}/tp2g"),
+                      "dp2": _train(_args(data, **dp2, shared_memory_comm=False),
+                                    f"{tmp}/dp2g")},
         "tp2 sp": _train(_args(data, tensor_model_parallel_size=2, sequence_parallel=True),
                          f"{tmp}/tp2sp"),
         # ZeRO-1: moments sharded over DP, gradients reduce-scattered, parameters all-gathered.
@@ -147,6 +153,8 @@ def test_dp_tp_and_accumulation_match_single_process(data, tmp_path) -> None:
         assert res.pop("gen") == gen  # TP=2 generates what TP=1 generates
         for name, blocking in res.pop("blocking").items():
             assert res[name] == blocking, name  # overlapped DP reduction: the same numbers
+        for name, gloo in res.pop("over gloo").items():
+            assert res[name] == gloo, name  # shared memory or gloo: the same numbers
         assert res["zero"] == res["zero gather blocking"]  # overlapped parameter all-gathers
     runs = {"accum": single["accum"], **{f"{k} rank{r}": v for r, res in enumerate(ranks)
                                          for k, v in res.items()}}

@@ -2,10 +2,10 @@
 
 gloo moves every byte between two processes of one host through loopback TCP: each rank's
 worker thread copies into the kernel, the kernel copies to the peer, and the sums run on top.
-On this project's 2-CPU host an 8 MiB all-reduce at TP=2 costs 4-5 ms of CPU per rank that way
-(and 5.5-7 ms of wall time), CPU the ranks' compute needs: overlapping the transfer then
+On this project's 2-CPU host an 8 MiB all-reduce at TP=2 costs 3-5 ms of CPU per rank that way
+(and 4.5-7 ms of wall time), CPU the ranks' compute needs: overlapping the transfer then
 cannot hide it. Through one shared mapping the same all-reduce is one copy in, a sum of this
-rank's 1/N segment and one copy out: 1.4 ms of wall time and of CPU per rank.
+rank's 1/N segment and one copy out: 1.1-1.4 ms of wall time and of CPU per rank.
 
 How one collective runs (every rank of the group runs the same steps, in launch order, on its
 own worker thread):
@@ -13,7 +13,9 @@ own worker thread):
 - each rank copies its input into its own slot of the mapping;
 - a barrier;
 - all-reduce: rank r sums segment r of every slot, in rank order, and publishes the sum in its
-  own slot; after a second barrier every rank copies every other segment from its owner's slot;
+  own slot; after a second barrier every rank copies every other segment from its owner's slot
+  (two ranks: each sums the whole tensor, its own and the peer's slot, and is done: fewer
+  copies, one barrier);
 - reduce-scatter: rank r sums chunk r of every slot, in rank order, into its output;
 - all-gather: every rank copies every slot into its output.
 
@@ -26,7 +28,8 @@ closes its FIFOs, so the others see end-of-file and fail at once; a peer that st
 part makes them fail after the process group's timeout.
 
 The files (one mapping, the FIFOs) live in a fresh private directory under /dev/shm that is
-removed as soon as every rank has opened them: nothing is left behind, even by a crash.
+removed as soon as every rank has opened them, so a crash later leaves nothing behind; one
+during set-up can, and the next set-up removes directories whose creating process is gone.
 :func:`open_transport` decides on every rank alike whether the transport can be used (one
 host: same boot, same network namespace, same /dev/shm; the files could be created, sized and
 opened) and returns None everywhere otherwise, so the group keeps to gloo.
@@ -41,6 +44,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -53,6 +57,7 @@ __all__ = ["SLOT_BYTES", "SharedMemoryTransport", "host_key", "open_transport"]
 # /dev/shm 64 MiB), so slots shrink in large groups.
 SLOT_BYTES = 4 << 20
 _BUDGET_BYTES = 32 << 20
+_PREFIX = "domino-shm-"  # + the creating process's pid + "-" + random
 _REDUCE = {
     dist.ReduceOp.SUM: torch.add,
     dist.ReduceOp.MAX: torch.maximum,
@@ -108,42 +113,86 @@ class _Work:
 
 class SharedMemoryTransport:
     """All-reduce, reduce-scatter and all-gather of contiguous CPU tensors over one shared
-    mapping (see the module's docstring). Built by :func:`open_transport`; ``close()`` stops
-    its worker thread."""
+    mapping (see the module's docstring); each call queues the collective for the worker
+    thread and returns its work object (``wait()``, ``is_completed()``). Built by
+    :func:`open_transport`. ``close()`` stops the worker after what was queued; dropping the
+    transport does the same (the thread holds only the channel, never the transport)."""
 
-    def __init__(self, rank: int, size: int, buffer: torch.Tensor, slot_bytes: int,
-                 reads: dict[int, int], writes: dict[int, int], timeout_s: float,
-                 label: str) -> None:
-        self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
-        self._buffer, self._reads, self._writes = buffer, reads, writes
-        self._timeout_s, self._label = timeout_s, label
-        self._step = 0  # which buffer set the next piece uses
+    def __init__(self, channel: _Channel) -> None:
+        self.rank, self.size = channel.rank, channel.size
+        self._channel = channel
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name=f"domino-shm-{label}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(channel, self._queue),
+                                        name=f"domino-shm-{channel.label}", daemon=True)
         self._thread.start()
-
-    # ---- the public collectives: each returns a work object (wait / is_completed) ----------
+        self._stop = weakref.finalize(self, self._queue.put, None)
 
     def supports(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> bool:
         return (tensor.device.type == "cpu" and tensor.is_contiguous()
                 and tensor.dtype in _DTYPES and op in _REDUCE)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> _Work:
-        return self._submit(lambda: self._all_reduce(tensor.view(-1), _REDUCE[op]))
+        c = self._channel
+        return self._submit(lambda: c.all_reduce(tensor.view(-1), _REDUCE[op]))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
-        return self._submit(lambda: self._reduce_scatter(output.view(-1), tensor.view(-1)))
+        c = self._channel
+        return self._submit(lambda: c.reduce_scatter(output.view(-1), tensor.view(-1)))
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
-        return self._submit(lambda: self._all_gather(output.view(-1), tensor.view(-1)))
+        c = self._channel
+        return self._submit(lambda: c.all_gather(output.view(-1), tensor.view(-1)))
 
     def close(self) -> None:
         """Stop the worker once what was queued has run, and close the FIFOs."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        self._stop()
+        self._thread.join()
+
+    def _submit(self, run) -> _Work:
+        work = _Work(run)
+        if self._channel.failed is not None:  # a peer is gone: nothing more can complete
+            work.error = self._channel.failure()
+            work.done.set()
+        else:
+            self._queue.put(work)
+        return work
+
+
+def _serve(channel: _Channel, jobs: queue.SimpleQueue) -> None:
+    """The worker thread: run queued collectives in order until told to stop. After a failure
+    every later collective fails with it (the ranks are out of step)."""
+    try:
+        while (work := jobs.get()) is not None:
+            if channel.failed is None:
+                try:
+                    with torch.no_grad():
+                        work.run()
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                    channel.failed = e
+            if channel.failed is not None:
+                work.error = channel.failure()
+            work.done.set()
+    finally:
+        channel.close()
+
+
+class _Channel:
+    """One rank's end of the mapping and the FIFOs, and the three algorithms over them; used
+    by the worker thread only."""
+
+    def __init__(self, rank: int, size: int, buffer: torch.Tensor, slot_bytes: int,
+                 reads: dict[int, int], writes: dict[int, int], timeout_s: float,
+                 label: str) -> None:
+        self.rank, self.size, self.slot_bytes, self.label = rank, size, slot_bytes, label
+        self._buffer, self._reads, self._writes = buffer, reads, writes
+        self._timeout_s = timeout_s
+        self._step = 0  # which buffer set the next piece uses
+        self.failed: BaseException | None = None
+
+    def failure(self) -> RuntimeError:
+        return RuntimeError(f"shared-memory collective of the {self.label} group: {self.failed}")
+
+    def close(self) -> None:
         for fd in [*self._reads.values(), *self._writes.values()]:
             try:
                 os.close(fd)
@@ -151,35 +200,13 @@ class SharedMemoryTransport:
                 pass
         self._reads, self._writes = {}, {}
 
-    # ---- the worker ---------------------------------------------------------------------
-
-    def _submit(self, run) -> _Work:
-        work = _Work(run)
-        if self._failed is not None:  # a peer is gone: nothing more can complete
-            work.error = RuntimeError(f"{self._label}: {self._failed}")
-            work.done.set()
-            return work
-        self._queue.put(work)
-        return work
-
-    def _serve(self) -> None:
-        while (work := self._queue.get()) is not None:
-            if self._failed is None:
-                try:
-                    with torch.no_grad():
-                        work.run()
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                    self._failed = e
-            if self._failed is not None:
-                work.error = RuntimeError(f"{self._label}: {self._failed}")
-            work.done.set()
-
     def _barrier(self) -> None:
-        for fd in self._writes.values():
+        for peer, fd in self._writes.items():
             try:
                 os.write(fd, b"\x01")
             except BrokenPipeError:
-                raise RuntimeError("a peer rank exited during a collective") from None
+                raise RuntimeError(f"rank {peer} of the group exited during a collective"
+                                   ) from None
         pending = dict(self._reads)
         poller = select.poll()
         for fd in pending.values():
@@ -206,7 +233,7 @@ class SharedMemoryTransport:
         raw = self._buffer[base:base + self.size * self.slot_bytes]
         return list(raw.view(dtype).chunk(self.size))
 
-    def _all_reduce(self, flat: torch.Tensor, reduce) -> None:
+    def all_reduce(self, flat: torch.Tensor, reduce) -> None:
         per = self.slot_bytes // flat.element_size()
         for start in range(0, flat.numel(), per):
             piece = flat[start:start + per]
@@ -214,6 +241,10 @@ class SharedMemoryTransport:
             slots = [s[:n] for s in self._slots(flat.dtype)]
             slots[self.rank].copy_(piece)
             self._barrier()
+            if self.size == 2:  # both sum the whole piece: one barrier, less copying
+                first, second = (slots[0], piece) if self.rank else (piece, slots[1])
+                reduce(first, second, out=piece)
+                continue
             bounds = [n * q // self.size for q in range(self.size + 1)]
             a, b = bounds[self.rank], bounds[self.rank + 1]
             # Summed into this rank's own tensor (its own slot holds an input still to read),
@@ -228,7 +259,7 @@ class SharedMemoryTransport:
                 if q != self.rank:
                     piece[bounds[q]:bounds[q + 1]].copy_(slots[q][bounds[q]:bounds[q + 1]])
 
-    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         m = out.numel()
         per = self.slot_bytes // flat.element_size() // self.size
         for start in range(0, m, per):
@@ -243,7 +274,7 @@ class SharedMemoryTransport:
             for r in range(2, self.size):
                 dst.add_(parts[r])
 
-    def _all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         m = flat.numel()
         per = self.slot_bytes // flat.element_size()
         whole = out.view(self.size, m)
@@ -256,19 +287,22 @@ class SharedMemoryTransport:
                 whole[q, start:start + n].copy_(slots[q][:n])
 
 
-def open_transport(group: Any, rank: int, size: int, label: str = "tp") -> \
-        SharedMemoryTransport | None:
+def open_transport(group: Any, rank: int, size: int, label: str = "tp",
+                   slot_bytes: int | None = None) -> SharedMemoryTransport | None:
     """The transport for gloo process group ``group`` (this rank is ``rank`` of ``size``), or
     None on every rank when it cannot be used. Collective: every rank of the group calls it.
-    Agreement runs over ``group`` itself, as JSON (never pickles)."""
+    Agreement runs over ``group`` itself, as JSON (never pickles). ``slot_bytes`` overrides
+    the slot size (a multiple of 64; tests use small ones to cut tensors into many pieces)."""
     from domino.tensor_parallel.comm import CommGroup  # the JSON collectives
 
+    if slot_bytes is not None and (slot_bytes < 64 or slot_bytes % 64):
+        raise ValueError(f"slot_bytes={slot_bytes} must be a positive multiple of 64")
     if size < 2:
         return None
     comm = CommGroup(group, size, rank)
     if len(set(comm.all_gather_json(host_key()))) != 1:
         return None
-    slot = _slot_bytes(size)
+    slot = _slot_bytes(size) if slot_bytes is None else slot_bytes
     nbytes = 2 * size * slot
     where = ""
     if rank == 0:
@@ -301,17 +335,18 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp") -> \
     comm.barrier()  # every rank holds every file open: the names can go
     if rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return SharedMemoryTransport(rank, size, buffer, slot, reads, writes,
-                                 _group_timeout(group), f"shared-memory {label} group")
+    return SharedMemoryTransport(_Channel(rank, size, buffer, slot, reads, writes,
+                                          _group_timeout(group), label))
 
 
 def _create(size: int, nbytes: int) -> str:
     """A private directory under /dev/shm holding the mapping (its pages reserved, so a full
     /dev/shm fails here rather than with SIGBUS mid-run) and one FIFO per ordered rank pair;
     "" when any of it fails."""
+    _remove_stale()
     where = ""
     try:
-        where = tempfile.mkdtemp(prefix="domino-", dir="/dev/shm")
+        where = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir="/dev/shm")
         fd = os.open(os.path.join(where, "slots"), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -326,3 +361,21 @@ def _create(size: int, nbytes: int) -> str:
         if where:
             shutil.rmtree(where, ignore_errors=True)
         return ""
+
+
+def _remove_stale() -> None:
+    """Remove set-up directories left by processes that no longer exist."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0]
+        if not (name.startswith(_PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass

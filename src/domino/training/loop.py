@@ -357,7 +357,11 @@ def train(run: Run, state: ParallelState | None = None,
           stop: StopRequest | None = None) -> TrainResult:
     """Train on this rank (the process group is initialised); returns what this rank saw."""
     trainer = Trainer(run, state, stop)
-    return trainer.finish(trainer.fit())
+    try:
+        return trainer.finish(trainer.fit())
+    finally:
+        if state is None:  # the trainer built it: its transports end with the run
+            trainer.state.close()
 
 
 def _sample(model, state: ParallelState, tokenizer, config, args, log: RunLogger,

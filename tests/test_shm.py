@@ -1,0 +1,236 @@
+"""The shared-memory transport (``domino.tensor_parallel.shm``): its collectives give gloo's
+results (bit for bit where gloo's sum order is the same: two ranks, and the reduce-scatter's rank
+order), across pieces, dtypes, ops and several in flight; every rank gets the same bits; a peer
+that exits or stops taking part makes the others fail, never hang; nothing is left in /dev/shm;
+ranks that are not on one host (another network namespace, a refused /dev/shm) keep to gloo on
+every rank alike; training over it equals training over gloo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_distributed
+
+from domino import ParallelState
+from domino.tensor_parallel import CommGroup, shm
+
+SIZES = [1, 7, 64, 1000, 4099]  # with 256-byte slots: one piece, several, a ragged last one
+
+
+def _gloo(group: CommGroup) -> CommGroup:
+    return CommGroup(group.group, group.size, group.rank)
+
+
+def _collectives(rank: int, world: int) -> dict:
+    group = CommGroup.world()
+    t = shm.open_transport(group.group, rank, world, "test", slot_bytes=256)
+    assert t is not None
+    fast = CommGroup(group.group, world, rank, transport=t)
+    gen = torch.Generator().manual_seed(100 + rank)
+    out: dict = {"equal": {}, "close": {}}
+    for n in SIZES:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            x = (torch.randn(n, generator=gen) * 100).to(dtype)
+            ref, mine = x.clone(), x.clone()
+            group.all_reduce(ref)
+            fast.all_reduce(mine)
+            key = f"ar/{n}/{dtype}"
+            out["equal"][key] = torch.equal(ref, mine) if world == 2 or dtype == torch.int64 \
+                else None
+            bf16 = dtype == torch.bfloat16  # values ~100: a bf16 ulp there is 0.5
+            out["close"][key] = torch.allclose(ref.double(), mine.double(),
+                                               rtol=2e-2 if bf16 else 1e-5,
+                                               atol=4.0 if bf16 else 1e-3)
+            out[f"bits/{key}"] = mine.view(-1).double().tolist()[:50]
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            x = torch.randn(n, generator=gen)
+            ref, mine = x.clone(), x.clone()
+            group.all_reduce(ref, op=op)
+            fast.all_reduce(mine, op=op)
+            out["equal"][f"{op}/{n}"] = torch.equal(ref, mine)
+        x = torch.randn(world * n, 3, generator=gen)
+        ref_rs, mine_rs = torch.empty(n, 3), torch.empty(n, 3)
+        group.reduce_scatter(ref_rs, x)  # gloo: pairwise exchanges, summed in rank order
+        fast.reduce_scatter(mine_rs, x)
+        out["equal"][f"rs/{n}"] = torch.equal(ref_rs, mine_rs)
+        y = torch.randn(n, 2, generator=gen)
+        ref_ag, mine_ag = torch.empty(world * n, 2), torch.empty(world * n, 2)
+        group.all_gather_into(ref_ag, y)
+        fast.all_gather_into(mine_ag, y)
+        out["equal"][f"ag/{n}"] = torch.equal(ref_ag, mine_ag)
+    # Several in flight, waited for in another order than launched (the schedule does that).
+    xs = [torch.randn(333 * (k + 1), generator=gen) for k in range(4)]
+    refs = [x.clone() for x in xs]
+    for r in refs:
+        group.all_reduce(r)
+    handles = [fast.all_reduce(x, async_op=True) for x in xs]
+    rs_out = torch.empty(100)
+    rs_in = torch.randn(world * 100, generator=gen)
+    rs_ref = torch.empty(100)
+    group.reduce_scatter(rs_ref, rs_in)
+    handles.append(fast.reduce_scatter(rs_out, rs_in, async_op=True))
+    for h in reversed(handles):
+        h.wait()
+    out["close"]["in_flight"] = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(xs, refs))
+    out["equal"]["in_flight_rs"] = torch.equal(rs_out, rs_ref)
+    t.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_match_gloo(world: int) -> None:
+    results = run_distributed(_collectives, world)
+    for r in results:
+        bad = [k for k, v in r["equal"].items() if v is False]
+        assert not bad, f"not bit-equal to gloo at {world} ranks: {bad}"
+        bad = [k for k, v in r["close"].items() if not v]
+        assert not bad, f"not equal to gloo at {world} ranks: {bad}"
+    # Every rank holds the same bits, whatever the sum order.
+    for key in results[0]:
+        if key.startswith("bits/"):
+            assert all(r[key] == results[0][key] for r in results), key
+
+
+def _build(rank: int, world: int, shared: bool) -> dict:
+    before = set(os.listdir("/dev/shm"))
+    state = ParallelState.build(world, shared_memory=shared)
+    left = sorted(set(os.listdir("/dev/shm")) - before)
+    names = state.transports()
+    state.close()
+    threads = [t.name for t in __import__("threading").enumerate()
+               if t.name.startswith("domino-shm")]
+    return {"transports": names, "left": left, "threads": threads}
+
+
+def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
+    on = run_distributed(_build, 2, True)
+    assert all(r["transports"] == {"tp": "shm", "dp": "-"} for r in on)
+    assert all(r["left"] == [] for r in on), "files left in /dev/shm"
+    assert all(r["threads"] == [] for r in on), "worker threads still running after close()"
+    off = run_distributed(_build, 2, False)
+    assert all(r["transports"] == {"tp": "gloo", "dp": "-"} for r in off)
+
+
+def _refused(rank: int, world: int, how: str) -> dict:
+    if how == "host" and rank == 1:
+        shm.host_key = lambda: "another host"  # this rank's copy of the module only
+    if how == "create" and rank == 0:
+        shm._create = lambda size, nbytes: ""
+    if how == "open" and rank == 1:
+        def fail(*a, **k):
+            raise RuntimeError("cannot map")
+        torch.from_file = fail
+    before = set(os.listdir("/dev/shm"))
+    t = shm.open_transport(CommGroup.world().group, rank, world, "test")
+    CommGroup.world().barrier()
+    return {"none": t is None, "left": sorted(set(os.listdir("/dev/shm")) - before)}
+
+
+@pytest.mark.parametrize("how", ["host", "create", "open"])
+def test_every_rank_keeps_to_gloo_when_one_cannot_share(how: str) -> None:
+    results = run_distributed(_refused, 2, how)
+    assert all(r["none"] for r in results), results
+    assert all(r["left"] == [] for r in results), results
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare(1) for a network namespace")
+def test_another_network_namespace_is_another_host() -> None:
+    code = "from domino.tensor_parallel.shm import host_key; print(host_key())"
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout
+    there = subprocess.run(["unshare", "--net", sys.executable, "-c", code],
+                           capture_output=True, text=True, check=True).stdout
+    assert here.split("|")[1] == there.split("|")[1]  # same boot
+    assert here != there
+
+
+def _peer_exits(rank: int, world: int) -> dict:
+    group = CommGroup.world()
+    t = shm.open_transport(group.group, rank, world, "tp")
+    fast = CommGroup(group.group, world, rank, transport=t)
+    fast.all_reduce(torch.ones(10))  # works while both are there
+    if rank == 1:
+        os._exit(0)  # gone without a word: its FIFOs close
+    t0 = time.perf_counter()
+    try:
+        fast.all_reduce(torch.ones(10))
+        first = "no error"
+    except RuntimeError as e:
+        first = str(e)
+    try:  # and every later one fails at once too
+        fast.all_reduce(torch.ones(10))
+        second = "no error"
+    except RuntimeError as e:
+        second = str(e)
+    result = {"first": first, "second": second, "s": time.perf_counter() - t0}
+    with open(os.environ["DOMINO_TEST_OUT"], "w") as f:
+        import json
+        json.dump(result, f)
+    os._exit(0)  # the process group's peer is gone: do not wait for it at shutdown
+
+
+def _stalled(rank: int, world: int) -> dict:
+    group = CommGroup.world()
+    t = shm.open_transport(group.group, rank, world, "tp")
+    t._channel._timeout_s = 2.0  # the process group's timeout, shortened
+    fast = CommGroup(group.group, world, rank, transport=t)
+    if rank == 1:
+        time.sleep(6)  # alive, but not taking part
+        os._exit(0)
+    t0 = time.perf_counter()
+    try:
+        fast.all_reduce(torch.ones(10))
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e)
+    with open(os.environ["DOMINO_TEST_OUT"], "w") as f:
+        import json
+        json.dump({"msg": msg, "s": time.perf_counter() - t0}, f)
+    os._exit(0)
+
+
+def _run_failing(fn, tmp_path) -> dict:
+    import json
+
+    import torch.multiprocessing as mp
+    from dist import _entry, free_port
+
+    out = tmp_path / "result.json"
+    os.environ["DOMINO_TEST_OUT"] = str(out)
+    try:
+        ctx = mp.start_processes(_entry, args=(2, free_port(), str(tmp_path), fn, ()),
+                                 nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + 60
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "ranks hung"
+    except mp.ProcessExitedException:
+        pass
+    finally:
+        del os.environ["DOMINO_TEST_OUT"]
+    return json.loads(out.read_text())
+
+
+def test_a_peer_that_exits_fails_the_others_at_once(tmp_path) -> None:
+    r = _run_failing(_peer_exits, tmp_path)
+    assert "rank 1 of the group exited" in r["first"], r
+    assert "tp group" in r["first"], r
+    assert "exited" in r["second"], r
+
+
+def test_a_peer_that_stops_taking_part_fails_the_others_after_the_timeout(tmp_path) -> None:
+    r = _run_failing(_stalled, tmp_path)
+    assert "did not join a collective" in r["msg"] and "rank(s) 1" in r["msg"], r
+    assert r["s"] > 1.5, r  # it did wait for the (shortened) timeout
+
+
+def test_slot_size_is_checked() -> None:
+    with pytest.raises(ValueError, match="multiple of 64"):
+        shm.open_transport(None, 0, 2, slot_bytes=100)
