@@ -213,6 +213,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     report = json.loads(out_json.read_text())
     config = report["config"]
     assert config["tensor_model_parallel_size"] == 2 and config["link"] == "loopback"
+    assert config["transports"] == {"tp": "shm", "dp": "-"} and "TP over shm" in table
     assert config["torch_version"] and config["memory_method"] and config["timing_method"]
     assert config["modes"] == modes.split(",")
     rows = {r["mode"]: r for r in report["results"]}

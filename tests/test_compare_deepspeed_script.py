@@ -90,3 +90,42 @@ def test_format_table_rows_and_header():
     assert lines[3].startswith("| TP=1, 1 process") and lines[3].endswith("| 820 | 820 | 1.00x |")
     assert "| - |" in lines[3]  # no nocomm run in that row
     assert "m2:cross x1" in compare.format_best_modes([row.summary()])
+
+
+def test_gloo_row_and_transport_line():
+    shm_row = compare.LinkRounds("loopback", 2)
+    gloo_row = compare.LinkRounds("loopback", 2, gloo=True)
+    emulated = compare.LinkRounds("1gbit", 2)
+    for row, transport in ((shm_row, "shm"), (gloo_row, "gloo"), (emulated, "gloo")):
+        row.add_ours({"sync": 0.5, "domino:m2:cross": 0.45})
+        row.transports.append(transport)
+        row.add_deepspeed([0.5])
+    summaries = [shm_row.summary(), gloo_row.summary(), emulated.summary()]
+    lines = compare.format_table(summaries).splitlines()
+    assert lines[3].startswith("| loopback, ours over gloo (--no-shared-memory-comm) |")
+    assert compare.format_transports(summaries) == (
+        "our TP collectives (DeepSpeed's are always gloo's): loopback: shm; loopback, ours over "
+        "gloo (--no-shared-memory-comm): gloo; 1gbit emulated: gloo")
+
+
+def test_the_gloo_row_follows_loopback_and_runs_with_no_shared_memory(monkeypatch, tmp_path):
+    calls = []
+
+    def ours(args, link, tp, modes, workdir, tag, gloo=False):
+        calls.append(("ours", link, gloo, tag))
+        return {"sync": 0.5, "domino:m2:cross": 0.4}, "gloo" if gloo else "shm"
+
+    def deepspeed(args, link, tp, workdir, tag):
+        calls.append(("ds", link, tag))
+        return [0.5]
+
+    monkeypatch.setattr(compare, "run_ours", ours)
+    monkeypatch.setattr(compare, "run_deepspeed", deepspeed)
+    args = compare.parse_args(["--rounds", "1", "--tp1-rounds", "0", "--links", "loopback,1gbit"])
+    rows = compare.measure(args, str(tmp_path))
+    assert [(r.link, r.gloo) for r in rows] == [("loopback", False), ("loopback", True),
+                                                ("1gbit", False)]
+    assert ("ours", "loopback", True, "r0_loopback_gloo") in calls
+    assert rows[1].transports == ["gloo"] and rows[0].transports == ["shm"]
+    no_row = compare.parse_args(["--rounds", "1", "--tp1-rounds", "0", "--no-gloo-row"])
+    assert all(not r.gloo for r in compare.measure(no_row, str(tmp_path)))

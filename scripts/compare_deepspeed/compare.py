@@ -120,11 +120,13 @@ class LinkRounds:
 
     link: str
     tp: int
+    gloo: bool = False  # our side with --no-shared-memory-comm (loopback only)
     sync: list[float] = field(default_factory=list)
     nocomm: list[float] = field(default_factory=list)
     best: list[float] = field(default_factory=list)
     best_mode: list[str] = field(default_factory=list)
     deepspeed: list[float] = field(default_factory=list)
+    transports: list[str] = field(default_factory=list)  # how our TP group moved bytes
 
     def add_ours(self, step_times: dict[str, float]) -> None:
         if "sync" in step_times:
@@ -147,15 +149,19 @@ class LinkRounds:
         counts: dict[str, int] = {}
         for m in self.best_mode:
             counts[m] = counts.get(m, 0) + 1
-        return {"link": self.link, "tp": self.tp, "our_sync": summarize(self.sync),
+        return {"link": self.link, "tp": self.tp, "gloo": self.gloo,
+                "our_tp_transport": sorted(set(self.transports)),
+                "our_sync": summarize(self.sync),
                 "our_nocomm": summarize(self.nocomm), "our_best_domino": best,
                 "deepspeed_domino": ds, "deepspeed_over_ours": ratio,
                 "deepspeed_over_ours_per_round": per_round, "best_mode_counts": counts}
 
 
-def row_label(link: str, tp: int) -> str:
+def row_label(link: str, tp: int, gloo: bool = False) -> str:
     if tp == 1:
         return "TP=1, 1 process (no comm; loopback)"
+    if gloo:
+        return f"{link}, ours over gloo (--no-shared-memory-comm)"
     return LOOPBACK if link == LOOPBACK else f"{link} emulated"
 
 
@@ -163,7 +169,7 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
     """The markdown table, one row per summary (see :meth:`LinkRounds.summary`)."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] + ["---:"] * 5) + "|"]
     for s in summaries:
-        cells = (row_label(s["link"], s["tp"]), fmt_ms(s["our_sync"]), fmt_ms(s["our_nocomm"]),
+        cells = (row_label(s["link"], s["tp"], s.get("gloo", False)), fmt_ms(s["our_sync"]), fmt_ms(s["our_nocomm"]),
                  fmt_ms(s["our_best_domino"]), fmt_ms(s["deepspeed_domino"]),
                  fmt_ratio(s["deepspeed_over_ours"], s["deepspeed_over_ours_per_round"]))
         lines.append("| " + " | ".join(cells) + " |")
@@ -177,8 +183,17 @@ def format_best_modes(summaries: Sequence[dict[str, Any]]) -> str:
         counts = sorted(s["best_mode_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
         if counts:
             modes = ", ".join(f"{m.removeprefix('domino:')} x{n}" for m, n in counts)
-            parts.append(f"{row_label(s['link'], s['tp'])}: {modes}")
+            parts.append(f"{row_label(s['link'], s['tp'], s.get('gloo', False))}: {modes}")
     return "our best Domino mode per round: " + "; ".join(parts) if parts else ""
+
+
+def format_transports(summaries: Sequence[dict[str, Any]]) -> str:
+    """How our TP group moved its bytes, per row (domino bench's report says)."""
+    parts = [f"{row_label(s['link'], s['tp'], s.get('gloo', False))}: "
+             f"{'/'.join(s['our_tp_transport'])}" for s in summaries
+             if s.get("our_tp_transport") and s["tp"] > 1]
+    return ("our TP collectives (DeepSpeed's are always gloo's): " + "; ".join(parts)
+            if parts else "")
 
 
 # ---- running the two systems -------------------------------------------------------------------
@@ -207,14 +222,17 @@ def size_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run_ours(args: argparse.Namespace, link: str, tp: int, modes: str, workdir: str,
-             tag: str) -> dict[str, float]:
-    """One ``domino bench`` run; {mode: median step seconds}."""
+             tag: str, gloo: bool = False) -> tuple[dict[str, float], str]:
+    """One ``domino bench`` run; ({mode: median step seconds}, how its TP group moved
+    bytes)."""
     out = os.path.join(workdir, f"ours_{tag}.json")
     log = os.path.join(workdir, f"ours_{tag}.log")
     cmd = [sys.executable, "-m", "domino.cli", "bench", "--modes", modes, *size_flags(args),
            "--tensor-model-parallel-size", str(tp), "--device", "cpu", "--json", out]
     if link != LOOPBACK:
         cmd += ["--emulate-link", link]
+    if gloo:
+        cmd += ["--no-shared-memory-comm"]
     with open(log, "w") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
@@ -222,7 +240,9 @@ def run_ours(args: argparse.Namespace, link: str, tp: int, modes: str, workdir: 
     if proc.returncode != 0:
         raise RunFailed(f"domino bench failed (exit {proc.returncode}); log {log}:\n{_tail(log)}")
     with open(out) as f:
-        return ours_from_report(json.load(f))
+        report = json.load(f)
+    transports = report["config"].get("transports") or {}
+    return ours_from_report(report), transports.get("tp", "-")
 
 
 def _ds_env(base: dict[str, str]) -> dict[str, str]:
@@ -320,6 +340,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--timeout", type=float, default=300.0, help="seconds a rank may wait for a peer")
     a("--ds-python", default=os.path.join(DEFAULT_DS_VENV, "bin", "python"),
       help=f"python of the DeepSpeed venv (made by {SETUP_CMD})")
+    a("--no-gloo-row", dest="gloo_row", action="store_false",
+      help="leave out the loopback row whose our side runs over gloo (--no-shared-memory-comm) "
+           "instead of the shared-memory transport")
     a("--json", metavar="PATH", default=None, help="also write every round's figures here")
     a("--keep-dir", metavar="DIR", default=None,
       help="keep every run's raw JSON and logs here (default: a temporary directory)")
@@ -346,6 +369,8 @@ def measure(args: argparse.Namespace, workdir: str) -> list[LinkRounds]:
     """All rounds; one :class:`LinkRounds` per row, the TP=1 row last."""
     tp = args.tensor_model_parallel_size
     rows = [LinkRounds(link, tp) for link in args.link_list]
+    if LOOPBACK in args.link_list and args.gloo_row:
+        rows.insert(args.link_list.index(LOOPBACK) + 1, LinkRounds(LOOPBACK, tp, gloo=True))
     tp1 = LinkRounds(LOOPBACK, 1) if args.tp1_rounds else None
     for r in range(max(args.rounds, args.tp1_rounds)):
         order = order_for_round(r)
@@ -353,13 +378,15 @@ def measure(args: argparse.Namespace, workdir: str) -> list[LinkRounds]:
         if tp1 is not None and r < args.tp1_rounds:
             jobs.append((tp1, args.tp1_modes))
         for row, modes in jobs:
-            label = row_label(row.link, row.tp)
+            label = row_label(row.link, row.tp, row.gloo)
             for system in order:
-                tag = f"r{r}_{'tp1' if row.tp == 1 else row.link}"
+                tag = f"r{r}_{'tp1' if row.tp == 1 else row.link}{'_gloo' if row.gloo else ''}"
                 t0 = time.monotonic()
                 if system == "ours":
-                    times = run_ours(args, row.link, row.tp, modes, workdir, tag)
+                    times, transport = run_ours(args, row.link, row.tp, modes, workdir, tag,
+                                                row.gloo)
                     row.add_ours(times)
+                    row.transports.append(transport)
                     best = best_domino(times)
                     what = (f"best {best[0]} {best[1] * 1e3:.0f} ms" if best else
                             f"sync {times.get('sync', float('nan')) * 1e3:.0f} ms")
@@ -405,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [row.summary() for row in rows]
     desc = (f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} "
             f"heads, seq {args.seq_length}, batch {args.micro_batch_size}, {args.dtype}, "
-            f"{args.threads_per_rank} thread(s)/rank, CPU (gloo)")
+            f"{args.threads_per_rank} thread(s)/rank, CPU")
     lines = [
         f"Date: {started.isoformat(timespec='seconds')}; command: `{command}`",
         "",
@@ -422,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         format_table(summaries),
         "",
         format_best_modes(summaries),
+        "",
+        format_transports(summaries),
     ]
     print("\n".join(lines), flush=True)
     if args.json is not None:

@@ -6,6 +6,7 @@ runs it on its own as ``python -m domino.bench.probe RESULT.json NBYTES ITERS TI
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -48,7 +49,8 @@ def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
     ``seconds``: median of the slowest rank's time per all-reduce (``per_iter_s``: all of them).
     ``cpu_s``: host-wide busy CPU seconds per all-reduce (both ranks' threads and the kernel's
     packet work, read on rank 0), i.e. what a transfer takes from compute when it overlaps it
-    on the same host: the median over windows, so one window disturbed by another process on
+    on the same host, from as many windows of back-to-back all-reduces (enough for
+    ``window_s`` each): the median over windows, so one window disturbed by another process on
     the host does not skew it. With ``check``, every all-reduce starts from ones (refilled
     outside the timed part, inside the CPU window) and ``ok`` says whether each summed to the
     group size. None for a group of one.
@@ -59,11 +61,9 @@ def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
     x = torch.ones(nbytes // 4, device=device)
     group.all_reduce(torch.ones(1024, device=device))  # connect before timing
     times: list[float] = []
-    cpu_windows: list[tuple[float | None, float | None, int]] = []
     ok = True
     for _ in range(windows):
-        group.barrier()
-        busy0, start, n = busy_cpu_s(), time.perf_counter(), 0
+        start, n = time.perf_counter(), 0
         while True:
             if check:
                 x.fill_(1.0)
@@ -81,13 +81,26 @@ def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
             group.broadcast(elapsed)
             if n >= min_iters and (elapsed.item() >= window_s or n >= max_iters):
                 break
-        cpu_windows.append((busy0, busy_cpu_s(), n))
     # One MAX reduction over ranks for all iterations at once.
     t = torch.tensor(times, dtype=torch.float64, device=device)
     group.all_reduce(t, op=dist.ReduceOp.MAX)
     per_iter = t.tolist()
-    result: dict[str, object] = {"seconds": float(statistics.median(per_iter)),
-                                 "per_iter_s": per_iter, "cpu_s": cpu_per_op(cpu_windows)}
+    seconds = float(statistics.median(per_iter))
+    # CPU windows run the all-reduces back to back: the timing loop's barriers and broadcasts
+    # cost CPU too, as much as a whole all-reduce of a fast transport. Every rank derives the
+    # same count from the same (reduced) times.
+    burst = max(min_iters, min(max_iters, math.ceil(window_s / max(seconds, 1e-6))))
+    x.zero_()  # sums stay zeros: no growth over the windows
+    cpu_windows: list[tuple[float | None, float | None, int]] = []
+    for _ in range(windows):
+        group.barrier()
+        busy0 = busy_cpu_s()
+        for _ in range(burst):
+            group.all_reduce(x)
+        device_sync(device)
+        cpu_windows.append((busy0, busy_cpu_s(), burst))
+    result: dict[str, object] = {"seconds": seconds, "per_iter_s": per_iter,
+                                 "cpu_s": cpu_per_op(cpu_windows)}
     if check:
         flag = torch.tensor([0.0 if ok else 1.0], device=device)
         group.all_reduce(flag, op=dist.ReduceOp.MAX)
