@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from dist import run_distributed
 
-from domino import ParallelState
+from domino import ParallelState, parallel_state
 from domino.tensor_parallel import CommGroup, shm
 
 SIZES = [1, 7, 64, 1000, 4099]  # with 256-byte slots: one piece, several, a ragged last one
@@ -106,9 +107,17 @@ def _build(rank: int, world: int, shared: bool) -> dict:
     left = sorted(set(os.listdir("/dev/shm")) - before)
     names = state.transports()
     state.close()
-    threads = [t.name for t in __import__("threading").enumerate()
-               if t.name.startswith("domino-shm")]
-    return {"transports": names, "left": left, "threads": threads}
+
+    def workers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("domino-shm")]
+
+    threads = workers()
+    # The Megatron-style API: the current state's transports stop with it.
+    current = parallel_state.initialize_model_parallel(world, shared_memory=shared)
+    api = (current.transports(), len(workers()))
+    parallel_state.destroy_model_parallel()
+    return {"transports": names, "left": left, "threads": threads, "api": api,
+            "api_after": workers()}
 
 
 def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
@@ -116,6 +125,7 @@ def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
     assert all(r["transports"] == {"tp": "shm", "dp": "-"} for r in on)
     assert all(r["left"] == [] for r in on), "files left in /dev/shm"
     assert all(r["threads"] == [] for r in on), "worker threads still running after close()"
+    assert all(r["api"] == ({"tp": "shm", "dp": "-"}, 1) and r["api_after"] == [] for r in on)
     off = run_distributed(_build, 2, False)
     assert all(r["transports"] == {"tp": "gloo", "dp": "-"} for r in off)
 
@@ -236,3 +246,26 @@ def test_a_peer_that_stops_taking_part_fails_the_others_after_the_timeout(tmp_pa
 def test_slot_size_is_checked() -> None:
     with pytest.raises(ValueError, match="multiple of 64"):
         shm.open_transport(None, 0, 2, slot_bytes=100)
+
+
+def test_a_full_dev_shm_is_refused_at_set_up_not_mid_run() -> None:
+    """The mapping's pages are reserved when it is made: a /dev/shm too small fails there (and
+    removes what it made) instead of killing a rank with SIGBUS when a page is first touched."""
+    before = set(os.listdir("/dev/shm"))
+    assert shm._create(2, 1 << 50) == ""  # 1 PiB
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_set_up_folders_of_dead_processes_are_removed(tmp_path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = f"/dev/shm/{shm._PREFIX}{dead}-test"
+    live = f"/dev/shm/{shm._PREFIX}{os.getpid()}-test"
+    for d in (stale, live):
+        os.makedirs(d)
+    try:
+        shm._remove_stale()
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)

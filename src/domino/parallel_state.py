@@ -188,12 +188,15 @@ _CURRENT: ParallelState | None = None
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              device: torch.device | str | None = None) -> ParallelState:
-    """Build TP x DP (x PP) groups over the current world and make them current."""
+                              device: torch.device | str | None = None,
+                              shared_memory: bool = True) -> ParallelState:
+    """Build TP x DP (x PP) groups over the current world and make them current (see
+    :meth:`ParallelState.build` for ``shared_memory``)."""
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("model parallel is already initialised; call destroy_model_parallel().")
-    _CURRENT = ParallelState.build(tensor_model_parallel_size, pipeline_model_parallel_size, device)
+    _CURRENT = ParallelState.build(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                   device, shared_memory)
     return _CURRENT
 
 
@@ -202,7 +205,10 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
+    """Forget the current state, stopping its shared-memory transports."""
     global _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.close()
     _CURRENT = None
 
 
