@@ -56,16 +56,23 @@ def _collectives(rank: int, world: int) -> dict:
             group.all_reduce(ref, op=op)
             fast.all_reduce(mine, op=op)
             out["equal"][f"{op}/{n}"] = torch.equal(ref, mine)
-        x = torch.randn(world * n, 3, generator=gen)
-        ref_rs, mine_rs = torch.empty(n, 3), torch.empty(n, 3)
-        group.reduce_scatter(ref_rs, x)  # gloo: pairwise exchanges, summed in rank order
-        fast.reduce_scatter(mine_rs, x)
-        out["equal"][f"rs/{n}"] = torch.equal(ref_rs, mine_rs)
-        y = torch.randn(n, 2, generator=gen)
-        ref_ag, mine_ag = torch.empty(world * n, 2), torch.empty(world * n, 2)
-        group.all_gather_into(ref_ag, y)
-        fast.all_gather_into(mine_ag, y)
-        out["equal"][f"ag/{n}"] = torch.equal(ref_ag, mine_ag)
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            x = (torch.randn(world * n, 3, generator=gen) * 100).to(dtype)
+            ref_rs, mine_rs = x.new_empty(n, 3), x.new_empty(n, 3)
+            group.reduce_scatter(ref_rs, x)  # gloo: pairwise exchanges, summed in rank order
+            fast.reduce_scatter(mine_rs, x)
+            out["equal"][f"rs/{n}/{dtype}"] = torch.equal(ref_rs, mine_rs)
+            y = (torch.randn(n, 2, generator=gen) * 100).to(dtype)
+            ref_ag, mine_ag = y.new_empty(world * n, 2), y.new_empty(world * n, 2)
+            group.all_gather_into(ref_ag, y)
+            fast.all_gather_into(mine_ag, y)
+            out["equal"][f"ag/{n}/{dtype}"] = torch.equal(ref_ag, mine_ag)
+        ints = torch.randint(-1000, 1000, (n,), generator=gen)
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            ref, mine = ints.clone(), ints.clone()
+            group.all_reduce(ref, op=op)
+            fast.all_reduce(mine, op=op)
+            out["equal"][f"{op}/int/{n}"] = torch.equal(ref, mine)
     # Several in flight, waited for in another order than launched (the schedule does that).
     xs = [torch.randn(333 * (k + 1), generator=gen) for k in range(4)]
     refs = [x.clone() for x in xs]
@@ -82,7 +89,22 @@ def _collectives(rank: int, world: int) -> dict:
     out["close"]["in_flight"] = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(xs, refs))
     out["equal"]["in_flight_rs"] = torch.equal(rs_out, rs_ref)
     out["pieces"] = t._channel._step  # the pieces it moved: the transport did carry them
+    # A malformed call fails on the caller's thread and leaves the transport working.
+    try:
+        fast.reduce_scatter(torch.empty(3), torch.ones(7))
+        out["malformed"] = "no error"
+    except ValueError as e:
+        out["malformed"] = str(e)
+    y = torch.ones(5)
+    t._channel._timeout_s = 1e12  # beyond poll()'s limit: waited for in steps
+    fast.all_reduce(y)
+    out["equal"]["after_malformed_and_huge_timeout"] = torch.equal(y, torch.full((5,), world))
     t.close()
+    try:
+        fast.all_reduce(torch.ones(3))
+        out["after_close"] = "no error"
+    except RuntimeError as e:
+        out["after_close"] = str(e)
     return out
 
 
@@ -91,6 +113,8 @@ def test_collectives_match_gloo(world: int) -> None:
     results = run_distributed(_collectives, world)
     for r in results:
         assert r["pieces"] > 3 * len(SIZES) * 5, r["pieces"]
+        assert "does not fit input" in r["malformed"], r["malformed"]
+        assert "is closed" in r["after_close"], r["after_close"]
         bad = [k for k, v in r["equal"].items() if v is False]
         assert not bad, f"not bit-equal to gloo at {world} ranks: {bad}"
         bad = [k for k, v in r["close"].items() if not v]
@@ -164,32 +188,37 @@ def test_another_network_namespace_is_another_host() -> None:
     assert here != there
 
 
-def _peer_exits(rank: int, world: int) -> dict:
+def _error_of(call) -> str:
+    try:
+        call()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def _report(result: dict) -> None:
+    """Hand the result to the test and leave at once: the process group's peer is gone, so a
+    normal shutdown would wait for it."""
+    import json
+
+    with open(os.environ["DOMINO_TEST_OUT"], "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def _peer_exits(rank: int, world: int) -> None:
     group = CommGroup.world()
-    t = shm.open_transport(group.group, rank, world, "tp")
-    fast = CommGroup(group.group, world, rank, transport=t)
+    fast = CommGroup(group.group, world, rank,
+                     transport=shm.open_transport(group.group, rank, world, "tp"))
     fast.all_reduce(torch.ones(10))  # works while both are there
     if rank == 1:
         os._exit(0)  # gone without a word: its FIFOs close
-    t0 = time.perf_counter()
-    try:
-        fast.all_reduce(torch.ones(10))
-        first = "no error"
-    except RuntimeError as e:
-        first = str(e)
-    try:  # and every later one fails at once too
-        fast.all_reduce(torch.ones(10))
-        second = "no error"
-    except RuntimeError as e:
-        second = str(e)
-    result = {"first": first, "second": second, "s": time.perf_counter() - t0}
-    with open(os.environ["DOMINO_TEST_OUT"], "w") as f:
-        import json
-        json.dump(result, f)
-    os._exit(0)  # the process group's peer is gone: do not wait for it at shutdown
+    first = _error_of(lambda: fast.all_reduce(torch.ones(10)))
+    second = _error_of(lambda: fast.all_reduce(torch.ones(10)))  # and every later one at once
+    _report({"first": first, "second": second})
 
 
-def _stalled(rank: int, world: int) -> dict:
+def _stalled(rank: int, world: int) -> None:
     group = CommGroup.world()
     t = shm.open_transport(group.group, rank, world, "tp")
     t._channel._timeout_s = 2.0  # the process group's timeout, shortened
@@ -198,15 +227,8 @@ def _stalled(rank: int, world: int) -> dict:
         time.sleep(6)  # alive, but not taking part
         os._exit(0)
     t0 = time.perf_counter()
-    try:
-        fast.all_reduce(torch.ones(10))
-        msg = "no error"
-    except RuntimeError as e:
-        msg = str(e)
-    with open(os.environ["DOMINO_TEST_OUT"], "w") as f:
-        import json
-        json.dump({"msg": msg, "s": time.perf_counter() - t0}, f)
-    os._exit(0)
+    msg = _error_of(lambda: fast.all_reduce(torch.ones(10)))
+    _report({"msg": msg, "s": time.perf_counter() - t0})
 
 
 def _run_failing(fn, tmp_path) -> dict:
@@ -232,9 +254,9 @@ def _run_failing(fn, tmp_path) -> dict:
 
 def test_a_peer_that_exits_fails_the_others_at_once(tmp_path) -> None:
     r = _run_failing(_peer_exits, tmp_path)
-    assert "rank 1 of the group exited" in r["first"], r
+    assert "rank 1 of the group left a collective (it exited" in r["first"], r
     assert "tp group" in r["first"], r
-    assert "exited" in r["second"], r
+    assert "left a collective" in r["second"], r
 
 
 def test_a_peer_that_stops_taking_part_fails_the_others_after_the_timeout(tmp_path) -> None:
@@ -246,6 +268,48 @@ def test_a_peer_that_stops_taking_part_fails_the_others_after_the_timeout(tmp_pa
 def test_slot_size_is_checked() -> None:
     with pytest.raises(ValueError, match="multiple of 64"):
         shm.open_transport(None, 0, 2, slot_bytes=100)
+    with pytest.raises(ValueError, match="one 8-byte element per rank"):
+        shm.open_transport(None, 0, 9, slot_bytes=64)
+
+
+def _peer_fails(rank: int, world: int) -> None:
+    group = CommGroup.world()
+    t = shm.open_transport(group.group, rank, world, "tp")
+    fast = CommGroup(group.group, world, rank, transport=t)
+    fast.all_reduce(torch.ones(10))
+    if rank == 1:  # a failure inside rank 1's worker (a bug, a bad tensor)
+
+        def boom() -> None:
+            raise OSError("boom")
+
+        work = t._submit(boom)
+        msg = _error_of(work.wait)
+        cause = repr(_cause_of(work.wait))
+        time.sleep(5)  # alive: rank 0 must learn of it from the closed FIFOs, not by timeout
+        _report({"msg": msg, "cause": cause})
+    t0 = time.perf_counter()
+    msg = _error_of(lambda: fast.all_reduce(torch.ones(10)))
+    with open(os.environ["DOMINO_TEST_OUT"] + ".0", "w") as f:
+        import json
+        json.dump({"msg": msg, "s": time.perf_counter() - t0}, f)
+    os._exit(0)
+
+
+def _cause_of(call):
+    try:
+        call()
+    except RuntimeError as e:
+        return e.__cause__
+    return None
+
+
+def test_a_failure_in_one_workers_reaches_the_others_at_once(tmp_path) -> None:
+    import json
+
+    r1 = _run_failing(_peer_fails, tmp_path)
+    assert "boom" in r1["msg"] and "OSError('boom')" in r1["cause"], r1
+    r0 = json.loads((tmp_path / "result.json.0").read_text())
+    assert "rank 1 of the group left a collective" in r0["msg"], r0
 
 
 def test_a_full_dev_shm_is_refused_at_set_up_not_mid_run() -> None:
@@ -261,11 +325,15 @@ def test_set_up_folders_of_dead_processes_are_removed(tmp_path) -> None:
                           capture_output=True, text=True, check=True).stdout.strip()
     stale = f"/dev/shm/{shm._PREFIX}{dead}-test"
     live = f"/dev/shm/{shm._PREFIX}{os.getpid()}-test"
-    for d in (stale, live):
+    young = f"/dev/shm/{shm._PREFIX}{dead}-young"  # a dead pid's, but set up just now
+    old = time.time() - 2 * shm._STALE_S
+    for d in (stale, live, young):
         os.makedirs(d)
+    os.utime(stale, (old, old))
+    os.utime(live, (old, old))
     try:
         shm._remove_stale()
-        assert not os.path.exists(stale) and os.path.exists(live)
+        assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(young)
     finally:
-        shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(live, ignore_errors=True)
+        for d in (stale, live, young):
+            shutil.rmtree(d, ignore_errors=True)

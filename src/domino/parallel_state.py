@@ -79,9 +79,13 @@ class ParallelState:
         if shared_memory and device.type == "cpu":
             from domino.tensor_parallel.shm import open_transport
 
-            for name in ("tp", "dp"):  # every rank, in the same order: it is collective
-                g = getattr(state, name)
-                g.transport = open_transport(g.group, g.rank, g.size, name)
+            try:
+                for name in ("tp", "dp"):  # every rank, in the same order: it is collective
+                    g = getattr(state, name)
+                    g.transport = open_transport(g.group, g.rank, g.size, name)
+            except BaseException:
+                state.close()
+                raise
         return state
 
     def transports(self) -> dict[str, str]:
@@ -94,11 +98,12 @@ class ParallelState:
                          else str(dist.get_backend(g.group)))
         return out
 
-    def close(self) -> None:
-        """Stop the shared-memory transports' worker threads (the end of a rank's run)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the shared-memory transports' worker threads (the end of a rank's run;
+        ``wait=False`` when leaving on an error: a worker may be waiting on a peer)."""
         for g in (self.tp, self.dp):
             if g.transport is not None:
-                g.transport.close()
+                g.transport.close(wait)
                 g.transport = None
 
 

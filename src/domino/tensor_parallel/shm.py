@@ -44,6 +44,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -58,6 +59,9 @@ __all__ = ["SLOT_BYTES", "SharedMemoryTransport", "host_key", "open_transport"]
 SLOT_BYTES = 4 << 20
 _BUDGET_BYTES = 32 << 20
 _PREFIX = "domino-shm-"  # + the creating process's pid + "-" + random
+_STALE_S = 600.0  # a set-up lasts seconds: an older folder of a dead pid is left over
+_POLL_MAX_MS = 2**31 - 1  # poll()'s limit
+_LEFT = "left a collective (it exited, or its transport failed)"
 _REDUCE = {
     dist.ReduceOp.SUM: torch.add,
     dist.ReduceOp.MAX: torch.maximum,
@@ -126,6 +130,7 @@ class SharedMemoryTransport:
                                         name=f"domino-shm-{channel.label}", daemon=True)
         self._thread.start()
         self._stop = weakref.finalize(self, self._queue.put, None)
+        self._closed = False
 
     def supports(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> bool:
         return (tensor.device.type == "cpu" and tensor.is_contiguous()
@@ -136,19 +141,38 @@ class SharedMemoryTransport:
         return self._submit(lambda: c.all_reduce(tensor.view(-1), _REDUCE[op]))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
+        self._check("reduce_scatter", output, tensor, output.numel() * self.size,
+                    tensor.numel())
         c = self._channel
         return self._submit(lambda: c.reduce_scatter(output.view(-1), tensor.view(-1)))
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
+        self._check("all_gather", output, tensor, output.numel(), tensor.numel() * self.size)
         c = self._channel
         return self._submit(lambda: c.all_gather(output.view(-1), tensor.view(-1)))
 
-    def close(self) -> None:
-        """Stop the worker once what was queued has run, and close the FIFOs."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker once what was queued has run (``wait``: and wait for it; a run
+        leaving on an error does not), closing the FIFOs. Later collectives raise."""
+        self._closed = True
         self._stop()
-        self._thread.join()
+        if wait:
+            self._thread.join()
+
+    def _check(self, kind: str, output: torch.Tensor, tensor: torch.Tensor, have: int,
+               need: int) -> None:
+        """A malformed call fails here, on the caller's thread, before any rank waits on it."""
+        if output.dtype != tensor.dtype or have != need:
+            raise ValueError(
+                f"{kind}: output {tuple(output.shape)} {output.dtype} does not fit input "
+                f"{tuple(tensor.shape)} {tensor.dtype} over {self.size} ranks (the output "
+                f"must hold {'1/size' if kind == 'reduce_scatter' else 'size times'} the "
+                "input's elements, of the same dtype)")
 
     def _submit(self, run) -> _Work:
+        if self._closed:
+            raise RuntimeError(f"the shared-memory transport of the {self._channel.label} "
+                               "group is closed; build a new ParallelState")
         work = _Work(run)
         if self._channel.failed is not None:  # a peer is gone: nothing more can complete
             work.error = self._channel.failure()
@@ -169,6 +193,8 @@ def _serve(channel: _Channel, jobs: queue.SimpleQueue) -> None:
                         work.run()
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                     channel.failed = e
+                    channel.close()  # the peers see end-of-file now, not at their timeout
+            work.run = None  # its tensors and the channel: not kept alive by a handle
             if channel.failed is not None:
                 work.error = channel.failure()
             work.done.set()
@@ -190,7 +216,9 @@ class _Channel:
         self.failed: BaseException | None = None
 
     def failure(self) -> RuntimeError:
-        return RuntimeError(f"shared-memory collective of the {self.label} group: {self.failed}")
+        err = RuntimeError(f"shared-memory collective of the {self.label} group: {self.failed}")
+        err.__cause__ = self.failed
+        return err
 
     def close(self) -> None:
         for fd in [*self._reads.values(), *self._writes.values()]:
@@ -199,30 +227,29 @@ class _Channel:
             except OSError:
                 pass
         self._reads, self._writes = {}, {}
+        self._buffer = None  # the mapping goes with the last view of it
 
     def _barrier(self) -> None:
         for peer, fd in self._writes.items():
             try:
                 os.write(fd, b"\x01")
             except BrokenPipeError:
-                raise RuntimeError(f"rank {peer} of the group exited during a collective"
-                                   ) from None
-        pending = dict(self._reads)
+                raise RuntimeError(f"rank {peer} of the group {_LEFT}") from None
         poller = select.poll()
-        for fd in pending.values():
+        for fd in self._reads.values():
             poller.register(fd, select.POLLIN | select.POLLHUP)
-        by_fd = {fd: peer for peer, fd in pending.items()}
+        by_fd = {fd: peer for peer, fd in self._reads.items()}
+        deadline = time.monotonic() + self._timeout_s
         while by_fd:
-            events = poller.poll(self._timeout_s * 1000.0)
-            if not events:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
                 peers = ", ".join(str(p) for p in sorted(by_fd.values()))
                 raise RuntimeError(
                     f"rank(s) {peers} of the group did not join a collective within the "
                     f"process group's timeout ({self._timeout_s:.0f} s)")
-            for fd, _ in events:
+            for fd, _ in poller.poll(min(left_s * 1000.0, _POLL_MAX_MS)):
                 if os.read(fd, 1) != b"\x01":
-                    raise RuntimeError(f"rank {by_fd[fd]} of the group exited during a "
-                                       "collective")
+                    raise RuntimeError(f"rank {by_fd[fd]} of the group {_LEFT}")
                 poller.unregister(fd)
                 del by_fd[fd]
 
@@ -295,8 +322,10 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp",
     the slot size (a multiple of 64; tests use small ones to cut tensors into many pieces)."""
     from domino.tensor_parallel.comm import CommGroup  # the JSON collectives
 
-    if slot_bytes is not None and (slot_bytes < 64 or slot_bytes % 64):
-        raise ValueError(f"slot_bytes={slot_bytes} must be a positive multiple of 64")
+    if slot_bytes is not None and (slot_bytes % 64 or slot_bytes < max(64, 8 * size)):
+        raise ValueError(f"slot_bytes={slot_bytes} must be a multiple of 64 and at least "
+                         f"max(64, 8 x the group size {size}) (a reduce-scatter's piece holds "
+                         "at least one 8-byte element per rank)")
     if size < 2:
         return None
     comm = CommGroup(group, size, rank)
@@ -320,23 +349,35 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp",
                                      os.O_RDONLY | os.O_NONBLOCK)
     except (OSError, RuntimeError) as e:
         error = str(e)
-    if not all(ok == "" for ok in comm.all_gather_json(error)):
-        for fd in reads.values():
-            os.close(fd)
-        comm.barrier()
-        if rank == 0:
-            shutil.rmtree(where, ignore_errors=True)
-        return None
-    for dst in range(size):  # every read end is open now, so these do not block
-        if dst != rank:
-            writes[dst] = os.open(os.path.join(where, f"{rank}-{dst}"), os.O_WRONLY)
-    for fd in reads.values():
-        os.set_blocking(fd, True)
+    if any(comm.all_gather_json(error)):
+        return _abandon(comm, rank, where, list(reads.values()))
+    try:  # every read end is open now; a reader gone since fails (ENXIO) instead of blocking
+        for dst in range(size):
+            if dst != rank:
+                writes[dst] = os.open(os.path.join(where, f"{rank}-{dst}"),
+                                      os.O_WRONLY | os.O_NONBLOCK)
+        for fd in [*reads.values(), *writes.values()]:
+            os.set_blocking(fd, True)
+    except OSError as e:
+        error = str(e)
+    if any(comm.all_gather_json(error)):
+        return _abandon(comm, rank, where, [*reads.values(), *writes.values()])
     comm.barrier()  # every rank holds every file open: the names can go
     if rank == 0:
         shutil.rmtree(where, ignore_errors=True)
     return SharedMemoryTransport(_Channel(rank, size, buffer, slot, reads, writes,
                                           _group_timeout(group), label))
+
+
+def _abandon(comm: Any, rank: int, where: str, fds: list[int]) -> None:
+    """Some rank could not open the files: every rank closes what it opened, then rank 0
+    removes the folder; the group keeps to gloo."""
+    for fd in fds:
+        os.close(fd)
+    comm.barrier()
+    if rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    return None
 
 
 def _create(size: int, nbytes: int) -> str:
@@ -371,11 +412,14 @@ def _remove_stale() -> None:
         return
     for name in names:
         pid = name[len(_PREFIX):].split("-", 1)[0]
+        path = os.path.join("/dev/shm", name)
         if not (name.startswith(_PREFIX) and pid.isdigit()):
             continue
-        try:
+        try:  # old as well as ownerless: a pid of another pid namespace may look dead
+            if time.time() - os.stat(path).st_mtime < _STALE_S:
+                continue
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
-        except PermissionError:  # alive, another user's
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive and another user's, or already gone
             pass

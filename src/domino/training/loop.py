@@ -358,10 +358,14 @@ def train(run: Run, state: ParallelState | None = None,
     """Train on this rank (the process group is initialised); returns what this rank saw."""
     trainer = Trainer(run, state, stop)
     try:
-        return trainer.finish(trainer.fit())
-    finally:
-        if state is None:  # the trainer built it: its transports end with the run
-            trainer.state.close()
+        result = trainer.finish(trainer.fit())
+    except BaseException:
+        if state is None:  # leaving on an error: do not wait for a worker a peer may hold
+            trainer.state.close(wait=False)
+        raise
+    if state is None:  # the trainer built it: its transports end with the run
+        trainer.state.close()
+    return result
 
 
 def _sample(model, state: ParallelState, tokenizer, config, args, log: RunLogger,
