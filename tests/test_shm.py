@@ -337,3 +337,17 @@ def test_set_up_folders_of_dead_processes_are_removed(tmp_path) -> None:
     finally:
         for d in (stale, live, young):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _pipeline_state(rank: int, world: int) -> dict:
+    state = ParallelState.build(1, 2)  # two stages: the tied word table's sum is a 2-rank group
+    g = torch.full((1000,), float(rank + 1))
+    state.embedding.all_reduce(g)
+    out = {"transports": state.transports(), "sum": bool((g == 3.0).all())}
+    state.close()
+    return out
+
+
+def test_the_tied_embedding_group_of_a_pipeline_uses_it() -> None:
+    for r in run_distributed(_pipeline_state, 2):
+        assert r == {"transports": {"tp": "-", "dp": "-", "embedding": "shm"}, "sum": True}

@@ -49,7 +49,7 @@ class ParallelState:
 
         Ranks are laid out ``[pp, dp, tp]`` with TP innermost, so a TP group holds consecutive
         ranks (on one host when ranks are packed per node). On CPU, ``shared_memory`` gives the
-        TP and DP groups whose ranks share a host the shared-memory transport
+        TP, DP and embedding groups whose ranks share a host the shared-memory transport
         (``tensor_parallel.shm``) for their all-reduces, reduce-scatters and all-gathers;
         ``False`` keeps every collective on gloo. :meth:`transports` says what each got.
         """
@@ -80,7 +80,7 @@ class ParallelState:
             from domino.tensor_parallel.shm import open_transport
 
             try:
-                for name in ("tp", "dp"):  # every rank, in the same order: it is collective
+                for name in _SHARED:  # every rank, in the same order: it is collective
                     g = getattr(state, name)
                     g.transport = open_transport(g.group, g.rank, g.size, name)
             except BaseException:
@@ -89,11 +89,13 @@ class ParallelState:
         return state
 
     def transports(self) -> dict[str, str]:
-        """How the TP and DP groups move bytes: ``shm``, ``gloo``, ``nccl``, or ``-`` (one
-        rank)."""
+        """How the TP and DP groups (and, in a pipeline with tied embeddings, the embedding
+        group) move bytes: ``shm``, ``gloo``, ``nccl``, or ``-`` (one rank)."""
         out = {}
-        for name in ("tp", "dp"):
+        for name in _SHARED:
             g = getattr(self, name)
+            if name == "embedding" and g.size == 1:
+                continue
             out[name] = ("-" if g.size == 1 else "shm" if g.transport is not None
                          else str(dist.get_backend(g.group)))
         return out
@@ -101,10 +103,15 @@ class ParallelState:
     def close(self, wait: bool = True) -> None:
         """Stop the shared-memory transports' worker threads (the end of a rank's run;
         ``wait=False`` when leaving on an error: a worker may be waiting on a peer)."""
-        for g in (self.tp, self.dp):
+        for g in (getattr(self, name) for name in _SHARED):
             if g.transport is not None:
                 g.transport.close(wait)
                 g.transport = None
+
+
+# The groups whose collectives carry bulk data (the embedding group: the tied word table's
+# gradient, once a step); pp moves its data point to point, world only small agreements.
+_SHARED = ("tp", "dp", "embedding")
 
 
 def _embedding_group(mesh, device: torch.device) -> CommGroup:

@@ -111,10 +111,11 @@ class TrainArgs:
         "the next forward, each bucket waited for just before its first layer (off: waited at "
         "the end of the step; pipeline runs always wait there).", "parallel")
     shared_memory_comm: bool = _f(
-        True, "On CPU: TP and DP groups whose ranks share a host move their all-reduces, "
-        "reduce-scatters and all-gathers through shared memory instead of gloo's loopback TCP "
-        "(about a third of the host CPU per byte; see the README). Off: gloo for everything. "
-        "Groups across hosts (or emulated hosts) always use gloo.", "parallel")
+        True, "On CPU: TP, DP and tied-embedding groups whose ranks share a host move their "
+        "all-reduces, reduce-scatters and all-gathers through shared memory instead of gloo's "
+        "loopback TCP (a sixth of the host CPU per byte in the bench's probe; see the README). "
+        "Off: gloo for everything. Groups across hosts (or emulated hosts) always use gloo.",
+        "parallel")
     sequence_parallel: bool = _f(
         False, "With TP > 1: norms, dropout and residuals on each TP rank's 1/TP of the "
         "sequence (activation memory of those parts / TP); the TP all-reduces become "

@@ -139,8 +139,8 @@ class Trainer:
                 + (f"PP={pp.size} x " if pp.size > 1 else "") + f"DP={dp.size} | global batch {args.global_batch_size} x {args.seq_length} "
                 f"tokens = {batching} | {len(run.train_ds):,} train samples | device "
                 f"{self.state.device}" + "".join(
-                    f" | {k.upper()} over {v}" for k, v in self.state.transports().items()
-                    if v != "-"))
+                    f" | {_GROUP_NAMES[k]} over {v}"
+                    for k, v in self.state.transports().items() if v != "-"))
 
     @property
     def plan(self) -> Plan:
@@ -351,6 +351,9 @@ def optimizer_state_bytes(optimizer) -> int:
     inner = optimizer.inner if isinstance(optimizer, DistributedAdamW) else optimizer
     return sum(v.numel() * v.element_size() for st in inner.state.values()
                for v in st.values() if isinstance(v, torch.Tensor))
+
+
+_GROUP_NAMES = {"tp": "TP", "dp": "DP", "embedding": "tied-embedding sums"}
 
 
 def train(run: Run, state: ParallelState | None = None,
