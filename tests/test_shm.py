@@ -67,6 +67,13 @@ def _collectives(rank: int, world: int) -> dict:
             group.all_gather_into(ref_ag, y)
             fast.all_gather_into(mine_ag, y)
             out["equal"][f"ag/{n}/{dtype}"] = torch.equal(ref_ag, mine_ag)
+        # In place: the output is this rank's chunk of the input itself.
+        x = torch.randn(world * n, generator=gen)
+        ref_rs = x.new_empty(n)
+        group.reduce_scatter(ref_rs, x.clone())
+        inplace = x.clone()
+        fast.reduce_scatter(inplace.view(world, n)[rank], inplace)
+        out["equal"][f"rs_in_place/{n}"] = torch.equal(inplace.view(world, n)[rank], ref_rs)
         ints = torch.randint(-1000, 1000, (n,), generator=gen)
         for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
             ref, mine = ints.clone(), ints.clone()

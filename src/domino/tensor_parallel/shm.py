@@ -16,7 +16,8 @@ own worker thread):
   own slot; after a second barrier every rank copies every other segment from its owner's slot
   (two ranks: each sums the whole tensor, its own and the peer's slot, and is done: fewer
   copies, one barrier);
-- reduce-scatter: rank r sums chunk r of every slot, in rank order, into its output;
+- reduce-scatter: each rank copies in only the chunks the others sum; rank r sums chunk r of
+  every slot and its own, in rank order, into its output;
 - all-gather: every rank copies every slot into its output.
 
 Sums run in rank order on one rank, so every rank gets the same bits, and a reduce-scatter the
@@ -289,13 +290,21 @@ class _Channel:
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         m = out.numel()
         per = self.slot_bytes // flat.element_size() // self.size
+        # This rank's own chunk is read where it is, not copied in, unless the output may
+        # overlap the input (then the sum could overwrite it before it is read).
+        apart = out.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
         for start in range(0, m, per):
             n = min(per, m - start)
             slots = self._slots(flat.dtype)
             mine = slots[self.rank][:self.size * n].view(self.size, n)
-            mine.copy_(flat.view(self.size, m)[:, start:start + n])
+            src = flat.view(self.size, m)[:, start:start + n]
+            for q in range(self.size):
+                if q != self.rank or not apart:
+                    mine[q].copy_(src[q])
             self._barrier()
             parts = [s[self.rank * n:(self.rank + 1) * n] for s in slots]
+            if apart:
+                parts[self.rank] = src[self.rank]
             dst = out[start:start + n]
             torch.add(parts[0], parts[1], out=dst)
             for r in range(2, self.size):
