@@ -74,6 +74,11 @@ def _collectives(rank: int, world: int) -> dict:
         inplace = x.clone()
         fast.reduce_scatter(inplace.view(world, n)[rank], inplace)
         out["equal"][f"rs_in_place/{n}"] = torch.equal(inplace.view(world, n)[rank], ref_rs)
+        # The same memory seen through two storages (e.g. two numpy views).
+        arr = x.clone().numpy()
+        twin = torch.from_numpy(arr[rank * n:(rank + 1) * n])
+        fast.reduce_scatter(twin, torch.from_numpy(arr))
+        out["equal"][f"rs_overlapping_storages/{n}"] = torch.equal(twin, ref_rs)
         ints = torch.randint(-1000, 1000, (n,), generator=gen)
         for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
             ref, mine = ints.clone(), ints.clone()
@@ -102,6 +107,15 @@ def _collectives(rank: int, world: int) -> dict:
         out["malformed"] = "no error"
     except ValueError as e:
         out["malformed"] = str(e)
+    for name, call in {"op": lambda: t.all_reduce(torch.ones(4), dist.ReduceOp.PRODUCT),
+                       "strided": lambda: t.all_reduce(torch.ones(4, 4).t()),
+                       "strided_out": lambda: t.all_gather(torch.ones(4, world).t(),
+                                                           torch.ones(4))}.items():
+        try:
+            call()
+            out[f"malformed_{name}"] = "no error"
+        except ValueError as e:
+            out[f"malformed_{name}"] = str(e)
     y = torch.ones(5)
     t._channel._timeout_s = 1e12  # beyond poll()'s limit: waited for in steps
     fast.all_reduce(y)
@@ -121,6 +135,8 @@ def test_collectives_match_gloo(world: int) -> None:
     for r in results:
         assert r["pieces"] > 3 * len(SIZES) * 5, r["pieces"]
         assert "does not fit input" in r["malformed"], r["malformed"]
+        for name in ("op", "strided", "strided_out"):
+            assert "takes contiguous CPU tensors" in r[f"malformed_{name}"], r
         assert "is closed" in r["after_close"], r["after_close"]
         bad = [k for k, v in r["equal"].items() if v is False]
         assert not bad, f"not bit-equal to gloo at {world} ranks: {bad}"

@@ -138,19 +138,20 @@ class SharedMemoryTransport:
                 and tensor.dtype in _DTYPES and op in _REDUCE)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> _Work:
-        c = self._channel
-        return self._submit(lambda: c.all_reduce(tensor.view(-1), _REDUCE[op]))
+        self._check_each("all_reduce", op, tensor)
+        c, flat, reduce = self._channel, tensor.view(-1), _REDUCE[op]
+        return self._submit(lambda: c.all_reduce(flat, reduce))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
         self._check("reduce_scatter", output, tensor, output.numel() * self.size,
                     tensor.numel())
-        c = self._channel
-        return self._submit(lambda: c.reduce_scatter(output.view(-1), tensor.view(-1)))
+        c, out, flat = self._channel, output.view(-1), tensor.view(-1)
+        return self._submit(lambda: c.reduce_scatter(out, flat))
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
         self._check("all_gather", output, tensor, output.numel(), tensor.numel() * self.size)
-        c = self._channel
-        return self._submit(lambda: c.all_gather(output.view(-1), tensor.view(-1)))
+        c, out, flat = self._channel, output.view(-1), tensor.view(-1)
+        return self._submit(lambda: c.all_gather(out, flat))
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker once what was queued has run (``wait``: and wait for it; a run
@@ -160,9 +161,20 @@ class SharedMemoryTransport:
         if wait:
             self._thread.join()
 
+    def _check_each(self, kind: str, op: Any, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if not self.supports(t, op):
+                raise ValueError(
+                    f"{kind}: the shared-memory transport takes contiguous CPU tensors of "
+                    f"{sorted(str(d).removeprefix('torch.') for d in _DTYPES)} and ops "
+                    "SUM, MAX and MIN; got a "
+                    f"{'contiguous' if t.is_contiguous() else 'non-contiguous'} {t.dtype} "
+                    f"tensor on {t.device} with {op} (CommGroup sends the others to gloo)")
+
     def _check(self, kind: str, output: torch.Tensor, tensor: torch.Tensor, have: int,
                need: int) -> None:
         """A malformed call fails here, on the caller's thread, before any rank waits on it."""
+        self._check_each(kind, dist.ReduceOp.SUM, output, tensor)
         if output.dtype != tensor.dtype or have != need:
             raise ValueError(
                 f"{kind}: output {tuple(output.shape)} {output.dtype} does not fit input "
@@ -290,9 +302,10 @@ class _Channel:
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         m = out.numel()
         per = self.slot_bytes // flat.element_size() // self.size
-        # This rank's own chunk is read where it is, not copied in, unless the output may
-        # overlap the input (then the sum could overwrite it before it is read).
-        apart = out.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        # This rank's own chunk is read where it is, not copied in, unless the output overlaps
+        # the input (then the sum could overwrite it before it is read).
+        o, f = out.data_ptr(), flat.data_ptr()  # both contiguous: these are their byte ranges
+        apart = o + out.nbytes <= f or f + flat.nbytes <= o
         for start in range(0, m, per):
             n = min(per, m - start)
             slots = self._slots(flat.dtype)
@@ -356,8 +369,8 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp",
             if src != rank:
                 reads[src] = os.open(os.path.join(where, f"{src}-{rank}"),
                                      os.O_RDONLY | os.O_NONBLOCK)
-    except (OSError, RuntimeError) as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure here: every rank must hear of it
+        error = f"{type(e).__name__}: {e}"
     if any(comm.all_gather_json(error)):
         return _abandon(comm, rank, where, list(reads.values()))
     try:  # every read end is open now; a reader gone since fails (ENXIO) instead of blocking
@@ -367,8 +380,8 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp",
                                       os.O_WRONLY | os.O_NONBLOCK)
         for fd in [*reads.values(), *writes.values()]:
             os.set_blocking(fd, True)
-    except OSError as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure here: every rank must hear of it
+        error = f"{type(e).__name__}: {e}"
     if any(comm.all_gather_json(error)):
         return _abandon(comm, rank, where, [*reads.values(), *writes.values()])
     comm.barrier()  # every rank holds every file open: the names can go
