@@ -314,3 +314,14 @@ def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # all-reduce moves its size once per rank).
     floor = rows["sync"]["allreduce_bytes_per_step"] * 8 / 1e8
     assert floor > 0.02 and min(rows["sync"]["step_times_s"]) >= floor
+
+
+def test_ranks_failing_together_are_all_named() -> None:
+    """A peer that loses the failing rank may exit before it: both are named, whatever the
+    order their processes end in."""
+    from domino.supervisor import RankFailed, run_ranks
+
+    first = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    late = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
+    with pytest.raises(RankFailed, match=r"ranks 0, 1 exited with codes 1, 3"):
+        run_ranks([first, late], [dict(os.environ)] * 2, label="test")

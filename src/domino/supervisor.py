@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from domino.utils import stop_processes
 
 GRACE_S = 5.0  # SIGTERM first; SIGKILL whatever is left after this long
+SETTLE_S = 1.0  # after a rank fails, how long to wait for the others before naming who failed
 
 
 class Interrupted(KeyboardInterrupt):
@@ -128,8 +129,14 @@ def _watch(procs: list[subprocess.Popen], label: str, straggler_s: float | None,
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            # Ranks that lose a peer fail within milliseconds of it: when one poll finds
-            # several, all are named (their own output says which one started it).
+            # Ranks that lose a peer fail within milliseconds of it, sometimes before the
+            # failing rank's own process is gone: every rank that fails within SETTLE_S of the
+            # first is named (their own output says which one started it).
+            settle = time.monotonic() + SETTLE_S
+            while time.monotonic() < settle and any(c is None for c in codes):
+                time.sleep(poll_s)
+                codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             rank, code = failed[0]
             who = (f"rank {rank} exited with code {code}" if len(failed) == 1 else
                    "ranks " + ", ".join(str(r) for r, _ in failed) + " exited with codes "

@@ -131,6 +131,9 @@ class SharedMemoryTransport:
                                         name=f"domino-shm-{channel.label}", daemon=True)
         self._thread.start()
         self._stop = weakref.finalize(self, self._queue.put, None)
+        # Not at interpreter exit: there the FIFOs close with the process, as gloo's sockets
+        # do, rather than while a rank leaving on an error is still tearing down.
+        self._stop.atexit = False
         self._closed = False
 
     def supports(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> bool:
