@@ -228,9 +228,12 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     for name in ("sync", "nocomm", "nocomm:m2:cross"):
         assert rows[name]["comm_hidden"] is None
     assert rows["sync"]["speedup_vs_sync"] == pytest.approx(1.0)
+    # "hidden" is a share of what sync exposes: undefined when, on a run this small over shared
+    # memory, sync came out no slower than nocomm (timing decides which; both are checked).
+    sync_exposed = rows["sync"]["exposed_comm_s"]
     for name in ("domino:m2:cross", "domino:m2:intra:c2"):
         assert rows[name]["exposed_comm_s"] is not None
-        assert rows[name]["comm_hidden"] is not None
+        assert (rows[name]["comm_hidden"] is not None) == (sync_exposed > 0), (name, rows)
     assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] is not None
     assert rows["domino:m2:intra:c2"]["exposed_comm_vs_split_nocomm_s"] is None
     assert (rows["domino:m2:intra:c2"]["micro_batches"], rows["domino:m2:intra:c2"]["overlap"],
