@@ -293,9 +293,7 @@ class _Channel:
             # Summed into this rank's own tensor (its own slot holds an input still to read),
             # then published in its slot for the others.
             mine = piece[a:b]
-            reduce(slots[0][a:b], slots[1][a:b], out=mine)
-            for r in range(2, self.size):
-                reduce(mine, slots[r][a:b], out=mine)
+            _combine([s[a:b] for s in slots], mine, reduce)
             slots[self.rank][a:b].copy_(mine)
             self._barrier()
             for q in range(self.size):
@@ -321,10 +319,7 @@ class _Channel:
             parts = [s[self.rank * n:(self.rank + 1) * n] for s in slots]
             if apart:
                 parts[self.rank] = src[self.rank]
-            dst = out[start:start + n]
-            torch.add(parts[0], parts[1], out=dst)
-            for r in range(2, self.size):
-                dst.add_(parts[r])
+            _combine(parts, out[start:start + n], torch.add)
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         m = flat.numel()
@@ -337,6 +332,14 @@ class _Channel:
             self._barrier()
             for q in range(self.size):
                 whole[q, start:start + n].copy_(slots[q][:n])
+
+
+def _combine(parts: list[torch.Tensor], out: torch.Tensor, reduce) -> None:
+    """``out`` = ``parts`` reduced in rank order (``out`` may be ``parts[0]`` or ``parts[1]``,
+    never a later one: it is written before those are read)."""
+    reduce(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        reduce(out, part, out=out)
 
 
 def open_transport(group: Any, rank: int, size: int, label: str = "tp",
