@@ -158,7 +158,14 @@ def _watch(procs: list[subprocess.Popen], label: str, straggler_s: float | None,
 
 
 def local_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
-    """This process's environment plus torchrun's variables for local rank ``rank``."""
-    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                **extra)
+    """This process's environment plus torchrun's variables for local rank ``rank``; on Linux
+    gloo gets loopback (``GLOO_SOCKET_IFNAME=lo``) unless the user or ``extra`` names an
+    interface (the emulated link replaces it with its own)."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               **extra)
+    if sys.platform == "linux":
+        # Otherwise gloo listens on the address the host name resolves to, often a network
+        # address, though every rank is on this host.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
