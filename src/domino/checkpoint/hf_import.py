@@ -3,6 +3,7 @@ TP size, weights only (``domino import``)."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -24,12 +25,69 @@ from domino.data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
+_HF_FIX = ("a model folder holds its files itself; re-download the model or re-save it with "
+           "save_pretrained(dir, safe_serialization=True)")
+
+
+def hf_file(folder: Path, name: object, index: Path | None = None) -> Path:
+    """``folder / name`` for a file of HF model folder ``folder`` (``index``: the
+    ``model.safetensors.index.json`` that listed ``name``, which must then end in
+    ``.safetensors``); ValueError naming the listing file, the name, the rule and the fix.
+
+    ``name`` is one plain component: Hugging Face keeps a model's files in its folder, so no
+    ``..``, absolute path, subfolder, backslash or control character. The folder is the user's
+    choice, not domino's, so unlike a checkpoint it may hold symbolic links: the hub cache is
+    made of them (``snapshots/<rev>/<file> -> ../../blobs/<hash>``) and ``domino import`` of a
+    cache snapshot must work. A link must lead to a regular file inside the folder or, for a
+    cache snapshot, inside that cache's ``blobs``; anywhere else it is refused, so that a
+    downloaded folder cannot pull in a file it does not hold (resolving a link only looks up
+    path components; nothing outside is opened).
+    """
+    rule = layout.name_problem(name)
+    if not rule and "/" in str(name):
+        rule = "it must be a file of the folder itself (no subfolder)"
+    if not rule and index is not None and not str(name).endswith(".safetensors"):
+        rule = "weights are .safetensors files"
+    path = folder / str(name)
+    if not rule and path.is_symlink():
+        rule = _link_rule(folder, path.name)
+    if rule:
+        where = f"{index}: weight_map entry {name!r}" if index is not None else f"{path}"
+        raise ValueError(f"{where} is refused: {rule}; {_HF_FIX}")
+    return path
+
+
+def _link_rule(folder: Path, name: str) -> str | None:
+    """Why link ``folder / name`` is refused (see ``hf_file``; None: it is not). Each hop is
+    followed by its text, so no path outside is looked up before it is known to be inside."""
+    base = folder.resolve()
+    roots = [base, base.parent.parent / "blobs"] if base.parent.name == "snapshots" else [base]
+    here = base / name
+    for _hop in range(40):  # (the kernel's own limit on a chain of links)
+        if not here.is_symlink():
+            break
+        here = Path(os.path.normpath(here.parent / os.readlink(here)))
+        if not any(here.is_relative_to(r) for r in roots):
+            return "it is a symbolic link leading out of the folder"
+    else:
+        return "it is a chain of too many symbolic links"
+    real = Path(os.path.realpath(here))  # (a linked folder on the way: judged by where it is)
+    if not any(real.is_relative_to(r) for r in roots):
+        return "it is a symbolic link leading out of the folder"
+    if not real.is_file():
+        return "it is a symbolic link to something other than a regular file"
+    return None
+
+
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files (one file or an index of shards)."""
-    index = folder / "model.safetensors.index.json"
+    """Every tensor of the folder's safetensors files (one file or an index of shards); every
+    name checked by ``hf_file`` before anything is opened."""
+    index = hf_file(folder, "model.safetensors.index.json")
     if index.is_file():
-        raw = layout.read_json(index, "safetensors index")
-        files = sorted(set(raw.get("weight_map", {}).values()))
+        weight_map = layout.read_json(index, "safetensors index").get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must be a JSON object of tensor -> file")
+        files = sorted({hf_file(folder, name, index).name for name in weight_map.values()})
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
@@ -41,7 +99,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{folder} has no safetensors weights{hint}")
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        path = folder / name
+        path = hf_file(folder, name)
         bad = layout.safetensors_header_problem(path) if path.is_file() else "missing"
         if bad:
             raise ValueError(f"{path}: {bad}")
@@ -55,14 +113,15 @@ def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None) 
     """The folder's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt)."""
     from tokenizers import Tokenizer as RustTokenizer
 
-    if (folder / "tokenizer.json").is_file():
+    tokenizer_json, vocab, merges = (hf_file(folder, name) for name in (
+        "tokenizer.json", "vocab.json", "merges.txt"))
+    if tokenizer_json.is_file():
         try:
-            rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+            rust = RustTokenizer.from_file(str(tokenizer_json))
         except Exception as err:
-            raise ValueError(f"{folder / 'tokenizer.json'}: not a tokenizers file ({err})"
-                             ) from None
-    elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        rust = BPETokenizer.from_files(folder / "vocab.json", folder / "merges.txt")._tok
+            raise ValueError(f"{tokenizer_json}: not a tokenizers file ({err})") from None
+    elif vocab.is_file() and merges.is_file():
+        rust = BPETokenizer.from_files(vocab, merges)._tok
     else:
         raise ValueError(f"{folder} has no tokenizer (tokenizer.json, or vocab.json + "
                          "merges.txt); generate, eval and training need one")
@@ -83,7 +142,7 @@ def import_hf(folder: Path, out: Path, tp: int) -> Path:
     from domino.models.gpt import GPTModel
     from domino.parallel_state import ParallelState
 
-    raw = layout.read_json(folder / "config.json", "model config")
+    raw = layout.read_json(hf_file(folder, "config.json"), "model config")
     arch, config, eod = config_from_hf(raw)
     config.validate_parallel(tp)
     tokenizer = read_hf_tokenizer(folder, config, eod)

@@ -18,7 +18,9 @@
 
 Tensors are only ever read from safetensors files and everything else from JSON: nothing on the
 load path unpickles. A checkpoint directory gets its final name only once every rank's files
-and ``checkpoint.json`` are complete, so a crash mid-save leaves the previous one intact.
+and ``checkpoint.json`` are complete, so a crash mid-save leaves the previous one intact. Every
+file name read from the JSON must be of a form above and stay in its folder through no
+symbolic link (domino writes none), checked before anything is opened (``inside``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ TOKENIZER_DIR = "tokenizer"
 TMP_SUFFIX = ".tmp"
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 _MAX_JSON_BYTES = 256 << 20  # a checkpoint.json of a huge model is a few MiB
+# The names domino writes in a step folder (model_file, optim_file, rng_file below) and the
+# tokenizer's own files one level down (vocab.json, merges.txt, tokenizer.json, domino.json).
+_SHARD_NAME = re.compile(r"(model|optim|rng)-tp\d{2,}-pp\d{2,}\.safetensors")
+_PLAIN_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+REFUSED_FIX = "the checkpoint was edited or is not from domino; use an intact one"
+ESCAPE_LINK = "it is a symbolic link (domino never writes one)"
 
 
 class CheckpointError(ValueError):
@@ -62,6 +71,98 @@ def optim_file(tp_rank: int, pp_rank: int = 0) -> str:
 
 def rng_file(tp_rank: int, pp_rank: int = 0) -> str:
     return f"rng-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+# ---- names read from a checkpoint --------------------------------------------------------------
+
+
+def name_problem(rel: object) -> str | None:
+    """Why ``rel`` is not a plain relative path (None when it is); nothing is looked up."""
+    if not isinstance(rel, str) or not rel:
+        return "a file name must be a non-empty string"
+    if _CONTROL.search(rel):
+        return "control characters (NUL, newline, ...) are not allowed in a file name"
+    if "\\" in rel:
+        return "backslashes are not allowed in a file name"
+    if rel.startswith("/"):
+        return "absolute paths are not allowed"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "'..', '.' and empty path components are not allowed"
+    return None
+
+
+def checkpoint_name_problem(rel: object) -> str | None:
+    """Why ``rel`` is not a name domino writes into a step folder (None when it is)."""
+    bad = name_problem(rel)
+    if bad:
+        return bad
+    folder, _, file = str(rel).rpartition("/")
+    if _SHARD_NAME.fullmatch(str(rel)) or (folder == TOKENIZER_DIR
+                                           and _PLAIN_FILE.fullmatch(file)):
+        return None
+    return ("domino writes only model-/optim-/rng-tpNN-ppNN.safetensors and "
+            f"{TOKENIZER_DIR}/<file name>")
+
+
+def escape_problem(folder: Path, rel: str) -> str | None:
+    """Why ``folder / rel`` (``rel`` a plain name) may lead out of ``folder`` (None when it
+    cannot). Each component is tested for being a link before anything resolves it, so a
+    link's target is never looked at; domino never writes links, so any is refused."""
+    path = folder
+    for part in rel.split("/"):
+        path = path / part
+        if path.is_symlink():
+            return ESCAPE_LINK
+    if not path.resolve().is_relative_to(folder.resolve()):
+        return "it resolves outside the checkpoint folder"
+    return None
+
+
+def refusal(what: str, rel: object, rule: str) -> str:
+    """Why a name is refused: the name and the rule, and never anything about where it leads
+    (whether a file is there, its size)."""
+    return f"{what} {rel!r} is refused: {rule}; {REFUSED_FIX}"
+
+
+def refused(listed_in: Path, what: str, rel: object, rule: str) -> CheckpointError:
+    return CheckpointError(f"{listed_in}: {refusal(what, rel, rule)}")
+
+
+def inside(folder: Path, rel: str, what: str = "file", form: bool = True) -> Path:
+    """``folder / rel`` once ``rel`` is a plain name (of a checkpoint's forms, unless not
+    ``form``) reaching a path inside ``folder`` through no symbolic link; otherwise
+    CheckpointError naming ``folder``'s checkpoint.json as the listing file."""
+    bad = (checkpoint_name_problem(rel) if form else name_problem(rel)) or escape_problem(
+        folder, rel)
+    if bad:
+        raise refused(folder / META, what, rel, bad)
+    return folder / rel
+
+
+def _check_names(meta: Meta, path: Path) -> None:
+    """Every name ``checkpoint.json`` lists is of a checkpoint's forms, and every tensor's and
+    the tokenizer's files are among its ``files``."""
+    for rel, rec in meta.files.items():
+        bad = checkpoint_name_problem(rel) or (
+            None if isinstance(rec, dict) else "its record is not a JSON object")
+        if bad:
+            raise refused(path, "file", rel, bad)
+    tokenizer = meta.tokenizer if meta.tokenizer is not None else {}
+    names = tokenizer.get("files", []) if isinstance(tokenizer, dict) else None
+    if not isinstance(names, list):
+        raise CheckpointError(f"{path}: the tokenizer record {tokenizer!r} is malformed")
+    uses = [("tokenizer file", n, f"{TOKENIZER_DIR}/{n}") for n in names]  # (listed bare)
+    for name, rec in meta.tensors.items():
+        files = rec.get("files") if isinstance(rec, dict) else None
+        if not isinstance(files, list) or not files:
+            raise CheckpointError(f"{path}: tensor {name!r} lists no files")
+        uses += [(f"tensor {name}'s file", rel, rel) for rel in files]
+    for what, rel, full in uses:
+        bad = name_problem(rel) or checkpoint_name_problem(full)
+        if not bad and full not in meta.files:
+            bad = "it is not among the checkpoint's files"
+        if bad:
+            raise refused(path, what, rel, bad)
 
 
 # ---- JSON -----------------------------------------------------------------------------------
@@ -185,6 +286,7 @@ class Meta:
         for key in ("tp", "pp", "dp"):
             if meta.layout.get(key, 0) < 1:
                 raise CheckpointError(f"{path}: layout {meta.layout} lacks a positive {key!r}")
+        _check_names(meta, path)
         return meta
 
 
@@ -208,7 +310,7 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
     out = []
     for child in root.iterdir():
         m = _STEP_RE.match(child.name)
-        if m and child.is_dir():
+        if m and child.is_dir() and not child.is_symlink():  # domino writes no links
             out.append((int(m.group(1)), child))
     return sorted(out)
 
@@ -224,7 +326,7 @@ def remove_partial_saves(root: Path) -> list[Path]:
     """Delete what interrupted saves left; returns what was removed."""
     removed = partial_saves(root)
     for p in removed:
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():  # a link is removed, not what it leads to
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
@@ -243,7 +345,11 @@ def latest_step_dir(root: Path) -> Path:
     name = raw.get("dir")
     if not isinstance(name, str) or not _STEP_RE.match(name):
         raise CheckpointError(f"{tracker}: 'dir' must name a step folder, got {name!r}")
-    return root / name
+    step_dir = root / name
+    if step_dir.is_symlink() or not step_dir.resolve().is_relative_to(root.resolve()):
+        raise refused(tracker, "'dir'", name, "the step folder is a symbolic link or lies "
+                      f"outside {root} (domino writes neither)")
+    return step_dir
 
 
 @dataclass
@@ -264,7 +370,20 @@ def check(step_dir: Path, hashes: bool = True) -> tuple[Meta | None, list[Proble
     except CheckpointError as err:
         return None, [Problem(step_dir / META, str(err).split(": ", 1)[-1])]
     problems = []
+    # Convert copies the tokenizer folder whole (following links), listed files or not: it
+    # may hold plain files only.
+    tok = step_dir / TOKENIZER_DIR
+    for entry in [tok] if tok.is_symlink() else sorted(tok.iterdir()) if tok.is_dir() else []:
+        rel = entry.relative_to(step_dir).as_posix()
+        if rel not in meta.files and (entry.is_symlink() or not entry.is_file()):
+            problems.append(Problem(step_dir / META, refusal("entry", rel, "it is a symbolic "
+                                                             "link or a folder (domino writes "
+                                                             "neither)")))
     for rel, rec in meta.files.items():
+        bad = escape_problem(step_dir, rel)  # (the names themselves: Meta.from_json)
+        if bad:
+            problems.append(Problem(step_dir / META, refusal("file", rel, bad)))
+            continue
         path = step_dir / rel
         if not path.is_file():
             problems.append(Problem(path, "missing"))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from domino.checkpoint.layout import CheckpointError
+from domino.checkpoint.layout import CheckpointError, inside
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -89,7 +89,9 @@ class ShardReader:
     def _file(self, rel: str) -> Any:
         handle = self._open.get(rel)
         if handle is None:
-            path = self.folder / rel
+            # Names come from checkpoint.json (checked there); this also refuses a link planted
+            # since, or a caller's unchecked name. (No form: tests read files of any name.)
+            path = inside(self.folder, rel, "shard file", form=False)
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except Exception as err:  # safetensors raises its own error types

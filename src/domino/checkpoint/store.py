@@ -272,11 +272,15 @@ def load_rng(step_dir: Path, meta: Meta, state: ParallelState) -> None:
 
 def load_tokenizer(step_dir: Path, meta: Meta) -> Any:
     """The tokenizer a checkpoint was made with (its own copy of the files)."""
+    from domino.data import tokenizer as tk
     from domino.data.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer
 
     record = meta.tokenizer or {}
     kind = record.get("kind")
     folder = step_dir / layout.TOKENIZER_DIR
+    fixed = {"bpe": (tk.VOCAB_FILE, tk.MERGES_FILE), "hf": (tk.HF_TOKENIZER_FILE, tk.HF_SIDECAR)}
+    for name in fixed.get(kind, ()):  # read by these names, listed or not: no link out
+        layout.inside(step_dir, f"{layout.TOKENIZER_DIR}/{name}", "tokenizer file")
     try:
         if kind == "byte":
             tok: Any = ByteTokenizer()
