@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -336,4 +337,6 @@ def test_save_folder_checks(tmp_path: Path, data: str, monkeypatch) -> None:
     monkeypatch.setattr(resume.shutil, "disk_usage",
                         lambda _p: shutil._ntuple_diskusage(10 << 20, 10 << 20, 1000))
     msg = error(save=str(tmp_path / "full"))
-    assert "--save" in msg and "GiB free" in msg and "free space" in msg
+    # Sizes in a unit that shows them (was "0.00 GiB free ... about 0.00 GiB").
+    assert "--save" in msg and "1000 B free" in msg and "free space" in msg
+    assert "0.00 GiB" not in msg and re.search(r"takes about \d+(\.\d+)? [KM]iB", msg)

@@ -6,6 +6,7 @@ models imported at TP=1 and TP=2 give the original's logits; tokenizers encode a
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -233,6 +234,34 @@ def test_import_never_unpickles(tmp_path: Path, bpe: BPETokenizer) -> None:
     with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
         import_hf(folder, tmp_path / "out2", 1)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_import_refuses_damaged_or_mismatched_folders(tmp_path: Path, bpe: BPETokenizer,
+                                                      arch: str, capfd) -> None:
+    """A truncated weights file, or a config.json of another shape than the weights: one line
+    naming the file (and the tensor), exit 2, no output folder."""
+    folder, _ = _hf_folder(tmp_path, bpe, arch)
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+
+    def refused(expect: list[str]) -> None:
+        capfd.readouterr()
+        assert main(["import", str(folder), str(tmp_path / "out")]) == 2
+        err = capfd.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("domino import: error: "), err
+        assert all(text in err for text in expect), err
+        assert not (tmp_path / "out").exists()
+
+    weights.write_bytes(whole[: len(whole) * 2 // 3])
+    refused([str(weights), "truncated or damaged"])
+    weights.write_bytes(whole)
+    config = json.loads((folder / "config.json").read_text())
+    wider = {"gpt2": "n_inner", "llama": "intermediate_size"}[arch]
+    config[wider] = 96
+    (folder / "config.json").write_text(json.dumps(config))
+    tensor = {"gpt2": ".mlp.c_", "llama": ".mlp."}[arch]  # (whichever the file lists first)
+    refused([str(weights), tensor, "has shape", "use the config.json saved with these weights"])
 
 
 def test_fine_tune_an_imported_llama(tmp_path: Path, bpe: BPETokenizer, capfd) -> None:

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as err:
             print(f"domino {name}: error: {err}", file=sys.stderr)
             return 2
+        except OSError as err:  # a refusal the checks could not foresee; its text names the path
+            print(f"domino {name}: error: {err}; free space or fix the permissions there, then "
+                  "run again", file=sys.stderr)
+            return 2
         except RankFailed as err:  # the rank's own output above says why
             print(f"domino {name}: error: {err}", file=sys.stderr)
             return err.exit_code

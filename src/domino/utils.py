@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -79,3 +83,54 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> N
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``512 B``, ``3.4 MiB``,
+    ``1.20 GiB``): a small model's checkpoint must not read as 0.00 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{1 if abs(n) >= 10 else 2}f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+    """``path`` is a folder this process can create or write into; ValueError naming ``what``
+    (the flag or argument), the rule and the fix otherwise. Creates nothing: the probe file it
+    writes into the folder (or its nearest existing parent) is gone when it returns."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{what} {target} is a file, not a folder; pass a folder path")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what} {target}: cannot write there ({existing} is a file, so no "
+                         "folder can be made under it); pass a folder path")
+    try:  # a real write answers for every reason one can fail (read-only mount, mode, ACL)
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".domino-write-test-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{what} {target}: cannot write there ({existing}: "
+                         f"{err.strerror or err}); pass a folder you can write to") from None
+
+
+@contextlib.contextmanager
+def removed_on_error(path: str | os.PathLike | None) -> Iterator[None]:
+    """On an exception inside, delete the folders of ``path`` that did not exist on entry (the
+    outermost of them, with what was written into it): a refused or failed command leaves
+    nothing behind. Folders that existed are left alone."""
+    made = None
+    if path is not None:
+        for folder in (Path(path).absolute(), *Path(path).absolute().parents):
+            if folder.exists():
+                break
+            made = folder
+    try:
+        yield
+    except BaseException:
+        if made is not None and made.is_dir():
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+

@@ -27,6 +27,8 @@ from domino.plan import Plan
 from domino.timing import device_sync, time_rotated
 
 DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
+PIPELINE_MICRO_BATCHES = 8  # --pipeline-micro-batches when not given
+PIPELINE_PLAN = "m2:cross"  # --plan when not given
 
 
 def layouts(spec: dict[str, Any]) -> dict[str, Layout]:
@@ -208,6 +210,15 @@ def validate_pipeline(args) -> dict[str, Any]:
     from domino.bench.runner import _resolve_device, check_link
     from domino.bench.worker import build_config
 
+    if args.modes is not None:
+        raise ValueError("--modes picks the Domino modes of a TP comparison; a pipeline "
+                         "comparison (--pipeline-model-parallel-size > 1) compares --schedules "
+                         "with one --plan inside each stage: drop --modes")
+    if args.pipeline_micro_batches is None:
+        args.pipeline_micro_batches = PIPELINE_MICRO_BATCHES
+    if args.plan is None:
+        args.plan = PIPELINE_PLAN
+    plan = Plan.parse(args.plan)
     p, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     for name in ("pipeline_model_parallel_size", "pipeline_micro_batches", "steps",
                  "threads_per_rank", "tensor_model_parallel_size"):
@@ -242,8 +253,8 @@ def validate_pipeline(args) -> dict[str, Any]:
                 stage_layers=counts,
                 world_size=p * tp, ranks_per_host=tp, hosts=p, trace=args.out_dir is not None)
     build_config(spec).validate_parallel(tp)
-    Plan.parse(args.plan).check_fits(args.micro_batch_size, what=f"--plan {args.plan}",
-                                     batch_name="--micro-batch-size")
+    plan.check_fits(args.micro_batch_size, what=f"--plan {args.plan}",
+                    batch_name="--micro-batch-size")
     layouts(spec)  # every schedule fits the layers and pipeline micro-batches
     spec["device"] = _resolve_device(args.device, p * tp)
     check_link(args, spec, hosts=p)

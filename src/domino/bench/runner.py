@@ -34,6 +34,7 @@ from domino.bench.netem import (
     rate_bits_per_s,
 )
 from domino.bench.pipeline import DEFAULT_SCHEDULES as _PIPELINE_DEFAULT
+from domino.bench.pipeline import PIPELINE_MICRO_BATCHES, PIPELINE_PLAN
 from domino.bench.worker import DTYPES, build_config
 from domino.supervisor import local_env, run_ranks
 from domino.transformer.autotune import regime_of
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--micro-batch-size", type=int, default=8, help="batch per TP group and step")
     a("--vocab-size", type=int, default=32000, help="vocabulary (--model gpt only)")
     a("--tensor-model-parallel-size", type=int, default=2, help="TP size = number of ranks")
-    a("--modes", default=DEFAULT_MODES, help=f"comma-separated modes: {GRAMMAR}")
+    a("--modes", default=None,
+      help=f"comma-separated modes: {GRAMMAR} [default: {DEFAULT_MODES}]")
     a("--steps", type=int, default=10, help="measured rounds (steps per mode)")
     a("--warmup", type=int, default=2, help="unmeasured rounds first")
     a("--threads-per-rank", type=int, default=1, help="torch / OpenMP threads per rank")
@@ -91,20 +93,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--pipeline-model-parallel-size", type=int, default=1,
       help="> 1: compare pipeline schedules instead of Domino modes (GPT model, one stage per "
            "emulated host with --emulate-link)")
-    a("--pipeline-micro-batches", type=int, default=8, help="pipeline micro-batches per step")
+    a("--pipeline-micro-batches", type=int, default=None,
+      help=f"pipeline micro-batches per step [default: {PIPELINE_MICRO_BATCHES}]")
     a("--schedules", default=None,
       help=f"pipeline schedules to compare [default: {_PIPELINE_DEFAULT}]")
     a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
       help="chunk size of the interleaved schedule [default: num_layers / (2 x PP)]")
     a("--pipeline-stage-layers", default=None,
       help="uneven stages, layers per stage (e.g. 5,3; not for the interleaved schedule)")
-    a("--plan", default="m2:cross", help="Domino plan inside each pipeline stage")
+    a("--plan", default=None, help=f"Domino plan inside each pipeline stage [default: "
+      f"{PIPELINE_PLAN}]")
     a("--json", metavar="PATH", default=None, help="write the report here")
     a("--out-dir", metavar="DIR", default=None,
       help="write a PNG timeline and a Chrome trace per traced mode here")
 
 
 # ---- validation -----------------------------------------------------------------------------
+
+# Flags only a pipeline comparison reads: given without one they would be silently ignored.
+PIPELINE_ONLY = ("pipeline_micro_batches", "schedules", "num_layers_per_virtual_pipeline_stage",
+                 "pipeline_stage_layers", "plan")
 
 
 def _check_modes(modes: list[Mode], args: argparse.Namespace) -> None:
@@ -130,7 +138,12 @@ def _resolve_device(choice: str, world: int) -> str:
 
 def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     """Check everything that can be checked before processes start; return the worker spec."""
-    modes = parse_modes(args.modes)
+    given = [f"--{n.replace('_', '-')}" for n in PIPELINE_ONLY if getattr(args, n) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply to a pipeline comparison: add "
+                         "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
+                         "modes to compare are chosen with --modes)")
+    modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
     for name in ("steps", "threads_per_rank", "tensor_model_parallel_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")

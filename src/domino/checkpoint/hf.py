@@ -318,6 +318,17 @@ def to_hf(ours: dict[str, torch.Tensor], config: TransformerConfig, arch: str
     return {k: t.contiguous() for k, t in out.items()}
 
 
+def expected_hf_shapes(config: TransformerConfig, arch: str) -> dict[str, tuple[int, ...]]:
+    """Every weight an HF folder of this config must hold, with its shape (from our model
+    built on the meta device: nothing is allocated)."""
+    from domino.models.gpt import GPTModel
+    from domino.parallel_state import ParallelState
+
+    model = GPTModel(config, parallel_state=ParallelState.single("meta"))
+    return {name: tuple(t.shape)
+            for name, t in to_hf(dict(model.named_parameters()), config, arch).items()}
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t

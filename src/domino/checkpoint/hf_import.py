@@ -8,12 +8,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import domino
 from domino.checkpoint import layout
-from domino.checkpoint.hf import config_from_hf, from_hf
+from domino.checkpoint.hf import config_from_hf, expected_hf_shapes, from_hf
 from domino.checkpoint.layout import Meta
 from domino.checkpoint.reshard import reshard
 from domino.checkpoint.shards import describe
@@ -79,9 +79,12 @@ def _link_rule(folder: Path, name: str) -> str | None:
     return None
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_hf_weights(folder: Path, expected: dict[str, tuple[int, ...]] | None = None,
+                    ) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors files (one file or an index of shards); every
-    name checked by ``hf_file`` before anything is opened."""
+    name checked by ``hf_file`` before anything is opened. With ``expected`` (HF name ->
+    shape, as :func:`~domino.checkpoint.hf.expected_hf_shapes` gives) each tensor's shape is
+    checked from the file's header before its data is read."""
     index = hf_file(folder, "model.safetensors.index.json")
     if index.is_file():
         weight_map = layout.read_json(index, "safetensors index").get("weight_map", {})
@@ -103,10 +106,27 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         bad = layout.safetensors_header_problem(path) if path.is_file() else "missing"
         if bad:
             raise ValueError(f"{path}: {bad}")
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if expected is not None:
+                        _check_shape(path, key, tuple(f.get_slice(key).get_shape()), expected)
+                    out[key] = f.get_tensor(key)
+        except SafetensorError as err:
+            raise ValueError(f"{path}: cannot be read as safetensors ({err}): the file is "
+                             "truncated or damaged; download or save it again") from None
     return out
+
+
+def _check_shape(path: Path, key: str, shape: tuple[int, ...],
+                 expected: dict[str, tuple[int, ...]]) -> None:
+    """``key``'s shape in the file is the one ``config.json`` implies (GPT-2 files may or may
+    not prefix ``transformer.``; tensors the model does not use are ignored)."""
+    want = expected.get(key, expected.get("transformer." + key))
+    if want is not None and shape != want:
+        raise ValueError(f"{path}: tensor {key} has shape {shape}, but config.json describes a "
+                         f"model whose {key} is {want}; the weights and config.json belong to "
+                         "different models: use the config.json saved with these weights")
 
 
 def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None) -> HFTokenizer:
@@ -147,7 +167,8 @@ def import_hf(folder: Path, out: Path, tp: int) -> Path:
     config.validate_parallel(tp)
     tokenizer = read_hf_tokenizer(folder, config, eod)
     padded = config.padded_vocab_size(1)
-    hf = {k: v for k, v in read_hf_weights(folder).items() if not k.endswith(_IGNORED_SUFFIXES)}
+    weights = read_hf_weights(folder, expected_hf_shapes(config, arch))
+    hf = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
     try:
         ours = from_hf(hf, config, arch, padded)
     except KeyError as err:

@@ -454,3 +454,8 @@ def open_checkpoint(path: str | os.PathLike, hashes: bool = True,
     hint = (f"; the newest intact checkpoint is {intact[0]} (pass it, or add --load-fallback)"
             if intact is not None else "; no intact checkpoint remains in " + str(root))
     raise CheckpointError(f"checkpoint {step_dir} is damaged: {listing}{hint}")
+
+
+def is_step_dir_name(name: str) -> bool:
+    """``name`` is a step folder's (``step_0000300``), finished or in progress (``.tmp``)."""
+    return _STEP_RE.match(name.removesuffix(TMP_SUFFIX)) is not None

@@ -8,6 +8,7 @@ at TP=a x DP=x loads at TP=b x DP=y (optimizer state included).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
@@ -92,13 +94,14 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
     tmp = root / (final.name + layout.TMP_SUFFIX)
     world = state.world
     if world.rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / layout.TOKENIZER_DIR).mkdir(parents=True)
+        with _failing_save(step, tmp):
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / layout.TOKENIZER_DIR).mkdir(parents=True)
     world.barrier()
     records: dict[str, Any] = {}
     specs: dict[str, Any] = {}
-    try:
+    with _failing_save(step, tmp):
         if world.rank == 0 and tokenizer is not None:
             meta.tokenizer = save_tokenizer(tokenizer, tmp / layout.TOKENIZER_DIR)
             for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
@@ -117,10 +120,6 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
                 records[layout.rng_file(tp, pp)] = _save_tensors(rng,
                                                                  tmp / layout.rng_file(tp, pp))
             specs = {k: v.to_json() for k, v in rank_specs.items()}
-    except OSError as err:
-        raise CheckpointError(
-            f"saving checkpoint {step} to {tmp} failed: {err}; the previous checkpoint is "
-            "intact (free space on the --save filesystem, or pass another --save)") from None
     _test_pause(step)
     gathered = world.all_gather_json({"files": records, "tensors": specs})
     if world.rank == 0:
@@ -132,14 +131,29 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
         meta.has_optimizer = optimizer is not None
         meta.layout = {"tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size}
         meta.rng_seed = state.rng.state_dict()["seed"]
-        layout.write_json_atomic(tmp / layout.META, meta.to_json())
-        _publish(root, tmp, final)
-        layout.write_json_atomic(root / layout.LATEST, {"step": step, "dir": final.name})
+        with _failing_save(step, tmp):
+            layout.write_json_atomic(tmp / layout.META, meta.to_json())
+            _publish(root, tmp, final)
+            layout.write_json_atomic(root / layout.LATEST, {"step": step, "dir": final.name})
         if keep > 0:
             for _s, old in layout.list_steps(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     world.barrier()  # nobody moves on (or exits) before the checkpoint is in place
     return final
+
+
+@contextlib.contextmanager
+def _failing_save(step: int, tmp: Path) -> Iterator[None]:
+    """A write that fails (a full disk, a read-only or vanished --save) becomes one
+    CheckpointError that says the previous checkpoint is intact; the unpublished ``tmp``
+    folder is removed (the next start would remove it too)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:  # SafetensorError is not an OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint {step} to {tmp} failed: {err}; the previous checkpoint is "
+            "intact (free space on the --save filesystem, or pass another --save)") from None
 
 
 PAUSE_ENV = "DOMINO_TEST_SAVE_PAUSE"  # test hook: "STEP:SECONDS" sleeps mid-save at STEP

@@ -11,6 +11,7 @@ from typing import Any
 from domino.checkpoint import layout
 from domino.checkpoint.layout import Meta, open_checkpoint
 from domino.checkpoint.reshard import reshard
+from domino.utils import check_output_dir, removed_on_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,15 +28,17 @@ def run(ns: argparse.Namespace) -> int:
     tp = ns.tensor_model_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
-    step_dir, meta, _ = open_checkpoint(ns.source, hashes=True)
     out = Path(ns.output)
+    check_output_dir(out, "OUT")
+    step_dir, meta, _ = open_checkpoint(ns.source, hashes=True)
     if out.resolve() == step_dir.parent.parent.resolve():
         raise ValueError(f"OUT {out} is the source run; write the copy elsewhere")
     target = out / layout.CHECKPOINTS / step_dir.name
     if target.exists() and not ns.force:
         raise ValueError(f"{target} exists; pass --force to replace it, or another OUT")
-    new = reshard(step_dir, meta, out, tp)
-    write_run_config(out, meta.args, meta, tp, new)
+    with removed_on_error(out):
+        new = reshard(step_dir, meta, out, tp)
+        write_run_config(out, meta.args, meta, tp, new)
     size = sum(f.stat().st_size for f in new.rglob("*") if f.is_file())
     print(f"domino convert: {step_dir} (TP={meta.layout['tp']}) -> {new} (TP={tp}), "
           f"{len(meta.tensors)} tensors, {size / 2**20:.1f} MiB")

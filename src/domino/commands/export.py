@@ -8,6 +8,7 @@ from pathlib import Path
 
 from domino.checkpoint.hf_export import export_hf
 from domino.checkpoint.layout import open_checkpoint
+from domino.utils import check_output_dir, removed_on_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     out = Path(ns.output)
+    check_output_dir(out, "OUT")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"OUT {out} is not empty; pass a new or empty folder")
     step_dir, meta, _ = open_checkpoint(ns.source, hashes=True)
-    arch = export_hf(step_dir, meta, out)
+    with removed_on_error(out):
+        arch = export_hf(step_dir, meta, out)
     print(f"domino export: {step_dir} -> {out} ({arch}, {len(meta.tensors)} tensors); load it "
           "with transformers.AutoModelForCausalLM.from_pretrained")
     return 0

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from domino.checkpoint import layout
-from domino.checkpoint.hf_import import import_hf
+from domino.checkpoint.hf_import import hf_file, import_hf
 from domino.checkpoint.layout import CheckpointError, Meta
 from domino.commands.convert import write_run_config
 from domino.config import TransformerConfig
+from domino.utils import check_output_dir, removed_on_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,22 +60,24 @@ def run(ns: argparse.Namespace) -> int:
     folder, out, tp = Path(ns.source), Path(ns.output), ns.tensor_model_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
-    if not (folder / "config.json").is_file():
+    if not hf_file(folder, "config.json").is_file():  # (hf_file: no link out is followed)
         raise ValueError(f"{folder} is not a transformers model folder (no config.json)")
+    check_output_dir(out, "OUT")
     if (out / layout.CHECKPOINTS).exists():
         if not ns.force:
             raise ValueError(f"{out} already holds checkpoints; pass --force to replace them, "
                              "or another OUT")
         shutil.rmtree(out / layout.CHECKPOINTS)
-    try:
-        new = import_hf(folder, out, tp)
-    except CheckpointError as err:
-        raise ValueError(str(err)) from None
-    meta = Meta.from_json(layout.read_json(new / layout.META, "checkpoint record"),
-                          new / layout.META)
-    settings = train_settings(TransformerConfig.from_dict(meta.config),
-                              new / layout.TOKENIZER_DIR, tp)
-    write_run_config(out, settings, meta, tp, new)
+    with removed_on_error(out):
+        try:
+            new = import_hf(folder, out, tp)
+        except CheckpointError as err:
+            raise ValueError(str(err)) from None
+        meta = Meta.from_json(layout.read_json(new / layout.META, "checkpoint record"),
+                              new / layout.META)
+        settings = train_settings(TransformerConfig.from_dict(meta.config),
+                                  new / layout.TOKENIZER_DIR, tp)
+        write_run_config(out, settings, meta, tp, new)
     arch = json.loads((new / layout.META).read_text())["extra"]["architecture"]
     print(f"domino import: {folder} ({arch}) -> {new} (TP={tp}, weights only); fine-tune with "
           f"`domino train --config {out}/config.toml --load {out} --data-path ...`")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from domino.data.preprocess import DEFAULT_PATTERNS, collect_files, preprocess
 from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
+from domino.utils import check_output_dir, removed_on_error
 
 EPILOG = """examples:
   domino preprocess --input notes/ --output-prefix data/notes
@@ -93,14 +94,27 @@ def run(args: argparse.Namespace) -> int:
     if args.train_bpe_vocab_size is not None and args.train_bpe_vocab_size < 257:
         raise ValueError(f"--train-bpe-vocab-size={args.train_bpe_vocab_size} must be >= 257 "
                          "(256 bytes + EOD)")
+    parent = Path(args.output_prefix).parent
+    check_output_dir(parent, "--output-prefix")
+    tok_dir = None
+    if args.train_bpe_vocab_size is not None:
+        tok_dir = args.tokenizer_dir or f"{args.output_prefix}_tokenizer"
+        check_output_dir(tok_dir, "--tokenizer-dir" if args.tokenizer_dir else
+                         "the tokenizer folder (--tokenizer-dir)")
     patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
     files = collect_files(args.input, patterns)
     if not files:
         raise ValueError(f"no input files found in {' '.join(args.input)} "
                          f"(folder patterns: {', '.join(patterns)})")
+    with removed_on_error(parent), removed_on_error(tok_dir):
+        _write(args, files, patterns, parent)
+    return 0
+
+
+def _write(args: argparse.Namespace, files: list[str], patterns: list[str], parent: Path) -> None:
+    """Tokenize ``files`` into the dataset(s) ``--output-prefix`` names."""
     tokenizer, train_flags = _tokenizer(args, files)
     keys = list(dict.fromkeys(args.json_keys))
-    parent = Path(args.output_prefix).parent
     parent.mkdir(parents=True, exist_ok=True)
     for key in keys:
         prefix = args.output_prefix if len(keys) == 1 else f"{args.output_prefix}_{key}_document"
@@ -113,4 +127,3 @@ def run(args: argparse.Namespace) -> int:
               f"({stats.empty_skipped} empty skipped)")
         cmd = ["domino", "train", "--data-path", os.fspath(prefix), *train_flags]
         print(f"train on it with: {shlex.join(cmd)}")
-    return 0

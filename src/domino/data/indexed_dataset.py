@@ -208,8 +208,7 @@ class IndexedDataset:
             self._tokens = np.empty(0, dtype=self.dtype)
         self._meta: dict[str, Any] | None = None
         if os.path.isfile(meta_path(self.prefix)):
-            with open(meta_path(self.prefix), encoding="utf-8") as f:
-                self._meta = json.load(f)
+            self._meta = _read_sidecar(meta_path(self.prefix))
 
     def __getstate__(self) -> dict[str, str]:
         # Reopen by path in the receiving process: pickling a memmap would copy the whole file.
@@ -281,3 +280,19 @@ class IndexedDataset:
             f"IndexedDataset({self.prefix!r}, sequences={len(self)}, "
             f"documents={self.num_documents}, dtype={self.dtype})"
         )
+
+
+def _read_sidecar(path: str) -> dict[str, Any]:
+    """The ``prefix.json`` sidecar; ValueError naming the file when it is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: the dataset's sidecar is not valid JSON ({err}); restore it "
+                         "or re-run `domino preprocess` (or delete it: the dataset is then read "
+                         "without its tokenizer record)") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer", {}), dict | None):
+        raise ValueError(f"{path}: the dataset's sidecar must be a JSON object (with a "
+                         "'tokenizer' object); restore it or re-run `domino preprocess`")
+    return meta
+

@@ -187,7 +187,16 @@ class BPETokenizer(_RustBacked):
                     f"BPE {what} not found: {path}; pass an existing GPT-2 style {what} "
                     "(or train one with BPETokenizer.train)"
                 )
-        return cls(cls._empty(os.fspath(vocab_json), os.fspath(merges_txt)), eod_token)
+        _check_vocab_json(vocab_json)
+        try:
+            tok = cls._empty(os.fspath(vocab_json), os.fspath(merges_txt))
+        except Exception as err:  # the tokenizers library raises a bare Exception
+            raise ValueError(
+                f"BPE merges_file {os.fspath(merges_txt)} cannot be read with vocab_file "
+                f"{os.fspath(vocab_json)} ({err}); pass the GPT-2 style merges.txt that belongs "
+                "to that vocab.json (one 'left right' pair per line, tokens from the vocab)"
+            ) from None
+        return cls(tok, eod_token)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, eod_token: str = EOD_TOKEN) -> BPETokenizer:
@@ -298,6 +307,22 @@ def as_rust_tokenizer(tokenizer: Tokenizer) -> Any:
         assert tok.token_to_id(EOD_TOKEN) == tokenizer.eod
         return tok
     raise ValueError(f"a {tokenizer.name} tokenizer cannot be exported")
+
+
+def _check_vocab_json(path: str | os.PathLike) -> None:
+    """A GPT-2 style vocab.json is a JSON object of token -> id; ValueError naming the file
+    (the tokenizers library's own message names neither file nor rule)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"BPE vocab_file {os.fspath(path)} is not JSON ({err}); pass a GPT-2 "
+                         "style vocab.json (a JSON object of token -> id)") from None
+    if not isinstance(vocab, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+            for k, v in vocab.items()):
+        raise ValueError(f"BPE vocab_file {os.fspath(path)} is not a JSON object of token -> "
+                         "integer id; pass a GPT-2 style vocab.json")
 
 
 def _sha256(data: bytes) -> str:

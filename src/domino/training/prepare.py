@@ -29,6 +29,7 @@ from domino.training.resume import (
     check_save_dir,
     open_resume,
 )
+from domino.utils import removed_on_error
 
 
 @dataclass(eq=False)
@@ -99,7 +100,15 @@ def _check_scalars(args: TrainArgs) -> None:
         value = getattr(args, name)
         if kind is float and value is not None and not math.isfinite(value):
             raise ValueError(f"--{name.replace('_', '-')}={value} must be a finite number.")
-    _positive(args, "micro_batch_size", "train_iters", "log_interval", "lr", "seq_length",
+    # The model's sizes first: a zero width would otherwise be blamed on the Domino plan.
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+              "make_vocab_size_divisible_by", *(
+                  name for name in ("ffn_hidden_size", "num_query_groups", "kv_channels",
+                                    "max_position_embeddings",
+                                    "num_layers_per_virtual_pipeline_stage", "nproc")
+                  if getattr(args, name) is not None))
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "micro_batch_size", "train_iters", "log_interval", "lr",
               "distributed_timeout_minutes")
     _positive(args, "eval_interval", "eval_iters", "min_lr", "lr_warmup_iters", "weight_decay",
               "clip_grad", "save_interval", "exit_interval", "sample_tokens",
@@ -204,7 +213,13 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
                 run_dir: Path | None = None) -> Run:
     """Check everything that can be checked without starting processes and build the run; fills
     in nproc, device, save, data_path, tokenizer, global_batch_size and max_position_embeddings.
-    Raises ValueError."""
+    Raises ValueError, leaving no folder behind that it created."""
+    with removed_on_error(args.save if args.save is not None else run_dir):
+        return _prepare(args, world_size, progress, run_dir)
+
+
+def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
+             run_dir: Path | None) -> Run:
     _check_scalars(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size is None:

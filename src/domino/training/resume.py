@@ -13,6 +13,7 @@ from domino.checkpoint import layout
 from domino.checkpoint.layout import CheckpointError, Meta, open_checkpoint
 from domino.config import TransformerConfig
 from domino.training.arguments import TrainArgs
+from domino.utils import check_output_dir, format_bytes
 
 # What makes a folder hold a run (a folder with only config.* is a launch that never trained).
 RUN_MARKERS = ("metrics.jsonl", layout.CHECKPOINTS)
@@ -84,15 +85,12 @@ def check_save_dir(args: TrainArgs, resume: Resume | None) -> None:
     """``--save`` is a folder this process can write, and holds no run it would mix with."""
     assert args.save is not None
     save = Path(args.save)
-    if save.exists() and not save.is_dir():
-        raise ValueError(f"--save {save} is a file, not a folder; pass a folder for the run")
+    check_output_dir(save, "--save")
+    check_not_in_checkpoint(save)
     try:
         save.mkdir(parents=True, exist_ok=True)
-        probe = save / f".domino-write-test-{id(args)}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
     except OSError as err:
-        raise ValueError(f"--save {save}: cannot write there ({err.strerror or err}); pass a "
+        raise ValueError(f"--save {save}: cannot create it ({err.strerror or err}); pass a "
                          "folder you can write to") from None
     root = save / layout.CHECKPOINTS
     held = [n for n in RUN_MARKERS if (save / n).exists()
@@ -168,6 +166,22 @@ def check_free_space(args: TrainArgs, config: TransformerConfig) -> None:
     free = shutil.disk_usage(args.save).free
     if free < need * 1.1:
         raise ValueError(
-            f"--save {args.save}: {free / 2**30:.2f} GiB free on its filesystem, but a "
-            f"checkpoint of this model takes about {need / 2**30:.2f} GiB; free space or pass "
+            f"--save {args.save}: {format_bytes(free)} free on its filesystem, but a "
+            f"checkpoint of this model takes about {format_bytes(need)}; free space or pass "
             "another --save")
+
+
+def check_not_in_checkpoint(save: Path) -> None:
+    """``--save`` is not inside a checkpoints folder or a step folder (its own or another
+    run's): a run written there would mix with the checkpoints and be deleted by their
+    rotation."""
+    for folder in (save.resolve(), *save.resolve().parents):
+        is_step = (folder / layout.META).is_file() or (
+            layout.is_step_dir_name(folder.name) and folder.parent.name == layout.CHECKPOINTS)
+        is_root = (folder / layout.LATEST).is_file() or (
+            folder.name == layout.CHECKPOINTS and bool(layout.list_steps(folder)))
+        if is_step or is_root:
+            run = folder.parent if is_root else folder.parent.parent
+            raise ValueError(
+                f"--save {save} is inside {folder}, a checkpoint folder of the run in {run}; "
+                f"pass a run folder outside it (to continue that run: --load {run} --save {run})")

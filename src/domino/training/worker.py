@@ -41,8 +41,9 @@ def _stop_on_signals() -> StopRequest:
 
 
 def run_worker(run: Run) -> int:
-    """Train on this rank; returns its exit code (1 on an error, reported with the rank;
-    128 + signal after a SIGTERM / SIGINT checkpoint)."""
+    """Train on this rank; returns its exit code (2 for an error the user can fix - bad input,
+    a full disk - and 1 for any other, reported with the rank; 128 + signal after a SIGTERM /
+    SIGINT checkpoint)."""
     rank = int(os.environ.get("RANK", "0"))
     args = run.args
     stop = _stop_on_signals()
@@ -77,7 +78,9 @@ def run_worker(run: Run) -> int:
         return 130
     except Exception as err:  # report with the rank, then fail: the launcher stops the rest
         sys.stderr.write(f"[rank {rank}] {type(err).__name__}: {err}\n")
-        if not isinstance(err, ValueError | TrainingDiverged):
+        if isinstance(err, ValueError):  # bad input or a full disk: the message says the fix
+            return 2
+        if not isinstance(err, TrainingDiverged):
             traceback.print_exc()
         return 1
     finally:
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         run = build_run(args, path.parent)
     except ValueError as err:
         print(f"[rank {os.environ.get('RANK', '0')}] ValueError: {err}", file=sys.stderr)
-        return 1
+        return 2
     return run_worker(run)
 
 
