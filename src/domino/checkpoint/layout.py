@@ -25,15 +25,22 @@ symbolic link (domino writes none), checked before anything is opened (``inside`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from domino.checkpoint.files import (  # noqa: F401  (re-exported: the format's one namespace)
+    TMP_SUFFIX,
+    file_record,
+    fsync_dir,
+    safetensors_header_problem,
+    sha256_of,
+    write_json_atomic,
+)
 
 FORMAT = "domino-checkpoint"
 FORMAT_VERSION = 1
@@ -41,7 +48,6 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 META = "checkpoint.json"
 TOKENIZER_DIR = "tokenizer"
-TMP_SUFFIX = ".tmp"
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 _MAX_JSON_BYTES = 256 << 20  # a checkpoint.json of a huge model is a few MiB
 # The names domino writes in a step folder (model_file, optim_file, rng_file below) and the
@@ -188,47 +194,6 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: the {what} must be a JSON object, not "
                               f"{type(value).__name__}")
     return value
-
-
-def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
-    """Write JSON under a temporary name, fsync it, then rename it over ``path``."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def file_record(path: Path) -> dict[str, Any]:
-    """Size and SHA-256 of a written file (after fsyncing it)."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- the meta record ------------------------------------------------------------------------
@@ -402,24 +367,6 @@ def check(step_dir: Path, hashes: bool = True) -> tuple[Meta | None, list[Proble
             problems.append(Problem(path, "content differs from what was written (SHA-256 "
                                           "mismatch): the file is corrupt"))
     return meta, problems
-
-
-def safetensors_header_problem(path: Path) -> str | None:
-    """Why ``path`` is not a safetensors file (None when its header parses)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return "too short to be a safetensors file"
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20 or n + 8 > path.stat().st_size:
-                return "not a safetensors file (bad header length)"
-            header = json.loads(f.read(n).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return "not a safetensors file (its header is not JSON)"
-    if not isinstance(header, dict):
-        return "not a safetensors file (its header is not a JSON object)"
-    return None
 
 
 def open_checkpoint(path: str | os.PathLike, hashes: bool = True,
