@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from domino.bench import netem, runner
+from domino import netem
+from domino.bench import runner
 from domino.pipeline.schedules import theoretical_bubble
 
 TINY = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",

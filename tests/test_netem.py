@@ -1,4 +1,5 @@
-"""Tests for domino.bench.netem. Those that build namespaces skip unless root may create them."""
+"""Tests for domino.netem and the link probe (domino.bench.probe.measure_link). Those that build
+namespaces skip unless root may create them."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 import domino
-from domino.bench import netem
-from domino.bench.netem import EmulatedLink, cleanup_stale, measure_link, parse_rate
+from domino import netem
+from domino.bench.probe import measure_link
+from domino.netem import EmulatedLink, cleanup_stale, parse_rate
 
 SRC_DIR = str(Path(domino.__file__).resolve().parents[1])
 
@@ -188,7 +190,7 @@ def test_teardown_on_sigterm(netns_ok: None) -> None:
     script = textwrap.dedent(
         """
         import time
-        from domino.bench.netem import EmulatedLink
+        from domino.netem import EmulatedLink
         link = EmulatedLink(2, rate="100mbit").up()
         print(" ".join(link.namespaces), flush=True)
         time.sleep(60)

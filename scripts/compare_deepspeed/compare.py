@@ -8,7 +8,7 @@ Run with the project's venv (it imports ``domino``); DeepSpeed runs in its own v
 Per round and per link, our side is one ``domino bench`` run (sync, nocomm and four domino:*
 modes, a few steps each) and DeepSpeed's side one run of ``ds_worker.py`` (DeepSpeed's Domino
 transformer, cross-layer, the same sizes and loss), one after the other, the order alternating
-every round. Emulated links are :class:`domino.bench.netem.EmulatedLink` for both systems: each
+every round. Emulated links are :class:`domino.netem.EmulatedLink` for both systems: each
 rank in its own network namespace, joined by a veth shaped with the same tbf (rate, burst,
 latency). A round's figure is the median step time of that run (a step's time being its
 slowest rank's); the table shows, per link, the median over rounds and the range over rounds.
@@ -53,7 +53,7 @@ HEADER = ("link", "our sync", "our nocomm", "our best Domino", "DeepSpeed Domino
 def parse_links(text: str) -> list[str]:
     """``"loopback,1gbit,500MBit"`` -> ``["loopback", "1gbit", "500mbit"]`` (rates validated,
     repeats dropped, order kept)."""
-    from domino.bench.netem import parse_rate
+    from domino.netem import parse_rate
 
     links: list[str] = []
     for part in text.split(","):
@@ -256,7 +256,7 @@ def run_deepspeed(args: argparse.Namespace, link: str, tp: int, workdir: str,
                   tag: str) -> list[float]:
     """One DeepSpeed run of ``tp`` ranks (one per emulated host on an emulated link); the step
     times (max over ranks)."""
-    from domino.bench.netem import EmulatedLink
+    from domino.netem import EmulatedLink
     from domino.supervisor import RankFailed, local_env, run_ranks
     from domino.utils import free_port
 
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         import domino  # noqa: F401
-        from domino.bench.netem import check_can_emulate, cleanup_stale
+        from domino.netem import check_can_emulate, cleanup_stale
     except ImportError:
         raise SystemExit("compare.py: run it with the project's venv (it imports domino), e.g. "
                          ". .venv/bin/activate") from None

@@ -1,6 +1,7 @@
 """The all-reduce probe: how long an all-reduce of a fixed size takes between the ranks, and how
-much host CPU it costs. Every benchmark run measures it (``worker.py``); ``netem.measure_link``
-runs it on its own as ``python -m domino.bench.probe RESULT.json NBYTES ITERS TIMEOUT_S``.
+much host CPU it costs. Every benchmark run measures it (``worker.py``); :func:`measure_link`
+runs it on its own, over an emulated link or loopback, as
+``python -m domino.bench.probe RESULT.json NBYTES ITERS TIMEOUT_S`` per rank.
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from domino.netem import EmulatedLink, rate_bits_per_s
 from domino.parallel_state import init_distributed, shutdown_distributed
+from domino.supervisor import local_env, run_ranks
 from domino.tensor_parallel import CommGroup
 from domino.timing import device_sync
+from domino.utils import free_port
 
 
 def busy_cpu_s() -> float | None:
@@ -105,6 +111,53 @@ def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
         flag = torch.tensor([0.0 if ok else 1.0], device=device)
         group.all_reduce(flag, op=dist.ReduceOp.MAX)
         result["ok"] = flag.item() == 0.0
+    return result
+
+
+def measure_link(
+    link: EmulatedLink | None,
+    nbytes: int = 8 << 20,
+    iters: int = 1,
+    num_ranks: int = 2,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Time a gloo all-reduce of ``nbytes`` float32 between the link's hosts, one rank per host
+    (:func:`probe_allreduce`: a check that the link is up and shaped).
+
+    With ``link=None`` the ranks run on loopback in the current namespace, as a baseline.
+    ``seconds`` is the median over iterations of the slowest rank's time.
+    """
+    world = link.num_hosts if link is not None else num_ranks
+    port = 29500 if link is not None else free_port()  # fresh namespaces have every port free
+    with tempfile.TemporaryDirectory(prefix="domino-probe-") as tmp:
+        out = os.path.join(tmp, "probe.json")
+        argv = [sys.executable, "-m", "domino.bench.probe", out, str(nbytes), str(iters),
+                str(timeout_s)]
+        commands, envs = [], []
+        for rank in range(world):
+            env = local_env(rank, world, port, OMP_NUM_THREADS="1")
+            if link is not None:
+                env.update(link.env_for(rank, port))
+                commands.append(link.wrap(rank, argv))
+            else:
+                env["GLOO_SOCKET_IFNAME"] = "lo"
+                commands.append(argv)
+            envs.append(env)
+        run_ranks(commands, envs, label="link probe", straggler_s=timeout_s)
+        with open(out) as f:
+            probe = json.load(f)
+    result: dict[str, Any] = {
+        "world_size": world,
+        "nbytes": nbytes,
+        "rate": link.rate if link is not None else "loopback",
+        "seconds": probe["seconds"],
+        "per_iter_s": probe["per_iter_s"],
+        "ok": probe["ok"],
+    }
+    if link is not None:
+        # Ring all-reduce sends 2(n-1)/n of the buffer over each host's link.
+        sent_bits = 2 * (world - 1) / world * nbytes * 8
+        result["expected_s"] = sent_bits / rate_bits_per_s(link.rate)
     return result
 
 

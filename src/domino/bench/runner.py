@@ -26,16 +26,16 @@ from typing import Any
 import torch
 
 from domino.bench.modes import DEFAULT_MODES, GRAMMAR, Mode, parse_modes
-from domino.bench.netem import (
+from domino.bench.pipeline import DEFAULT_SCHEDULES as _PIPELINE_DEFAULT
+from domino.bench.pipeline import PIPELINE_MICRO_BATCHES, PIPELINE_PLAN
+from domino.bench.worker import DTYPES, build_config
+from domino.netem import (
     EmulatedLink,
     check_can_emulate,
     cleanup_stale,
     parse_rate,
     rate_bits_per_s,
 )
-from domino.bench.pipeline import DEFAULT_SCHEDULES as _PIPELINE_DEFAULT
-from domino.bench.pipeline import PIPELINE_MICRO_BATCHES, PIPELINE_PLAN
-from domino.bench.worker import DTYPES, build_config
 from domino.supervisor import local_env, run_ranks
 from domino.transformer.autotune import regime_of
 from domino.utils import free_port

@@ -102,7 +102,7 @@ class _Bench:
             self._loss = lambda: gpt(tokens, pos, None, labels=labels).float().mean()
         self.link: SimulatedLink | None = None
         if spec.get("simulate_link"):
-            from domino.bench.netem import rate_bits_per_s
+            from domino.netem import rate_bits_per_s
 
             self.link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
         state.tp.hook = BenchHook(link=self.link) if self.link is not None else None

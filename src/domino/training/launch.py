@@ -36,7 +36,7 @@ def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | No
     with contextlib.ExitStack() as stack:
         link = None
         if link_rate is not None:
-            from domino.bench.netem import EmulatedLink, cleanup_stale
+            from domino.netem import EmulatedLink, cleanup_stale
 
             cleanup_stale()  # namespaces left by runs that were killed
             link = stack.enter_context(EmulatedLink(num_hosts=hosts, rate=link_rate))

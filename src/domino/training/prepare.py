@@ -187,7 +187,7 @@ def _check_link(args: TrainArgs, world_size: int) -> None:
             raise ValueError("--emulate-hosts sets how many hosts --emulate-link emulates: add "
                              "--emulate-link RATE")
         return
-    from domino.bench.netem import check_can_emulate, parse_rate
+    from domino.netem import check_can_emulate, parse_rate
 
     args.emulate_link = parse_rate(args.emulate_link)
     if under_torchrun():
