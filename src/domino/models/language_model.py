@@ -209,7 +209,8 @@ class EmbeddingPrologue:
 
 
 class TransformerLanguageModel(nn.Module):
-    """Embedding -> Domino encoder [-> Domino decoder with cross attention] [-> pooler]."""
+    """Embedding -> Domino encoder, optionally -> Domino decoder with cross attention and/or
+    -> pooler."""
 
     def __init__(self, config: TransformerConfig, encoder_attn_mask_type: AttnMaskType,
                  num_tokentypes: int = 0, add_encoder: bool = True, add_decoder: bool = False,
