@@ -20,8 +20,7 @@ from domino.gpt_model import GPTModel
 from domino.language_model import Embedding, parallel_lm_logits
 from domino.tensor_parallel import CommGroup
 from domino.tensor_parallel.layers import LATE_WGRAD_CHUNKS
-from domino.transformer import Plan
-from domino.transformer.schedule import LateWork, MicroBatch, split_batch
+from domino.transformer import LateWork, MicroBatch, Plan, split_batch
 
 B, S, V = 4, 8, 96
 

@@ -35,7 +35,7 @@ def check_fields(micro_batches: Any, overlap: Any, column_chunks: Any,
 
 @dataclass(frozen=True)
 class Plan:
-    """A Domino schedule (see ``domino.transformer.schedule`` for what each part does)."""
+    """A Domino schedule (see ``domino.transformer.executor`` for what each part does)."""
 
     micro_batches: int = 1
     overlap: str = "none"

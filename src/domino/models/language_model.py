@@ -28,8 +28,9 @@ from domino.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 from domino.transformer import DominoTransformer, InferenceParams
+from domino.transformer.late_work import LateWork
+from domino.transformer.microbatch import MicroBatch
 from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
-from domino.transformer.schedule import LateWork, MicroBatch
 from domino.utils import init_scope
 
 

@@ -130,7 +130,7 @@ class _Linear(torch.autograd.Function):
     * leaves dL/dx as it is and defers dL/dW to a :class:`WgradStash` (``stash`` given): a Domino
       schedule launches the all-reduce itself and runs the stash while it is in flight.
 
-    With ``group`` and ``late`` (a schedule's :class:`~domino.transformer.schedule.LateWork`),
+    With ``group`` and ``late`` (a schedule's :class:`~domino.transformer.late_work.LateWork`),
     dL/dW is computed in row chunks only while the all-reduce is in flight; the remaining chunks
     go to ``late``, for the stack's backward to run under its own last all-reduces.
 

@@ -2,14 +2,14 @@
 
 Each module is a block op (:class:`~domino.transformer.layer.BlockOp`): ``core(x, mb, stash)``
 runs everything from the column-parallel entry to the input of the row-parallel ``dense``, so
-that a schedule can run ``dense`` in column chunks and own the all-reduce. Heads are split over TP ranks; the fused QKV weight is laid out per query
-group as ``[q heads of the group | k | v]`` so that a contiguous TP shard holds whole groups.
+that a schedule can run ``dense`` in column chunks and own the all-reduce. Heads are split over
+TP ranks; the fused QKV weight is laid out per query group as ``[q heads of the group | k | v]``
+so that a contiguous TP shard holds whole groups.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,20 +20,9 @@ from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear, dropout
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.microbatch import MicroBatch
 from domino.transformer.rope import apply_rotary
-from domino.transformer.schedule import MicroBatch
 from domino.utils import divide
-
-
-@dataclass
-class InferenceParams:
-    """KV cache for incremental decoding (Megatron's name and fields)."""
-
-    max_batch_size: int
-    max_sequence_length: int
-    sequence_len_offset: int = 0
-    batch_size_offset: int = 0
-    key_value_memory_dict: dict = field(default_factory=dict)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

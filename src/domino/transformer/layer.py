@@ -28,9 +28,9 @@ from domino.tensor_parallel import RowParallelLinear, dropout
 from domino.tensor_parallel.layers import WgradStash, column_chunks
 from domino.tensor_parallel.random import RNGTracker, dropout_seq_shard
 from domino.transformer.attention import CrossAttention, SelfAttention
+from domino.transformer.microbatch import MicroBatch
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
-from domino.transformer.schedule import MicroBatch
 
 
 class BlockOp(Protocol):

@@ -10,7 +10,7 @@ from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
-from domino.transformer.schedule import MicroBatch
+from domino.transformer.microbatch import MicroBatch
 
 
 class MLP(nn.Module):

@@ -17,10 +17,12 @@ from domino.config import TransformerConfig
 from domino.enums import AttnMaskType, LayerType
 from domino.parallel_state import ParallelState, resolve
 from domino.plan import SYNC, Plan
-from domino.transformer.attention import InferenceParams
+from domino.transformer.backward import BackwardPass
+from domino.transformer.executor import Executor
+from domino.transformer.late_work import LateWork
 from domino.transformer.layer import TransformerLayer
+from domino.transformer.microbatch import InferenceParams, MicroBatch, Prologue, split_batch
 from domino.transformer.norms import build_norm
-from domino.transformer.schedule import Executor, LateWork, MicroBatch, Prologue, split_batch
 from domino.utils import init_scope
 
 
@@ -47,10 +49,9 @@ class _ScheduledStack(torch.autograd.Function):
         # weight-gradient GEMMs, gradient sums) must not be recorded, or param.grad would carry a
         # graph holding every micro-batch's activations. Running the recorded pieces' backward
         # needs no grad mode.
-        grad_x, grad_mem = ctx.executor.backward(ctx.record, grad_y.contiguous(),
-                                                 sink=ctx.stack.wgrad_sink,
-                                                 late=ctx.stack.late_work,
-                                                 on_final=ctx.stack.on_final_block)
+        grad_x, grad_mem = BackwardPass(ctx.executor, ctx.record, grad_y.contiguous(),
+                                        sink=ctx.stack.wgrad_sink, late=ctx.stack.late_work,
+                                        on_final=ctx.stack.on_final_block).run()
         ctx.record = None
         return (None, None, None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
@@ -96,7 +97,7 @@ class DominoTransformer(nn.Module):
         self.input_tensor: torch.Tensor | None = None
         self.wgrad_sink: list | None = None  # see defer_weight_grads
         # Weight-gradient work of the layers after the stack (the LM head), run by the stack's
-        # backward under its last all-reduces (see schedule.LateWork).
+        # backward under its last all-reduces (see late_work.LateWork).
         self.late_work = LateWork()
         # Called with each block whose parameter gradients a backward has completed (a
         # data-parallel reducer's hook; see domino.training.grad_sync).

@@ -1,0 +1,251 @@
+"""The backward of a stack's recorded forward, run by the schedule itself (see ``executor``).
+
+One :class:`BackwardPass` per backward call holds that call's state (input-gradient collectives
+in flight, deferred weight-gradient work, what is left per block) and runs the units
+``local^T(j+1, m), par^T(j, m)`` in the mirror order of the forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.executor import Executor, LocalPiece, Pending, Record, Span
+from domino.transformer.late_work import LateWork, Task
+from domino.transformer.layer import Block
+from domino.transformer.sp_grads import ShardGrads
+
+
+class BackwardPass:
+    """Backward of :meth:`Executor.forward` for one record (:meth:`run`, once).
+
+    Weight-gradient GEMMs of the TP pieces are deferred (FIFO, so every parameter still
+    accumulates its micro-batches in a fixed order) and run whenever the schedule would
+    otherwise block on an unfinished all-reduce - at the latest M pieces later, which bounds
+    the activations they keep alive; the first layer's are all kept, with ``late`` (the LM
+    head's weight gradient) and the prologue's weight gradient, for the last input-gradient
+    all-reduces, which nothing after the stack could hide. With ``sink`` (a zero-bubble
+    pipeline), what is left when the input gradients are done goes there instead of running.
+
+    ``on_final(block)`` is called as soon as every gradient of a block's parameters is
+    complete (its norm, its TP region and the bias its exit adds), last block first: what a
+    data-parallel reducer launches its buckets on.
+    """
+
+    def __init__(self, executor: Executor, rec: Record, grad_y: torch.Tensor,
+                 sink: list | None = None, late: LateWork | None = None,
+                 on_final: Callable[[Block], None] | None = None) -> None:
+        if on_final is not None and sink is not None:
+            raise ValueError("on_final needs the weight gradients run here, not sunk")
+        ex = self.ex = executor
+        self.rec, self.grad_y, self.sink, self.on_final = rec, grad_y, sink, on_final
+        self.B, self.M = B, M = len(ex.blocks), len(rec.mbs)
+        self.late = late if late is not None else LateWork()
+        self.left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards
+        self.shard_grads = (ShardGrads(ex.group, ex.blocks, ex.final_norm, rec.prologue,
+                                       on_final, M) if ex.sp else None)
+        self.device = grad_y.device
+        self.pending: dict[tuple[int, int], Pending] = {}  # input-gradient reductions in flight
+        self.deferred: deque = deque()  # weight-gradient stashes not run yet, oldest first
+        self.first_layer = ex.blocks[0].layer if ex.blocks else None
+        self.gathered: dict[tuple[int, int], Pending] = {}  # sequence parallel: par^T inputs
+        # Pieces in order, each after the local^T it needs.
+        self.order = [(j, m) for j in range(B - 1, -1, -1) for m in range(M)]
+
+    def run(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Returns (grad_x or None with a prologue, grad_memory or None)."""
+        ex, rec, order, M = self.ex, self.rec, self.order, self.M
+        streams = ex.blocks[0].rng.snapshot(self.device) if ex.recompute else None
+        # Under sequence parallelism a piece's local^T runs inside the piece before it where
+        # it can (fixed places, as in forward).
+        for k, (j, m) in enumerate(order):
+            if not self._inside(k):
+                if m == 0 and ex._syncs_before(j + 1):
+                    for mm in range(M):
+                        self._fill(self.pending[(j + 1, mm)]).wait()
+                self.local_bwd(j + 1, m)
+            nxt = k + 1 < len(order) and self._inside(k + 1)
+            self.par_bwd(j, m, (lambda k=k: self.local_bwd(order[k + 1][0] + 1,
+                                                           order[k + 1][1])) if nxt else None)
+        for m in range(M):  # the first block's norms (no par^T left to run them in)
+            self.local_bwd(0, m)
+        if self.sink is not None:
+            self.sink.extend(self.deferred)
+            self.sink.extend(self.late.take_all())  # (ends with the flush of the staged grads)
+            self.deferred.clear()
+        while self.deferred:
+            self.deferred.popleft().run()
+        self.late.drain()
+        if self.shard_grads is not None:
+            self.shard_grads.finish()
+        if streams is not None:  # where the forward left the dropout streams
+            ex.blocks[0].rng.restore(self.device, streams)
+        grad_x = _cat_grads(rec.x_leaves) if rec.x_leaves else None
+        grad_mem = None
+        if rec.mem_leaves[0] is not None:
+            # The sum of every cross attention's K/V input gradient (sequence parallel: the
+            # memory was gathered, so this rank's shard of that sum).
+            grad_mem = _cat_grads(rec.mem_leaves)
+            if ex.sp:
+                grad_mem = ex.group.reduce_scatter_seq(grad_mem, name="bwd rs memory")[0]
+            else:
+                ex.group.all_reduce(grad_mem)
+        return grad_x, grad_mem
+
+    def _inside(self, k: int) -> bool:
+        """Does piece k's local^T run inside piece k - 1?"""
+        j, m = self.order[k]
+        ex = self.ex
+        if not ex.sp or self.M == 1 or ex.plan.overlap == "none" or k == 0:
+            return False
+        return m > 0 or not ex._syncs_before(j + 1)
+
+    def _done(self, j: int) -> None:
+        """One of block j's stashes or local backwards is done; the last makes it final."""
+        self.left[j] -= 1
+        if self.left[j] == 0:
+            if self.shard_grads is not None:  # on_final once they are summed over TP
+                self.shard_grads.block_final(j)
+            elif self.on_final is not None:
+                self.on_final(self.ex.blocks[j])
+
+    def local_bwd(self, jj: int, m: int) -> None:
+        """local^T(jj, m); then (sequence parallel) launch the all-gather of the output
+        gradient of par(jj - 1, m) it produced."""
+        ex, rec, B = self.ex, self.rec, self.B
+        with ex._span(f"bwd local {jj}", m):
+            if jj == B:
+                mb = rec.mbs[m]
+                g = self.grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
+                out = rec.local.pop((B, m))
+                if ex.recompute:
+                    out = self._recomputed_local(B, m)
+                torch.autograd.backward([out], [g])
+            else:
+                # The last waits (jj = 0) may also use the late work.
+                ready = self._fill(self.pending.pop((jj, m)), self.late if jj == 0 else None)
+                piece = rec.local.pop((jj, m))
+                if ex.recompute:
+                    ln, res = self._recomputed_local(jj, m)
+                    piece = LocalPiece(ln, None if res is ln else res, piece.ln_leaf,
+                                       piece.res_leaf)
+                _local_backward(piece, ready.wait())
+                self._done(jj)
+                if self.shard_grads is not None:
+                    self.shard_grads.local_done(jj)
+        if jj == 0:
+            if rec.prologue is not None:
+                self._queue_prologue_backward(m)
+        elif ex.sp:  # the whole sequence's, for the TP region's backward
+            self.gathered[(jj - 1, m)] = ex._gather(rec.reduced[(jj - 1, m)].grad, jj - 1, m,
+                                                    "bwd")
+
+    def par_bwd(self, j: int, m: int, between: Callable[[], None] | None) -> None:
+        """par^T(j, m); ``between`` (the next piece's local^T) runs between the backward of its
+        row-parallel GEMM and the backward of its core."""
+        ex, rec = self.ex, self.rec
+        with Span(ex.group, f"bwd par {j}", m) as span:
+            parts, stash, core = rec.par.pop((j, m))
+            core_in = None
+            if ex.recompute:
+                stash = WgradStash()
+                ex._replay(rec, ("par", j, m), self.device)
+                with torch.enable_grad():
+                    core = ex.blocks[j].op.core(rec.local[(j, m)].ln_leaf, rec.mbs[m], stash)
+                    core_in = core.detach().requires_grad_() if ex.sp else core
+                    parts = list(ex.blocks[j].dense_partials(
+                        core_in, ex._chunks(j, m, self.B, self.M), stash))
+                if not ex.sp:
+                    core = None
+            reduced = rec.reduced.pop((j, m))
+            g = (self._fill(self.gathered.pop((j, m))).wait() if ex.sp else reduced.grad)
+            grads = ([g] if len(parts) == 1
+                     else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
+            torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
+            if core is not None:  # sequence parallel: the core's backward on its own
+                leaf = core_in if ex.recompute else rec.core_leaves.pop((j, m))
+                if between is not None:
+                    span.outside(between)()
+                torch.autograd.backward([core], [leaf.grad])
+            elif between is not None:
+                span.outside(between)()
+            ln_leaf = rec.local[(j, m)].ln_leaf
+            self.pending[(j, m)] = ex._launch([ln_leaf.grad], j, m, "bwd")
+            self.deferred.append(_Counted(stash, lambda j=j: self._done(j)))
+            keep = 0 if ex.plan.overlap == "none" else (
+                len(self.deferred) if ex.blocks[j].layer == self.first_layer else self.M)
+            while self.sink is None and len(self.deferred) > keep:
+                self.deferred.popleft().run()
+
+    def _recomputed_local(self, j: int, m: int):
+        """local(j, m)'s graph rebuilt from its kept input leaves (full recompute)."""
+        ex, rec = self.ex, self.rec
+        residual = (rec.local[(j - 1, m)].res_leaf if j > 0
+                    else rec.x_leaves[m] if rec.x_leaves else None)
+        ex._replay(rec, ("local", j, m), self.device)
+        with torch.enable_grad():
+            return ex._local_piece(j, rec.mbs[m], residual, rec.reduced.get((j - 1, m)),
+                                   rec.prologue)
+
+    def _fill(self, pending: Pending, late: LateWork | None = None) -> Pending:
+        """Run deferred weight-gradient work (then ``late`` work) while ``pending`` is in
+        flight."""
+        while not pending.ready():
+            if self.deferred:
+                with self.ex._span("bwd wgrad", None):
+                    self.deferred.popleft().run()
+            elif late is not None and len(late):
+                with self.ex._span("bwd late", None):
+                    late.pop().run()
+            else:
+                break
+        return pending
+
+    def _queue_prologue_backward(self, m: int) -> None:
+        """The prologue's backward for micro-batch m (its weight gradient: an embedding's
+        scatter-add) as late work: the remaining all-reduces run under it."""
+        rec, late = self.rec, self.late
+        (part,), _ = rec.par.pop((-1, m))
+        grad = rec.reduced.pop((-1, m)).grad
+        params = [p for p in rec.prologue.parameters() if p.requires_grad]
+        if grad is None or not part.requires_grad or not params:
+            return
+        space = late.space()
+        gathered = self.ex._gather(grad, -1, m, "bwd") if self.ex.sp else None
+
+        def run() -> None:
+            g = grad if gathered is None else gathered.wait()
+            grads = torch.autograd.grad([part], params, [g], allow_unused=True)
+            for p, g in zip(params, grads, strict=True):
+                if g is not None:
+                    late.stage(p, space).add_(g)
+
+        late.add(Task(run))
+
+
+def _local_backward(piece: LocalPiece, ln_grad: torch.Tensor) -> None:
+    res_grad = piece.res_leaf.grad
+    if piece.res is None:  # the residual is the norm output: both gradients meet there
+        torch.autograd.backward([piece.ln], [ln_grad + res_grad])
+    else:
+        torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
+
+
+class _Counted:
+    """A block's deferred weight-gradient stash that reports when it has run."""
+
+    def __init__(self, stash: WgradStash, after: Callable[[], None]) -> None:
+        self.stash, self.after = stash, after
+
+    def run(self) -> None:
+        self.stash.run()
+        self.after()
+
+
+def _cat_grads(leaves: list[torch.Tensor]) -> torch.Tensor:
+    if len(leaves) == 1:
+        return leaves[0].grad.clone()
+    return torch.cat([leaf.grad for leaf in leaves], dim=1)
