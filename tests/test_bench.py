@@ -1,4 +1,5 @@
-"""Tests for ``domino bench`` (domino.bench.runner / modes / worker). No timing assertions."""
+"""Tests for ``domino bench`` (domino.commands.bench; domino.bench spec / figures / execute / modes /
+worker). No timing assertions."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from domino.bench import runner
+from domino.bench import figures
+from domino.bench.execute import launch_ranks
 from domino.bench.modes import DEFAULT_MODES, parse_mode, parse_modes
+from domino.cli import main
+from domino.commands import bench
 from domino.transformer import Plan
 
 TINY = ["--hidden-size", "64", "--num-attention-heads", "4", "--num-layers", "2",
@@ -30,7 +34,7 @@ ROW_KEYS = {
 
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    runner.add_arguments(parser)
+    bench.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -101,17 +105,17 @@ def test_parse_modes() -> None:
 )
 def test_validation_errors(extra: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        runner.run(_args(TINY + extra))
+        bench.run(_args(TINY + extra))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may emulate links")
 def test_emulate_link_needs_root() -> None:
     with pytest.raises(ValueError, match="root"):
-        runner.run(_args(TINY + ["--emulate-link", "1gbit"]))
+        bench.run(_args(TINY + ["--emulate-link", "1gbit"]))
 
 
 def test_main_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert runner.main(TINY + ["--modes", "domino:m2:diagonal"]) == 2
+    assert main(["bench", *TINY, "--modes", "domino:m2:diagonal"]) == 2
     assert "unknown benchmark mode" in capsys.readouterr().err
 
 
@@ -130,14 +134,14 @@ def test_compute_results_and_best_mode() -> None:
         "allreduce_8mib_cpu_s": 0.05,
         "allreduce_bytes_per_step": {n: 0 if n.startswith("nocomm") else 32 << 20 for n in med},
     }
-    rows = {r["mode"]: r for r in runner.compute_results(raw, modes, tokens=100)}
+    rows = {r["mode"]: r for r in figures.compute_results(raw, modes, tokens=100)}
     assert rows["sync"]["comm_cpu_s_per_step"] == pytest.approx(0.2)  # 4 x the 8 MiB probe
     assert rows["nocomm"]["comm_cpu_s_per_step"] == 0
     # 0.2 s of CPU over 2 busy CPUs takes 0.1 s from compute; sync exposes 0.4 s: <= 75% hideable.
-    bound = runner.comm_cpu_bound(list(rows.values()), cpus=2)
+    bound = figures.comm_cpu_bound(list(rows.values()), cpus=2)
     assert bound["floor_s"] == pytest.approx(0.1)
     assert bound["comm_hidden_ceiling"] == pytest.approx(0.75)
-    assert runner.comm_cpu_bound([rows["nocomm"]], cpus=2) is None
+    assert figures.comm_cpu_bound([rows["nocomm"]], cpus=2) is None
     assert all(set(r) == ROW_KEYS for r in rows.values())
     assert rows["sync"]["comm_hidden"] is None and rows["nocomm"]["comm_hidden"] is None
     assert rows["domino:m2:cross"]["comm_hidden"] == pytest.approx(1 - 0.1 / 0.4)
@@ -148,23 +152,23 @@ def test_compute_results_and_best_mode() -> None:
     assert rows["domino:m2:cross"]["speedup_vs_sync"] == pytest.approx(1 / 0.7)
     assert rows["sync"]["tokens_per_s"] == pytest.approx(100.0)
     assert rows["sync"]["peak_mem_bytes"] == 12
-    assert parse_mode(runner.best_mode(list(rows.values()))).plan == Plan(4, "cross_layer", 2)
-    assert runner.best_mode([rows["sync"], rows["nocomm"]]) is None  # no Domino mode
+    assert parse_mode(figures.best_mode(list(rows.values()))).plan == Plan(4, "cross_layer", 2)
+    assert figures.best_mode([rows["sync"], rows["nocomm"]]) is None  # no Domino mode
     # Regime: sync exposes 67% of the comm-free step; the probe (8 MiB in 0.1 s, 0.05 CPU-s)
     # keeps 25% of 2 CPUs busy: link-bound, and the fastest Domino mode wins there.
     raw["allreduce_8mib_s"] = 0.1
-    regime = runner.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
+    regime = figures.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
     assert regime["name"] == "link-bound" and regime["comm_cpu_share"] == pytest.approx(0.25)
     assert regime["pick"] == "domino:m4:cross:c2"
     raw["allreduce_8mib_cpu_s"] = 0.16  # 80% of the host's CPUs: host-bound
-    assert runner.detect_regime(list(rows.values()), raw, cpus=2, busy=True)["name"] == \
+    assert figures.detect_regime(list(rows.values()), raw, cpus=2, busy=True)["name"] == \
         "host-bound"
-    assert runner.detect_regime(list(rows.values()), raw, cpus=2, busy=False)["name"] == \
+    assert figures.detect_regime(list(rows.values()), raw, cpus=2, busy=False)["name"] == \
         "link-bound"  # the ranks leave CPUs free: the probe's CPU cost does not compete
     rows["sync"]["step_time_s"] = 0.61  # sync within 5% of nocomm: negligible, no split
-    regime = runner.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
+    regime = figures.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
     assert (regime["name"], regime["pick"]) == ("negligible", "sync")
-    assert runner.detect_regime([rows["sync"]], raw, cpus=2, busy=True) is None
+    assert figures.detect_regime([rows["sync"]], raw, cpus=2, busy=True) is None
 
 
 def test_sequence_parallel_modes_take_their_own_baselines() -> None:
@@ -178,7 +182,7 @@ def test_sequence_parallel_modes_take_their_own_baselines() -> None:
     raw = {"step_times_s": {n: [t] for n, t in med.items()},
            "per_rank_step_times_s": {n: [[t], [t]] for n, t in med.items()},
            "peak_bytes": {n: [1, 1] for n in med}, "peak_rss_bytes": {n: [None] for n in med}}
-    rows = {r["mode"]: r for r in runner.compute_results(raw, modes, tokens=100)}
+    rows = {r["mode"]: r for r in figures.compute_results(raw, modes, tokens=100)}
     sp = rows["domino:m2:cross:sp"]
     assert sp["sequence_parallel"] and not rows["domino:m2:cross"]["sequence_parallel"]
     assert sp["exposed_comm_s"] == pytest.approx(0.1)  # vs nocomm:sp, not nocomm
@@ -206,7 +210,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     out_json, out_dir = tmp_path / "bench.json", tmp_path / "traces"
     modes = "sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross,domino:m2:cross:sp"
     argv = TINY + ["--modes", modes, "--json", str(out_json), "--out-dir", str(out_dir)]
-    assert runner.main(argv) == 0
+    assert main(["bench", *argv]) == 0
     table = capsys.readouterr().out
     assert "best Domino mode: domino:m2:" in table
 
@@ -243,7 +247,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     regime = report["regime"]
     assert regime["name"] in ("negligible", "host-bound", "link-bound")
     assert f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}" in table
-    assert parse_mode(runner.best_mode(report["results"])).plan in (Plan(2, "cross_layer", 1),
+    assert parse_mode(figures.best_mode(report["results"])).plan in (Plan(2, "cross_layer", 1),
                                                                       Plan(2, "intra_layer", 2))
     sp = rows["domino:m2:cross:sp"]  # against sync and nocomm: no :sp baselines ran
     assert sp["sequence_parallel"] and sp["exposed_comm_s"] is not None
@@ -297,8 +301,8 @@ def test_failed_rank_stops_the_others(tmp_path: Path) -> None:
     spec_path.write_text(json.dumps(spec))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
-        runner._launch(str(spec_path), spec, None, worker=(sys.executable, "-c", _CRASHING_WORKER))
-    # _launch waits for every rank it stopped, so returning at all means none is left running.
+        launch_ranks(str(spec_path), spec, None, worker=(sys.executable, "-c", _CRASHING_WORKER))
+    # launch_ranks waits for every rank it stopped, so returning at all means none is left running.
     assert time.monotonic() - t0 < 60
 
 
@@ -307,7 +311,7 @@ def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     out_json = tmp_path / "sim.json"
     argv = TINY + ["--modes", "sync,nocomm,domino:m2:cross", "--simulate-link", "100mbit",
                    "--json", str(out_json)]
-    assert runner.main(argv) == 0
+    assert main(["bench", *argv]) == 0
     assert "link 100mbit simulated" in capsys.readouterr().out
     report = json.loads(out_json.read_text())
     assert report["config"]["link_rate_bits_per_s"] == 1e8

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from domino import netem
-from domino.bench import runner
+from domino.cli import main
+from domino.commands import bench
 from domino.pipeline.schedules import theoretical_bubble
 
 TINY = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
@@ -23,13 +24,13 @@ TINY = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "
 
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    runner.add_arguments(parser)
+    bench.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_every_schedule_on_two_stages(tmp_path: Path, capsys) -> None:
     out_json, out_dir = tmp_path / "pp.json", tmp_path / "tl"
-    assert runner.main(TINY + ["--json", str(out_json), "--out-dir", str(out_dir)]) == 0
+    assert main(["bench", *TINY, "--json", str(out_json), "--out-dir", str(out_dir)]) == 0
     table = capsys.readouterr().out
     assert "domino bench (pipeline)" in table and "interleaved (x2 chunks)" in table
     report = json.loads(out_json.read_text())
@@ -61,7 +62,7 @@ def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:
     # PP=2 x TP=2: each stage's two TP ranks share an emulated host, the stages talk over it.
     argv = [a if a != "1" or TINY[i - 1] != "--tensor-model-parallel-size" else "2"
             for i, a in enumerate(TINY)]
-    assert runner.main(argv + ["--emulate-link", "1gbit", "--schedules", "1f1b,zero_bubble"]) == 0
+    assert main(["bench", *argv, "--emulate-link", "1gbit", "--schedules", "1f1b,zero_bubble"]) == 0
     out = capsys.readouterr().out
     assert "link 1gbit" in out and "PP=2 x TP=2" in out
 
@@ -76,4 +77,4 @@ def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:
 ])
 def test_pipeline_bench_checks(extra: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        runner.run(_args(TINY + extra))
+        bench.run(_args(TINY + extra))

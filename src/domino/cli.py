@@ -1,8 +1,9 @@
 """The ``domino`` command: ``train``, ``generate``, ``eval``, ``convert``, ``export``,
 ``import``, ``preprocess``, ``bench``, ``demo``.
 
-Each subcommand lives with its feature and exposes ``add_arguments(parser)`` and ``run(args)``;
-this file only wires them together (imports are lazy so ``--help`` stays fast).
+Each subcommand is a module of :mod:`domino.commands` exposing ``add_arguments(parser)`` and
+``run(args)``; this file only wires them together and turns the errors a user can fix into exit
+code 2 (a subcommand's module is imported only when it is run, or for the full ``--help``).
 """
 
 from __future__ import annotations
@@ -11,17 +12,23 @@ import argparse
 import importlib
 import sys
 
+# Subcommand -> (its module in domino.commands, one line of help).
 SUBCOMMANDS = {
-    "train": ("domino.training.cli", "Train a GPT model with Domino tensor parallelism."),
-    "generate": ("domino.commands.generate", "Generate text from a saved model."),
-    "eval": ("domino.commands.eval", "Loss and perplexity of a saved model on a dataset."),
-    "convert": ("domino.commands.convert", "Reshard a checkpoint to another TP size."),
-    "export": ("domino.commands.export", "Export a checkpoint as a transformers model."),
-    "import": ("domino.commands.hf_import", "Import a transformers GPT-2 / Llama model."),
-    "preprocess": ("domino.data.cli", "Tokenize text/JSONL into a Megatron .bin/.idx dataset."),
-    "bench": ("domino.bench.runner", "Measure sync TP vs Domino vs no-comm step times."),
-    "demo": ("domino.demo", "Tiny GPT forward/backward/SGD at TP=2 on CPU (sanity check)."),
+    "train": ("train", "Train a GPT model with Domino tensor parallelism."),
+    "generate": ("generate", "Generate text from a saved model."),
+    "eval": ("eval", "Loss and perplexity of a saved model on a dataset."),
+    "convert": ("convert", "Reshard a checkpoint to another TP size."),
+    "export": ("export", "Export a checkpoint as a transformers model."),
+    "import": ("hf_import", "Import a transformers GPT-2 / Llama model."),
+    "preprocess": ("preprocess", "Tokenize text/JSONL into a Megatron .bin/.idx dataset."),
+    "bench": ("bench", "Measure sync TP vs Domino vs no-comm step times."),
+    "demo": ("demo", "Tiny GPT forward/backward/SGD at TP=2 on CPU (sanity check)."),
 }
+
+
+def _command(name: str):
+    """The module of subcommand ``name``."""
+    return importlib.import_module(f"domino.commands.{SUBCOMMANDS[name][0]}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,11 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="domino", description="Tensor-parallel LM training that hides communication "
         "behind computation (Domino).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (_module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        _command(name).add_arguments(p)
     return parser
 
 
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
         # Build only the chosen subcommand's parser: validation runs before any process starts.
         name = argv[0]
-        module = importlib.import_module(SUBCOMMANDS[name][0])
+        module = _command(name)
         parser = argparse.ArgumentParser(prog=f"domino {name}",
                                          description=SUBCOMMANDS[name][1],
                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -1,4 +1,4 @@
-"""One benchmark rank: ``python -m domino.bench.worker SPEC.json`` (started by the runner).
+"""One benchmark rank: ``python -m domino.bench.worker SPEC.json`` (started by ``execute.py``).
 
 Every rank builds the same model from the same seed, then times one fwd+bwd step per mode per
 round (``domino.timing.time_rotated``: mode order rotated each round, a barrier before each
@@ -14,25 +14,24 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from domino.bench.hooks import BenchHook, SimulatedLink
+from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
 from domino.bench.probe import probe_allreduce
+from domino.bench.spec import build_config
 from domino.bench.timeline import Timeline
-from domino.config import TransformerConfig
 from domino.enums import AttnMaskType
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
 from domino.timing import time_rotated
 from domino.transformer.stack import using_plan, using_sequence_parallel
 
-__all__ = ["DTYPES", "build_config", "main"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+__all__ = ["main", "measure"]
 
 CPU_MEMORY_METHOD = (
     "CPU: torch profiler memory events (profile_memory=True) over one extra fwd+bwd step with "
@@ -45,23 +44,6 @@ CUDA_MEMORY_METHOD = (
     "CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() before one extra fwd+bwd "
     "step with gradients freed beforehand (weights and inputs excluded)."
 )
-
-
-def build_config(spec: dict[str, Any]) -> TransformerConfig:
-    """The model config a spec describes (raises ValueError for a bad combination)."""
-    return TransformerConfig(
-        num_layers=spec["num_layers"],
-        hidden_size=spec["hidden_size"],
-        num_attention_heads=spec["num_attention_heads"],
-        seq_length=spec["seq_length"],
-        max_position_embeddings=spec["seq_length"],
-        vocab_size=spec["vocab_size"] if spec["model"] == "gpt" else 0,
-        # No dropout by default: its masks would only add noise that differs between modes.
-        hidden_dropout=0.0,
-        attention_dropout=spec.get("attention_dropout") or 0.0,
-        params_dtype=DTYPES[spec["dtype"]],
-        recompute_granularity=spec.get("recompute_granularity"),
-    )
 
 
 class _Bench:
@@ -138,20 +120,6 @@ def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> di
     return {m.name: row for m, row in zip(modes, rows, strict=True)}
 
 
-@contextlib.contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    """Silence fd 2 (the profiler's native log lines would garble the runner's output)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int | None]]:
     """Per mode, this rank's peak step memory (see CPU/CUDA_MEMORY_METHOD)."""
     device = bench.state.device
@@ -175,7 +143,7 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
     sent: dict[str, int] = {}
     # One profiler session for all modes (starting one costs about a second); each mode's step
     # is a labelled range whose memory events are summed separately.
-    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for mode in modes:
             # Free the gradients outside the range: frees of memory allocated before a range
             # would otherwise offset its allocations.
@@ -244,7 +212,7 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m domino.bench.worker SPEC.json (started by domino.bench.runner)",
+        print("usage: python -m domino.bench.worker SPEC.json (started by domino bench)",
               file=sys.stderr)
         return 2
     with open(argv[0]) as f:

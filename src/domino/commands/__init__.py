@@ -1,3 +1,7 @@
-"""Command-line entry points that span tiers (checkpoint, inference and training): each is a thin
-argparse layer over library functions; `domino train`, `preprocess` and `bench` live with their
-features."""
+"""Every ``domino`` subcommand, one module each: ``train``, ``generate``, ``eval``, ``convert``,
+``export``, ``import`` (``hf_import``), ``preprocess``, ``bench``, ``demo``.
+
+A command module is a thin argparse layer: ``add_arguments(parser)`` defines its flags and
+``run(args)`` checks what only the command line can get wrong, then calls the feature's library
+code (training, data, checkpoint, inference, bench). :mod:`domino.cli` wires them together.
+"""

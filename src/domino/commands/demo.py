@@ -1,7 +1,7 @@
 """``domino demo``: a tiny GPT trained for a few SGD steps at TP=2 on CPU, checked against the
 single-process model with the same seed (a sanity check of an installation).
 
-Each rank is ``python -m domino.demo STEPS SEED`` under the shared supervisor."""
+Each rank is ``python -m domino.commands.demo STEPS SEED`` under the shared supervisor."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def _rank(steps: int, seed: int) -> int:
 def run(args: argparse.Namespace) -> int:
     tp = args.tensor_model_parallel_size
     _config().validate_parallel(tp)
-    command = [sys.executable, "-m", "domino.demo", str(args.steps), str(args.seed)]
+    command = [sys.executable, "-m", "domino.commands.demo", str(args.steps), str(args.seed)]
     port = free_port()
     try:
         run_ranks([command] * tp, [local_env(r, tp, port) for r in range(tp)],

@@ -48,9 +48,9 @@ def run(ns: argparse.Namespace) -> int:
         print(arguments.to_toml(args).split("\n", 1)[1].strip())
         sys.stdout.flush()
     if torchrun:
-        from domino.training.worker import _exit_now, run_worker
+        from domino.training.worker import exit_now, run_worker
 
-        _exit_now(run_worker(run))  # as a locally launched rank ends (see worker._exit_now)
+        exit_now(run_worker(run))  # as a locally launched rank ends (see training.worker.exit_now)
     assert run_dir is not None
     config_path = write_config(run_dir, args)
     code = launch_local(config_path, args.nproc or 1, args.device or "cpu", args.emulate_link,

@@ -32,7 +32,7 @@ def _stop_on_signals() -> StopRequest:
             # Raising here could leave whatever lock the interrupted code held taken (a
             # progress bar's, an allocator's) and hang the exit: leave at once instead. A
             # checkpoint being written is in its .tmp folder, never published half-done.
-            _exit_now(128 + signum)
+            exit_now(128 + signum)
         stop.request(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(run)
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
     """Flush the standard streams and end the process without the interpreter's teardown
     (its destructors and daemon threads can deadlock on locks a finished run no longer needs:
     seen with tqdm's monitor thread)."""
@@ -116,4 +116,4 @@ def _exit_now(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    exit_now(main())

@@ -1,0 +1,127 @@
+"""Figures of a comparison of Domino modes from the workers' raw measurements (pure functions:
+no processes, no files).
+
+Per mode (medians over rounds; a round's time is its slowest rank's): exposed comm = T_mode -
+T_nocomm, comm hidden = 1 - exposed(mode) / exposed(sync), speedup = T_sync / T_mode, tokens/s =
+micro_batch_size * seq_length / T_mode (per TP group); a sequence-parallel mode (``...:sp``) takes
+sync:sp and nocomm:sp as its sync and nocomm.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from domino.bench.modes import Mode
+from domino.transformer.autotune import regime_of
+
+
+def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
+    """The comm-free run with the same split (same overlap preferred; it is moot without comm)."""
+    same = [m for m in modes if not m.comm and m.split == mode.split
+            and m.sequence_parallel == mode.sequence_parallel]
+    exact = [m for m in same if m.plan == mode.plan]
+    return (exact or same or [None])[0]
+
+
+def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list[dict[str, Any]]:
+    """One figures dict per mode from the workers' raw measurements."""
+    cpu_8mib = raw.get("allreduce_8mib_cpu_s")
+    sent = raw.get("allreduce_bytes_per_step", {})
+    med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
+    t_sync, t_nocomm = med.get("sync"), med.get("nocomm")
+    rows = []
+    for mode in modes:
+        t = med[mode.name]
+        # Sequence-parallel modes against their own sync and nocomm when those ran.
+        fam = mode.family
+        f_sync, f_nocomm = med.get("sync" + fam, t_sync), med.get("nocomm" + fam, t_nocomm)
+        f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
+                          else None)
+        base = t - f_nocomm if f_nocomm is not None else None
+        exposed = base if mode.comm else None
+        split = _split_nocomm(mode, modes) if mode.is_domino else None
+        hidden = None
+        if (mode.is_domino and exposed is not None and f_exposed_sync is not None
+                and f_exposed_sync > 0):
+            hidden = 1.0 - exposed / f_exposed_sync
+        peaks = raw["peak_bytes"][mode.name]
+        known = [p for p in peaks if p is not None]
+        rows.append({
+            "mode": mode.name,
+            "comm_enabled": mode.comm,
+            "micro_batches": mode.plan.micro_batches,
+            "overlap": mode.plan.overlap,
+            "column_chunks": mode.plan.column_chunks,
+            "sequence_parallel": mode.sequence_parallel,
+            "step_time_s": t,
+            "step_times_s": raw["step_times_s"][mode.name],
+            "step_times_s_per_rank": raw["per_rank_step_times_s"][mode.name],
+            "tokens_per_s": tokens / t,
+            "exposed_comm_s": exposed,
+            "exposed_comm_vs_split_nocomm_s": t - med[split.name] if split is not None else None,
+            # For comm-free split runs: what splitting alone costs over unsplit compute.
+            "split_cost_s": base if not mode.comm and mode.split != (1, 1) else None,
+            "comm_hidden": hidden,
+            "speedup_vs_sync": f_sync / t if f_sync is not None else None,
+            "peak_mem_bytes": max(known) if known else None,
+            # Bytes this rank all-reduced in one step, and the host CPU that moving them takes
+            # (scaled from the 8 MiB probe): overlapped comm still costs this much CPU.
+            "allreduce_bytes_per_step": sent.get(mode.name),
+            "comm_cpu_s_per_step": (None if cpu_8mib is None or sent.get(mode.name) is None
+                                    else cpu_8mib * sent[mode.name] / (8 << 20)),
+            "peak_mem_bytes_per_rank": peaks,
+            "peak_rss_bytes_per_rank": raw["peak_rss_bytes"][mode.name],
+            "timeline_png": None,
+            "chrome_trace": None,
+        })
+    return rows
+
+
+def best_mode(rows: list[dict[str, Any]]) -> str | None:
+    """The comm-enabled Domino mode with the lowest median step time (None without one)."""
+    domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
+    return min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
+
+
+def detect_regime(rows: list[dict[str, Any]], raw: dict[str, Any], cpus: int,
+                  busy: bool) -> dict[str, Any] | None:
+    """Which regime the measured link is in (:func:`domino.transformer.autotune.regime_of`) and
+    the plan that wins there: no split when communication is negligible, else the fastest
+    Domino mode. Needs ``sync`` and ``nocomm`` rows; the host-CPU share of an all-reduce comes
+    from the link probe and counts only when the ranks' compute fills the host's CPUs."""
+    med = {r["mode"]: r["step_time_s"] for r in rows}
+    if "sync" not in med or "nocomm" not in med:
+        return None
+    wall, cpu = raw.get("allreduce_8mib_s"), raw.get("allreduce_8mib_cpu_s")
+    # cpu_s is host-wide busy CPU seconds per all-reduce: the share of the host's CPU capacity
+    # a transfer takes while it runs.
+    share = cpu / (wall * max(1, cpus)) if busy and wall and cpu is not None else None
+    regime = regime_of(med["sync"], t_nocomm=med["nocomm"], comm_cpu_share=share)
+    best = best_mode(rows)
+    pick = "sync" if regime.name == "negligible" or best is None or med[best] >= med["sync"] \
+        else best
+    return {"name": regime.name, "why": regime.why, "comm_cpu_share": share, "pick": pick}
+
+
+def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | None:
+    """What moving sync's bytes costs the host's CPUs, and the share of sync's exposed comm that
+    overlap can hide at most when compute already keeps every CPU busy: the comm's CPU time is
+    then taken from compute (``floor_s`` = CPU seconds / CPUs), hidden or not.
+
+    None without a ``sync`` row or a CPU probe.
+    """
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    if sync is None or sync.get("comm_cpu_s_per_step") is None:
+        return None
+    cpu = sync["comm_cpu_s_per_step"]
+    floor = cpu / max(1, cpus)
+    exposed = sync["exposed_comm_s"]
+    return {
+        "allreduce_bytes_per_step": sync["allreduce_bytes_per_step"],
+        "comm_cpu_s_per_step": cpu,
+        "cpus": cpus,
+        "floor_s": floor,
+        "comm_hidden_ceiling": (max(0.0, 1.0 - floor / exposed)
+                                if exposed is not None and exposed > 0 else None),
+    }

@@ -1,0 +1,204 @@
+"""What a benchmark run measures, checked before any process starts: the ``domino bench`` flags
+become the *spec* (a JSON-able dict) every worker rank reads.
+
+:func:`tp_spec` for a comparison of Domino modes, :func:`pipeline_spec` for one of pipeline
+schedules; both raise ValueError with a message that names the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from domino.bench.modes import DEFAULT_MODES, Mode, parse_modes
+from domino.config import TransformerConfig
+from domino.netem import check_can_emulate, parse_rate
+from domino.pipeline.partition import Layout, partition
+from domino.pipeline.schedules import check_schedule
+from domino.plan import Plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
+PIPELINE_MICRO_BATCHES = 8  # --pipeline-micro-batches when not given
+PIPELINE_PLAN = "m2:cross"  # --plan when not given
+
+# Flags only a pipeline comparison reads: given without one they would be silently ignored.
+PIPELINE_ONLY = ("pipeline_micro_batches", "schedules", "num_layers_per_virtual_pipeline_stage",
+                 "pipeline_stage_layers", "plan")
+
+
+def build_config(spec: dict[str, Any]) -> TransformerConfig:
+    """The model config a spec describes (raises ValueError for a bad combination)."""
+    return TransformerConfig(
+        num_layers=spec["num_layers"],
+        hidden_size=spec["hidden_size"],
+        num_attention_heads=spec["num_attention_heads"],
+        seq_length=spec["seq_length"],
+        max_position_embeddings=spec["seq_length"],
+        vocab_size=spec["vocab_size"] if spec["model"] == "gpt" else 0,
+        # No dropout by default: its masks would only add noise that differs between modes.
+        hidden_dropout=0.0,
+        attention_dropout=spec.get("attention_dropout") or 0.0,
+        params_dtype=DTYPES[spec["dtype"]],
+        recompute_granularity=spec.get("recompute_granularity"),
+    )
+
+
+def layouts(spec: dict[str, Any]) -> dict[str, Layout]:
+    """Each pipeline schedule's layout (interleaved: chunks of ``layers_per_virtual_stage``)."""
+    out = {}
+    counts = spec.get("stage_layers")
+    for schedule in spec["schedules"]:
+        per = spec["layers_per_virtual_stage"] if schedule == "interleaved" else None
+        layout = partition(spec["num_layers"], spec["pipeline_model_parallel_size"], per,
+                           None if per or counts is None else tuple(counts))
+        check_schedule(schedule, layout.stages, spec["pipeline_micro_batches"], layout.chunks)
+        out[schedule] = layout
+    return out
+
+
+def resolve_device(choice: str, world: int) -> str:
+    """``--device`` (auto, cpu or cuda) for ``world`` ranks: cuda needs a GPU per rank."""
+    have = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if choice == "cuda" and not have:
+        raise ValueError(f"--device cuda needs {world} visible CUDA devices (one per rank); "
+                         "use --device cpu")
+    return "cuda" if choice == "cuda" or (choice == "auto" and have) else "cpu"
+
+
+def check_link(args: argparse.Namespace, spec: dict[str, Any], hosts: int) -> None:
+    """``--emulate-link`` / ``--link-mtu`` into ``spec`` (``hosts`` emulated hosts)."""
+    if args.link_mtu is not None and args.emulate_link is None:
+        raise ValueError("--link-mtu sets the emulated link's MTU: add --emulate-link RATE")
+    if args.emulate_link is not None:
+        spec["link"] = parse_rate(args.emulate_link)
+        if args.link_mtu is not None:
+            if not 1280 <= args.link_mtu <= 65535:
+                raise ValueError(f"--link-mtu={args.link_mtu} must be in [1280, 65535] (1500 is "
+                                 "Ethernet's, 9000 jumbo frames)")
+            spec["link_mtu"] = args.link_mtu
+        if hosts < 2:
+            raise ValueError("--emulate-link needs two or more hosts: --tensor-model-parallel-"
+                             "size >= 2 (one host per rank), or a pipeline (one per stage)")
+        if spec["device"] != "cpu":
+            raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
+        try:
+            check_can_emulate()
+        except RuntimeError as err:
+            raise ValueError(str(err)) from err  # a set-up problem: report it like bad flags
+
+
+def _check_modes(modes: list[Mode], args: argparse.Namespace) -> None:
+    for mode in modes:
+        mode.plan.check_fits(args.micro_batch_size, what=f"the micro-batches (m<N>) of {mode.name}",
+                             batch_name="--micro-batch-size")
+        mode.plan.check_width(args.hidden_size, what=f"the column chunks (c<K>) of {mode.name}",
+                              width_name="--hidden-size")
+        tp = args.tensor_model_parallel_size
+        if mode.sequence_parallel and args.seq_length % tp:
+            raise ValueError(f"{mode.name} splits the sequence over the {tp} TP ranks: "
+                             f"--seq-length={args.seq_length} is not divisible by {tp}; use a "
+                             f"multiple of {tp} or drop the :sp modes.")
+
+
+def _check_at_least_one(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+
+
+def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
+    """The worker spec of a comparison of Domino modes (TP ranks only), and its modes."""
+    given = [f"--{n.replace('_', '-')}" for n in PIPELINE_ONLY if getattr(args, n) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply to a pipeline comparison: add "
+                         "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
+                         "modes to compare are chosen with --modes)")
+    modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
+    _check_at_least_one(args, ("steps", "threads_per_rank", "tensor_model_parallel_size"))
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0")
+    if args.model == "gpt" and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
+    tp = args.tensor_model_parallel_size
+    spec: dict[str, Any] = {
+        k: getattr(args, k) for k in (
+            "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+            "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
+            "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
+            "attention_dropout", "shared_memory_comm")}
+    build_config(spec).validate_parallel(tp)
+    _check_modes(modes, args)
+    spec["modes"] = [m.name for m in modes]
+    spec["device"] = resolve_device(args.device, tp)
+    spec["trace"] = args.out_dir is not None
+    if args.simulate_link is not None:
+        if args.emulate_link is not None:
+            raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
+                             "CPU-free link or emulate a real one, not both")
+        spec["simulate_link"] = parse_rate(args.simulate_link)
+        if tp < 2:
+            raise ValueError("--simulate-link needs --tensor-model-parallel-size >= 2")
+    check_link(args, spec, hosts=tp)
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--json {args.json}: directory {parent} does not exist")
+    return spec, modes
+
+
+def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The worker spec of a comparison of pipeline schedules; fills in the defaults of
+    ``--pipeline-micro-batches`` and ``--plan`` on ``args``."""
+    if args.modes is not None:
+        raise ValueError("--modes picks the Domino modes of a TP comparison; a pipeline "
+                         "comparison (--pipeline-model-parallel-size > 1) compares --schedules "
+                         "with one --plan inside each stage: drop --modes")
+    if args.pipeline_micro_batches is None:
+        args.pipeline_micro_batches = PIPELINE_MICRO_BATCHES
+    if args.plan is None:
+        args.plan = PIPELINE_PLAN
+    plan = Plan.parse(args.plan)
+    p, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    _check_at_least_one(args, ("pipeline_model_parallel_size", "pipeline_micro_batches", "steps",
+                               "threads_per_rank", "tensor_model_parallel_size"))
+    if args.simulate_link is not None:
+        raise ValueError("--simulate-link times TP all-reduces; the pipeline bench runs on "
+                         "loopback or --emulate-link")
+    schedules = [s.strip() for s in (args.schedules or DEFAULT_SCHEDULES).split(",") if s.strip()]
+    per = args.num_layers_per_virtual_pipeline_stage
+    if per is None and "interleaved" in schedules:
+        if args.num_layers % (2 * p):
+            raise ValueError(f"the interleaved schedule needs --num-layers as a multiple of 2 x "
+                             f"PP = {2 * p} (two chunks per stage), or "
+                             "--num-layers-per-virtual-pipeline-stage; or drop it from "
+                             "--schedules")
+        per = args.num_layers // (2 * p)
+    spec: dict[str, Any] = {
+        k: getattr(args, k) for k in (
+            "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+            "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "pipeline_micro_batches", "steps", "warmup", "threads_per_rank", "dtype", "seed",
+            "timeout", "plan", "shared_memory_comm")}
+    counts = None
+    if args.pipeline_stage_layers:
+        try:
+            counts = [int(x) for x in args.pipeline_stage_layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--pipeline-stage-layers={args.pipeline_stage_layers!r} must be "
+                             "comma-separated layer counts, e.g. 5,3") from None
+    spec.update(kind="pipeline", model="gpt", schedules=schedules, layers_per_virtual_stage=per,
+                stage_layers=counts,
+                world_size=p * tp, ranks_per_host=tp, hosts=p, trace=args.out_dir is not None)
+    build_config(spec).validate_parallel(tp)
+    plan.check_fits(args.micro_batch_size, what=f"--plan {args.plan}",
+                    batch_name="--micro-batch-size")
+    layouts(spec)  # every schedule fits the layers and pipeline micro-batches
+    spec["device"] = resolve_device(args.device, p * tp)
+    check_link(args, spec, hosts=p)
+    return spec

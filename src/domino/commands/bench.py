@@ -1,0 +1,110 @@
+"""``domino bench``: sync TP vs Domino schedules vs the no-comm ideal on one model and batch (or,
+with ``--pipeline-model-parallel-size P``, pipeline schedules side by side).
+
+Checks the flags (:mod:`domino.bench.spec`), runs one worker process per rank, each in its own
+network namespace with ``--emulate-link`` (:mod:`domino.bench.execute`), then turns rank 0's
+raw measurements into figures, a JSON report, timeline pictures and a table
+(:mod:`domino.bench.report`, :mod:`domino.bench.pipeline_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from domino.bench import pipeline_report, report
+from domino.bench.execute import execute
+from domino.bench.modes import DEFAULT_MODES, GRAMMAR
+from domino.bench.spec import (
+    DEFAULT_SCHEDULES,
+    DTYPES,
+    PIPELINE_MICRO_BATCHES,
+    PIPELINE_PLAN,
+    pipeline_spec,
+    tp_spec,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``domino bench`` flags to ``parser``."""
+    a = parser.add_argument
+    a("--model", choices=("stack", "gpt"), default="stack",
+      help="stack: the transformer stack on random [s, b, h] input; gpt: the full GPT model")
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=512)
+    a("--num-attention-heads", type=int, default=8)
+    a("--seq-length", type=int, default=256)
+    a("--micro-batch-size", type=int, default=8, help="batch per TP group and step")
+    a("--vocab-size", type=int, default=32000, help="vocabulary (--model gpt only)")
+    a("--tensor-model-parallel-size", type=int, default=2, help="TP size = number of ranks")
+    a("--modes", default=None,
+      help=f"comma-separated modes: {GRAMMAR} [default: {DEFAULT_MODES}]")
+    a("--steps", type=int, default=10, help="measured rounds (steps per mode)")
+    a("--warmup", type=int, default=2, help="unmeasured rounds first")
+    a("--threads-per-rank", type=int, default=1, help="torch / OpenMP threads per rank")
+    a("--dtype", choices=tuple(DTYPES), default="fp32")
+    a("--recompute-granularity", choices=("full", "selective"), default=None,
+      help="activation recomputation of every mode's model (memory for compute)")
+    a("--attention-dropout", type=float, default=0.0,
+      help="attention dropout of every mode's model (with it the core attention keeps its "
+           "s x s probabilities for backward, what selective recomputation drops)")
+    a("--seed", type=int, default=1234)
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto",
+      help="auto: cuda when it has a GPU per rank, else cpu")
+    a("--emulate-link", metavar="RATE", default=None,
+      help="run each rank in its own network namespace over a veth shaped to RATE "
+           "(e.g. 1gbit, 100mbit); root only")
+    a("--simulate-link", metavar="RATE", default=None,
+      help="instead of sending data, make each all-reduce take RATE's time with no CPU cost "
+           "(timing only, like nocomm): how well a schedule hides a link when moving bytes is "
+           "free for the host; no root needed")
+    a("--link-mtu", type=int, default=None, metavar="BYTES",
+      help="MTU of the emulated link's veths (default: the veth default, 1500); e.g. 9000 for "
+           "jumbo frames, which cut the host CPU each transfer costs")
+    a("--no-shared-memory-comm", dest="shared_memory_comm", action="store_false",
+      help="keep every collective on gloo (default on CPU: ranks on one host move TP "
+           "collectives through shared memory; emulated hosts always use gloo)")
+    a("--timeout", type=float, default=300.0,
+      help="seconds a collective may wait for a peer before the ranks give up")
+    a("--pipeline-model-parallel-size", type=int, default=1,
+      help="> 1: compare pipeline schedules instead of Domino modes (GPT model, one stage per "
+           "emulated host with --emulate-link)")
+    a("--pipeline-micro-batches", type=int, default=None,
+      help=f"pipeline micro-batches per step [default: {PIPELINE_MICRO_BATCHES}]")
+    a("--schedules", default=None,
+      help=f"pipeline schedules to compare [default: {DEFAULT_SCHEDULES}]")
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+      help="chunk size of the interleaved schedule [default: num_layers / (2 x PP)]")
+    a("--pipeline-stage-layers", default=None,
+      help="uneven stages, layers per stage (e.g. 5,3; not for the interleaved schedule)")
+    a("--plan", default=None, help=f"Domino plan inside each pipeline stage [default: "
+      f"{PIPELINE_PLAN}]")
+    a("--json", metavar="PATH", default=None, help="write the report here")
+    a("--out-dir", metavar="DIR", default=None,
+      help="write a PNG timeline and a Chrome trace per traced mode here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by ``args``; print the table and return the report."""
+    if args.pipeline_model_parallel_size != 1:
+        spec = pipeline_spec(args)
+        _make_out_dir(args)
+        result = pipeline_report.build_report(args, spec, execute(spec))
+        table = pipeline_report.format_table(result)
+    else:
+        spec, modes = tp_spec(args)
+        _make_out_dir(args)
+        result = report.build_report(args, spec, modes, execute(spec))
+        table = report.format_table(result)
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(table, flush=True)
+    return result
+
+
+def _make_out_dir(args: argparse.Namespace) -> None:
+    if args.out_dir is not None:
+        os.makedirs(args.out_dir, exist_ok=True)
