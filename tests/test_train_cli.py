@@ -23,6 +23,7 @@ from domino.training import data
 SMALL = ["--train-iters", "6", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
          "--micro-batch-size", "4", "--log-interval", "2", "--eval-interval", "3",
          "--eval-iters", "1", "--sample-tokens", "24", "--no-tensorboard"]
+FAULTS = str(Path(__file__).parent / "faults")  # test-only fault injection (sitecustomize.py)
 
 
 def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
@@ -69,6 +70,9 @@ def byte_data(tmp_path_factory) -> list[str]:
 
 
 def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch, byte_data) -> None:
+    # The ranks start with tests/faults/sitecustomize.py, which makes rank 1 fail at step 2.
+    path = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", "1")
     monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", "2")
     t0 = time.monotonic()

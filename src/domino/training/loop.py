@@ -39,7 +39,6 @@ from domino.training.step import (
     TrainResult,
     evaluate,
     forward_loss,
-    maybe_fail,
     train_step,
 )
 from domino.transformer.autotune import autotune, candidate_plans, regime_of
@@ -179,7 +178,6 @@ class Trainer:
             dp = self.state.dp
             batches = rank_batches(run.train_ds, self.consumed, g, dp.size, dp.rank,
                                    args.micro_batch_size, self.state.device)
-            maybe_fail(step, self.state.world.rank)
             clock_due = bool(args.save_interval_minutes
                              and time.monotonic() - self.last_save_t
                              >= args.save_interval_minutes * 60)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,9 +23,6 @@ from domino.training.optim import (
     global_grad_norm,
     grads_of,
 )
-
-FAIL_RANK_ENV = "DOMINO_TEST_FAIL_RANK"  # test hook: this global rank raises at FAIL_STEP
-FAIL_STEP_ENV = "DOMINO_TEST_FAIL_STEP"
 
 
 @dataclass
@@ -62,12 +58,6 @@ def autocast(args: TrainArgs, device: torch.device):
         dtype = torch.bfloat16 if args.bf16 else torch.float16
         return torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext()
-
-
-def maybe_fail(step: int, rank: int) -> None:
-    if os.environ.get(FAIL_RANK_ENV) == str(rank) and step == int(
-            os.environ.get(FAIL_STEP_ENV, "1")):
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV})")
 
 
 def forward_loss(model, batch, args, device) -> torch.Tensor:
