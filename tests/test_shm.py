@@ -179,9 +179,9 @@ def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
 
 def _refused(rank: int, world: int, how: str) -> dict:
     if how == "host" and rank == 1:
-        shm.host_key = lambda: "another host"  # this rank's copy of the module only
+        shm.setup.host_key = lambda: "another host"  # this rank's copy of the module only
     if how == "create" and rank == 0:
-        shm._create = lambda size, nbytes: ""
+        shm.setup._create = lambda size, nbytes: ""
     if how == "open" and rank == 1:
         def fail(*a, **k):
             raise RuntimeError("cannot map")
@@ -339,23 +339,23 @@ def test_a_full_dev_shm_is_refused_at_set_up_not_mid_run() -> None:
     """The mapping's pages are reserved when it is made: a /dev/shm too small fails there (and
     removes what it made) instead of killing a rank with SIGBUS when a page is first touched."""
     before = set(os.listdir("/dev/shm"))
-    assert shm._create(2, 1 << 50) == ""  # 1 PiB
+    assert shm.setup._create(2, 1 << 50) == ""  # 1 PiB
     assert set(os.listdir("/dev/shm")) == before
 
 
 def test_set_up_folders_of_dead_processes_are_removed(tmp_path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    stale = f"/dev/shm/{shm._PREFIX}{dead}-test"
-    live = f"/dev/shm/{shm._PREFIX}{os.getpid()}-test"
-    young = f"/dev/shm/{shm._PREFIX}{dead}-young"  # a dead pid's, but set up just now
-    old = time.time() - 2 * shm._STALE_S
+    stale = f"/dev/shm/{shm.setup._PREFIX}{dead}-test"
+    live = f"/dev/shm/{shm.setup._PREFIX}{os.getpid()}-test"
+    young = f"/dev/shm/{shm.setup._PREFIX}{dead}-young"  # a dead pid's, but set up just now
+    old = time.time() - 2 * shm.setup._STALE_S
     for d in (stale, live, young):
         os.makedirs(d)
     os.utime(stale, (old, old))
     os.utime(live, (old, old))
     try:
-        shm._remove_stale()
+        shm.setup._remove_stale()
         assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(young)
     finally:
         for d in (stale, live, young):

@@ -1,11 +1,29 @@
 """Tier 1: collectives over one process group, with handles, device/backend agnostic.
 
-Every collective in the library goes through a :class:`CommGroup` (the tensor-, data- and
-pipeline-parallel groups of a ``ParallelState``, and its ``world``); nothing else calls
-``torch.distributed`` collectives. A group can be *disabled* (every collective becomes a no-op:
-one rank of a TP group standing alone, or the same compute without communication). Objects
-cross ranks as JSON, never as pickles. Tools that trace collectives or replace their transport
-attach a :class:`CommHook`; this tier knows nothing else about them.
+A :class:`CommGroup` is a process group plus this rank's place in it (``size``, ``rank``), the
+device of its own buffers, and optional attachments. Every collective in the library goes
+through one (a ``ParallelState``'s tp, dp, pp and embedding groups and its ``world``); nothing
+else calls ``torch.distributed`` collectives.
+
+- Collectives: ``all_reduce`` (in place), ``reduce_scatter`` / ``all_gather_into`` (flat or
+  along dim 0; ``*_seq`` allocate the output for sequence parallelism), ``all_to_all`` (dim 0
+  cut by uneven split sizes), ``broadcast``, point-to-point ``isend`` / ``irecv``, ``barrier``,
+  a blocking ``all_gather_last_dim``, and JSON object collectives (never pickles).
+- Transports: the process group's backend (gloo on CPU, NCCL on CUDA; on gloo a
+  reduce-scatter runs as pairwise exchanges, see ``pairwise``) or, when ``transport`` is set,
+  the shared-memory transport of :mod:`domino.tensor_parallel.shm` for CPU tensors of ranks
+  on one host (``ParallelState`` opens it for tp, dp and embedding; what it does not support
+  goes to the process group).
+- Handles: the bulk collectives take ``async_op``; they return a :class:`Handle` (``wait()``
+  is idempotent, ``ready()`` never blocks), already waited for when ``async_op`` is False.
+  ``stats`` counts collectives, bytes and the time spent blocked in ``wait()``.
+- Disabled: ``disabled()`` (or ``enabled=False``; a group of one always) makes every
+  collective a no-op whose output is filled locally, as a group of one would: the same compute
+  without communication (the benchmark's ``nocomm``).
+- The hook: tools that trace collectives or stand in for their transport (the benchmark's
+  timeline and simulated link) attach a :class:`CommHook`; it sees each bulk collective's
+  launch (kind and bytes) and wait, and may replace its transfer (the output then filled as
+  when disabled). This tier knows nothing else about them.
 """
 
 from __future__ import annotations
@@ -13,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +39,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from domino.tensor_parallel.split_sizes import all_to_all_splits
 
 
 @dataclass
@@ -45,9 +65,10 @@ class CommHook(Protocol):
 
     def launch(self, tensor: torch.Tensor, group: CommGroup, kind: str = "all_reduce"
                ) -> Any | None:
-        """At a collective's launch (``kind``: all_reduce, reduce_scatter - ``tensor`` its
-        input - or all_gather - its output): a work object (``wait()``, ``is_completed()``) to
-        use instead of the real collective, or None to run the real one."""
+        """At a collective's launch (``kind``: all_reduce, reduce_scatter or all_to_all -
+        ``tensor`` its input - or all_gather - its output): a work object (``wait()``,
+        ``is_completed()``) to use instead of the real collective, or None to run the real
+        one."""
 
     def finished(self, name: str, tags: dict[str, Any], nbytes: int, launched_s: float,
                  wait_s: float, done_s: float) -> None:
@@ -126,8 +147,8 @@ class CommGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     hook: CommHook | None = field(default=None, repr=False)
     stats: CommStats = field(default_factory=CommStats, repr=False)
-    # Carries all-reduces, reduce-scatters and all-gathers of CPU tensors in place of the
-    # process group when set (shm.SharedMemoryTransport: ranks on one host).
+    # Carries all-reduces, reduce-scatters, all-gathers and all-to-alls of CPU tensors in
+    # place of the process group when set (shm.SharedMemoryTransport: ranks on one host).
     transport: Any = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
 
@@ -225,6 +246,32 @@ class CommGroup:
             real = partial(dist.all_gather_single, output, tensor, group=self.group,
                            async_op=True)
         return self._start(output, name, real, async_op, local, tags, "all_gather")
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_split_sizes: Sequence[int] | None = None,
+                   input_split_sizes: Sequence[int] | None = None, async_op: bool = False,
+                   name: str = "all_to_all", tags: dict | None = None) -> Handle:
+        """``torch.distributed.all_to_all_single``: rows (dim 0) ``input_split_sizes[q]`` of
+        ``input`` go to rank q, ``output`` gets ``output_split_sizes[q]`` rows from rank q, in
+        rank order (None: even splits). Sizes are checked here, on the caller's thread.
+        Disabled: ``output`` gets ``input`` (a group of one's), rows past it zeroed."""
+        outs, ins = all_to_all_splits(output, input, self.size, output_split_sizes,
+                                      input_split_sizes)
+
+        def local() -> None:
+            n = min(output.shape[0], input.shape[0])
+            output[:n].copy_(input[:n])
+            output[n:].zero_()
+
+        if not self.active:
+            local()
+            return DONE
+        if self._shared(output, input):
+            real = partial(self.transport.all_to_all, output, input, outs, ins)
+        else:
+            real = partial(dist.all_to_all_single, output, input, outs, ins, group=self.group,
+                           async_op=True)
+        return self._start(input, name, real, async_op, local, tags, "all_to_all")
 
     def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
         """Each rank sends every peer that peer's chunk and sums the chunks it receives. At
