@@ -326,8 +326,3 @@ def get_pipeline_model_parallel_world_size() -> int:
 
 def get_pipeline_model_parallel_rank() -> int:
     return _current().pp.rank
-
-
-def model_parallel_manual_seed(seed: int) -> None:
-    """Seed the TP-replicated and TP-distinct dropout streams of the current state."""
-    _current().rng.seed(seed)
