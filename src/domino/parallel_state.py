@@ -34,7 +34,6 @@ class ParallelState:
     world: CommGroup = field(default_factory=CommGroup)
     embedding: CommGroup = field(default_factory=CommGroup)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    mesh: object = None
     rng: RNGTracker = field(default_factory=RNGTracker)
 
     @classmethod
@@ -76,7 +75,7 @@ class ParallelState:
 
         state = cls(tp=group("tp"), dp=group("dp"), pp=group("pp"),
                     world=CommGroup.world(device), embedding=_embedding_group(mesh, device),
-                    device=device, mesh=mesh)
+                    device=device)
         state.rng.tp_rank = state.tp.rank
         if shared_memory and device.type == "cpu":
             from domino.tensor_parallel.shm import open_transport
