@@ -20,9 +20,10 @@ class SimulatedLink:
     """A link that costs wall time but no CPU, for timing schedules alone.
 
     An all-reduce of ``n`` bytes over ``size`` ranks moves ``2 (size - 1) / size * n`` bytes per
-    rank (ring), a reduce-scatter of ``n`` bytes (its input) or an all-gather into ``n`` bytes
-    half that; transfers queue on the one link in launch order. Tensors are left as they are
-    (like a disabled group), so only timings mean anything.
+    rank (ring), a reduce-scatter of ``n`` bytes (its input), an all-gather into ``n`` bytes or
+    an all-to-all of ``n`` bytes (its input; exact for even splits) half that; transfers queue
+    on the one link in launch order. Tensors are left as they are (like a disabled group), so
+    only timings mean anything.
     """
 
     bits_per_s: float
