@@ -14,8 +14,9 @@ else calls ``torch.distributed`` collectives.
   the shared-memory transport of :mod:`domino.tensor_parallel.shm` for CPU tensors of ranks
   on one host (``ParallelState`` opens it for tp, dp and embedding; what it does not support
   goes to the process group).
-- Handles: the bulk collectives take ``async_op``; they return a :class:`Handle` (``wait()``
-  is idempotent, ``ready()`` never blocks), already waited for when ``async_op`` is False.
+- Handles: the bulk collectives take ``async_op`` and return a :class:`Handle` (``wait()``
+  is idempotent, ``ready()`` never blocks), already waited for when ``async_op`` is False;
+  ``isend`` / ``irecv`` always return one still in flight.
   ``stats`` counts collectives, bytes and the time spent blocked in ``wait()``.
 - Disabled: ``disabled()`` (or ``enabled=False``; a group of one always) makes every
   collective a no-op whose output is filled locally, as a group of one would: the same compute
