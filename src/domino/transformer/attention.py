@@ -2,7 +2,8 @@
 
 Each module is a block op (:class:`~domino.transformer.layer.BlockOp`): ``core(x, mb, stash)``
 runs everything from the column-parallel entry to the input of the row-parallel ``dense``, so
-that a schedule can run ``dense`` in column chunks and own the all-reduce. Heads are split over
+that its exit (``exit()``: ``dense``'s partial sums, summed over TP) can run ``dense`` in column
+chunks while a schedule launches each chunk's collective. Heads are split over
 TP ranks; the fused QKV weight is laid out per query group as ``[q heads of the group | k | v]``
 so that a contiguous TP shard holds whole groups.
 """
@@ -20,6 +21,7 @@ from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear, dropout
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.rope import apply_rotary
 from domino.utils import divide
@@ -125,6 +127,14 @@ class _AttentionBase(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
             device=device)
+
+    def entry(self, sequence_parallel: bool) -> ColumnParallelEntry:
+        """Entered by the column-parallel Q/K/V GEMMs (a :class:`~.layer.BlockOp`)."""
+        return ColumnParallelEntry(self.dense.group, sequence_parallel)
+
+    def exit(self, sequence_parallel: bool) -> RowParallelExit:
+        """Left by the row-parallel ``dense``'s partial sums (a :class:`~.layer.BlockOp`)."""
+        return RowParallelExit(self.dense, sequence_parallel)
 
     def _attend(self, q, k, v, mask, causal=False):
         k = k.repeat_interleave(self.q_per_group, dim=2) if self.q_per_group > 1 else k

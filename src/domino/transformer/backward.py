@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 
 from domino.tensor_parallel.layers import WgradStash
-from domino.transformer.executor import Executor, LocalPiece, Pending, Record, Span
+from domino.transformer.executor import Executor, LocalPiece, Record, Span
+from domino.transformer.exits import InFlight
 from domino.transformer.late_work import LateWork, Task
 from domino.transformer.layer import Block
 from domino.transformer.sp_grads import ShardGrads
@@ -45,13 +46,13 @@ class BackwardPass:
         self.B, self.M = B, M = len(ex.blocks), len(rec.mbs)
         self.late = late if late is not None else LateWork()
         self.left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards
-        self.shard_grads = (ShardGrads(ex.group, ex.blocks, ex.final_norm, rec.prologue,
-                                       on_final, M) if ex.sp else None)
+        self.shard_grads = (ShardGrads(ex.group, ex.blocks, ex.exits, ex.final_norm,
+                                       rec.prologue, on_final, M) if ex.sp else None)
         self.device = grad_y.device
-        self.pending: dict[tuple[int, int], Pending] = {}  # input-gradient reductions in flight
+        self.pending: dict[tuple[int, int], InFlight] = {}  # entries' gradients in flight
         self.deferred: deque = deque()  # weight-gradient stashes not run yet, oldest first
         self.first_layer = ex.blocks[0].layer if ex.blocks else None
-        self.gathered: dict[tuple[int, int], Pending] = {}  # sequence parallel: par^T inputs
+        self.exit_grads: dict[tuple[int, int], InFlight] = {}  # par^T inputs, in flight
         # Pieces in order, each after the local^T it needs.
         self.order = [(j, m) for j in range(B - 1, -1, -1) for m in range(M)]
 
@@ -113,8 +114,8 @@ class BackwardPass:
                 self.on_final(self.ex.blocks[j])
 
     def local_bwd(self, jj: int, m: int) -> None:
-        """local^T(jj, m); then (sequence parallel) launch the all-gather of the output
-        gradient of par(jj - 1, m) it produced."""
+        """local^T(jj, m); then launch the backward of par(jj - 1, m)'s exit on the gradient
+        it produced (sequence parallel: an all-gather)."""
         ex, rec, B = self.ex, self.rec, self.B
         with ex._span(f"bwd local {jj}", m):
             if jj == B:
@@ -139,9 +140,9 @@ class BackwardPass:
         if jj == 0:
             if rec.prologue is not None:
                 self._queue_prologue_backward(m)
-        elif ex.sp:  # the whole sequence's, for the TP region's backward
-            self.gathered[(jj - 1, m)] = ex._gather(rec.reduced[(jj - 1, m)].grad, jj - 1, m,
-                                                    "bwd")
+        else:  # the exit's backward (sequence parallel: the whole sequence's gradient)
+            self.exit_grads[(jj - 1, m)] = ex.eager(ex.exits[jj - 1].launch_grad(
+                rec.reduced[(jj - 1, m)].grad, jj - 1, m))
 
     def par_bwd(self, j: int, m: int, between: Callable[[], None] | None) -> None:
         """par^T(j, m); ``between`` (the next piece's local^T) runs between the backward of its
@@ -156,15 +157,13 @@ class BackwardPass:
                 with torch.enable_grad():
                     core = ex.blocks[j].op.core(rec.local[(j, m)].ln_leaf, rec.mbs[m], stash)
                     core_in = core.detach().requires_grad_() if ex.sp else core
-                    parts = list(ex.blocks[j].dense_partials(
+                    parts = list(ex.exits[j].parts(
                         core_in, ex._chunks(j, m, self.B, self.M), stash))
                 if not ex.sp:
                     core = None
-            reduced = rec.reduced.pop((j, m))
-            g = (self._fill(self.gathered.pop((j, m))).wait() if ex.sp else reduced.grad)
-            grads = ([g] if len(parts) == 1
-                     else list(torch.split(g, [p.shape[-1] for p in parts], dim=-1)))
-            torch.autograd.backward(parts, grads)  # dW GEMMs land in the stash
+            del rec.reduced[(j, m)]
+            g = self._fill(self.exit_grads.pop((j, m))).wait()
+            torch.autograd.backward(parts, ex.exits[j].part_grads(g, parts))  # dW GEMMs land in the stash
             if core is not None:  # sequence parallel: the core's backward on its own
                 leaf = core_in if ex.recompute else rec.core_leaves.pop((j, m))
                 if between is not None:
@@ -173,7 +172,7 @@ class BackwardPass:
             elif between is not None:
                 span.outside(between)()
             ln_leaf = rec.local[(j, m)].ln_leaf
-            self.pending[(j, m)] = ex._launch([ln_leaf.grad], j, m, "bwd")
+            self.pending[(j, m)] = ex.eager(ex.entries[j].launch_grad(ln_leaf.grad, j, m))
             self.deferred.append(_Counted(stash, lambda j=j: self._done(j)))
             keep = 0 if ex.plan.overlap == "none" else (
                 len(self.deferred) if ex.blocks[j].layer == self.first_layer else self.M)
@@ -190,7 +189,7 @@ class BackwardPass:
             return ex._local_piece(j, rec.mbs[m], residual, rec.reduced.get((j - 1, m)),
                                    rec.prologue)
 
-    def _fill(self, pending: Pending, late: LateWork | None = None) -> Pending:
+    def _fill(self, pending: InFlight, late: LateWork | None = None) -> InFlight:
         """Run deferred weight-gradient work (then ``late`` work) while ``pending`` is in
         flight."""
         while not pending.ready():
@@ -214,10 +213,10 @@ class BackwardPass:
         if grad is None or not part.requires_grad or not params:
             return
         space = late.space()
-        gathered = self.ex._gather(grad, -1, m, "bwd") if self.ex.sp else None
+        arriving = self.ex.eager(self.ex.prologue_exit.launch_grad(grad, -1, m))
 
         def run() -> None:
-            g = grad if gathered is None else gathered.wait()
+            g = arriving.wait()
             grads = torch.autograd.grad([part], params, [g], allow_unused=True)
             for p, g in zip(params, grads, strict=True):
                 if g is not None:

@@ -3,8 +3,10 @@
 The executor runs a stack of blocks under a :class:`~domino.plan.Plan` and hands each piece what
 it needs as arguments: a read-only :class:`MicroBatch` (its slice of the batch, masks, RoPE
 angles, encoder memory, KV cache) and, when training, the stash its weight-gradient GEMMs are
-deferred to (``Block.op.core`` and ``Block.dense_partials``; a block's TP region implements
-``layer.BlockOp``).
+deferred to (``Block.op.core`` and the op exit's ``parts``; a block's op implements
+``layer.BlockOp``). What crosses a piece boundary, and which collective carries it, is the
+op's business (its ``entry`` and ``exit``, see ``exits.py``): the executor only launches and
+waits their handles.
 
 A stack of B blocks (see ``layer.py``) has, per micro-batch m, pieces
 
@@ -57,36 +59,15 @@ from dataclasses import dataclass, field
 import torch
 
 from domino.plan import Plan
-from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.exits import InFlight, PartialSums
 from domino.transformer.layer import Block
 from domino.transformer.microbatch import MicroBatch, Prologue
 
 # Column chunks of the forward's last piece (see Executor._chunks): measured on a simulated
 # CPU-free 1 Gbit/s link, 2 micro-batches, the forward's exposed tail fell from 17 to 11 ms.
 TAIL_CHUNKS = 2
-
-
-@dataclass(eq=False)
-class Pending:
-    """An all-reduce in flight: its buffers (one per column chunk) and handles."""
-
-    buffers: list[torch.Tensor]
-    handles: list[Handle]
-    # Inputs freed once sent: a reduce-scatter's partial sums stay graph roots of the backward,
-    # which needs their shapes and autograd nodes but not their data.
-    release: list[torch.Tensor] = field(default_factory=list)
-
-    def ready(self) -> bool:
-        return all(h.ready() for h in self.handles)
-
-    def wait(self) -> torch.Tensor:
-        for h in self.handles:
-            h.wait()
-        for t in self.release:
-            t.untyped_storage().resize_(0)
-        self.release = []
-        return self.buffers[0] if len(self.buffers) == 1 else torch.cat(self.buffers, dim=-1)
 
 
 @dataclass(eq=False)
@@ -133,16 +114,22 @@ class Executor:
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
         self.recompute = recompute and bool(blocks)
         self.sp = sequence_parallel and group.size > 1
+        # Each op's collectives for this run; a prologue's result is a sum of partial sums.
+        self.entries = [b.op.entry(self.sp) for b in blocks]
+        self.exits = [b.op.exit(self.sp) for b in blocks]
+        self.prologue_exit = PartialSums(group, self.sp)
 
     def _local_piece(self, j: int, mb: MicroBatch, residual: torch.Tensor | None,
                      reduced: torch.Tensor | None, prologue: Prologue | None):
         """local(j, m): exit(j - 1) (or the prologue's finish) then enter(j) -> (ln, residual),
-        or for j = B the final norm -> the stack output."""
+        or for j = B the final norm -> the stack output. ``reduced``: what the collective
+        of the piece before delivered."""
         h = residual
         if j == 0 and prologue is not None:
             h = prologue.finish(reduced, mb, self._seq_shard())
         elif j > 0:
-            h = self.blocks[j - 1].exit(reduced, h, self._seq_shard())
+            out = self.exits[j - 1].finish(reduced)
+            h = self.blocks[j - 1].exit(out, h, self._seq_shard())
         if j == len(self.blocks):
             return self.final_norm(h) if self.final_norm is not None else h
         return self.blocks[j].enter(h)
@@ -164,40 +151,11 @@ class Executor:
     def _seq_shard(self) -> tuple[int, int] | None:
         return (self.group.rank, self.group.size) if self.sp else None
 
-    def _launch(self, tensors, j: int, m: int, direction: str, release: bool = False
-                ) -> Pending:
-        """All-reduce (sequence parallel: reduce-scatter) each tensor as soon as ``tensors``
-        (possibly a generator) yields it. ``release``: free the tensors' data once sent
-        (sequence parallel only; see :class:`Pending`)."""
-        bufs, handles, sent = [], [], []
-        for c, t in enumerate(tensors):
-            tags = {"mb": m, "block": j, "chunk": c}
-            if self.sp:
-                buf, handle = self.group.reduce_scatter_seq(
-                    t.detach(), async_op=True, name=f"{direction} rs b{j}", tags=tags)
-                if release and t.is_contiguous():  # (reduce_scatter_seq copied it otherwise)
-                    sent.append(t.detach())
-            else:
-                buf = t.detach()  # reduced in place: no autograd node saved these outputs
-                handle = self.group.all_reduce(buf, async_op=True, name=f"{direction} b{j}",
-                                               tags=tags)
-            bufs.append(buf)
-            handles.append(handle)
-        pending = Pending(bufs, handles, sent)
+    def eager(self, inflight: InFlight) -> InFlight:
+        """``inflight``, waited for at once when the plan overlaps nothing."""
         if self.plan.overlap == "none":
-            pending.wait()
-        return pending
-
-    def _gather(self, t: torch.Tensor, j: int, m: int, direction: str) -> Pending:
-        """Sequence parallel: all-gather the shard ``t`` (a TP region's input or, in backward,
-        its output gradient) into the whole sequence."""
-        buf, handle = self.group.all_gather_seq(t.detach(), async_op=True,
-                                                name=f"{direction} ag b{j}",
-                                                tags={"mb": m, "block": j, "chunk": 0})
-        pending = Pending([buf], [handle])
-        if self.plan.overlap == "none":
-            pending.wait()
-        return pending
+            inflight.wait()
+        return inflight
 
     def _looks_ahead(self, j: int, m: int, M: int) -> bool:
         """Sequence parallel: does local(j, m) run inside the par piece before it - par(j, m-1),
@@ -235,14 +193,15 @@ class Executor:
                    for mb in mbs]
         B, M = len(self.blocks), len(mbs)
         rec = Record(mbs, prologue=prologue)
-        pending: dict[tuple[int, int], Pending] = {}  # partial sums in flight, by producer
-        gathered: dict[tuple[int, int], Pending] = {}  # sequence parallel: par inputs
+        pending: dict[tuple[int, int], InFlight] = {}  # exits in flight, by producer
+        entered: dict[tuple[int, int], InFlight] = {}  # par inputs (entries), by consumer
         for mb in mbs:
             rec.mem_leaves.append(mb.memory)
             if prologue is not None:  # par(-1, m): launched now, consumed by local(0, m)
                 with self._span("fwd embed", mb.index):
                     part = prologue.partial(mb, self._seq_shard())
-                    pending[(-1, mb.index)] = self._launch([part], -1, mb.index, "fwd")
+                    pending[(-1, mb.index)] = self.eager(
+                        self.prologue_exit.launch([part], -1, mb.index))
                     if graph:
                         rec.par[(-1, mb.index)] = ([part], None)
                 continue
@@ -251,7 +210,6 @@ class Executor:
                 xm = xm.detach().requires_grad_()
             rec.x_leaves.append(xm)
         residual: list[torch.Tensor | None] = list(rec.x_leaves) or [None] * M
-        lns: list[torch.Tensor | None] = [None] * M  # each micro-batch's next par input
         outs: list[torch.Tensor] = []
         recompute = graph and self.recompute
         # Recomputed pieces run without a graph now (only their input leaves are kept).
@@ -281,26 +239,23 @@ class Executor:
                 ln, res = out
                 if graph:
                     piece = LocalPiece(None if recompute else ln,
-                                   None if res is ln or recompute else res,
-                                   ln.detach().requires_grad_(), res.detach().requires_grad_())
+                                       None if res is ln or recompute else res,
+                                       ln.detach().requires_grad_(),
+                                       res.detach().requires_grad_())
                     rec.local[(j, m)] = piece
                     ln, res = piece.ln_leaf, piece.res_leaf
                 residual[m] = res
-                if self.sp:
-                    gathered[(j, m)] = self._gather(ln, j, m, "fwd")
-                else:
-                    lns[m] = ln
+                entered[(j, m)] = self.eager(self.entries[j].launch(ln, j, m))
 
         def run_par(j: int, m: int, between: Callable[[], None] | None) -> None:
             """par(j, m); ``between`` (a local piece) runs right after its entry GEMM."""
             parts: list[torch.Tensor] = []
             stash = WgradStash() if graph and not recompute else None
             with Span(self.group, f"fwd par {j}", m) as span:
-                ln = lns[m]
-                if self.sp:  # the whole sequence: what the TP region computes on
-                    ln = gathered.pop((j, m)).wait()
-                    if graph:
-                        rec.local[(j, m)].ln_leaf = ln = ln.requires_grad_()
+                # What the region computes on (sequence parallel: the whole sequence).
+                ln = entered.pop((j, m)).wait()
+                if graph and ln is not rec.local[(j, m)].ln_leaf:  # the region's own leaf
+                    rec.local[(j, m)].ln_leaf = ln = ln.requires_grad_()
                 if recompute:
                     self._snapshot(rec, ("par", j, m), device)
                 with nograd():
@@ -312,9 +267,9 @@ class Executor:
                 # local^T goes between them): the GEMM starts from its own leaf.
                 core_in = rec.core_leaves[(j, m)] = core.detach().requires_grad_()
             with self._span(f"fwd par {j}", m), nograd():
-                gen = self.blocks[j].dense_partials(core_in, self._chunks(j, m, B, M), stash)
-                pending[(j, m)] = self._launch(_collect(gen, parts), j, m, "fwd",
-                                               release=graph and not recompute)
+                gen = self.exits[j].parts(core_in, self._chunks(j, m, B, M), stash)
+                pending[(j, m)] = self.eager(self.exits[j].launch(
+                    _collect(gen, parts), j, m, release=graph and not recompute))
             if graph:
                 rec.par[(j, m)] = (None if recompute else parts, stash,
                                    core if self.sp and not recompute else None)

@@ -3,10 +3,11 @@
 A block is one residual branch::
 
     enter:    h -> norm -> (ln, residual)                  local, replicated on TP ranks
-    op.core:  ln -> column-parallel ... (attention, act)   TP region, then
-    dense_partials: -> row-parallel GEMM                   partial sums, one per column
-                                                           chunk, each needing an all-reduce
-    exit:     (reduced, residual) -> residual + dropout(reduced + bias)   local
+    op.entry: ln -> the region's input                     collective (op's business)
+    op.core:  -> column-parallel ... (attention, act)      TP region
+    op.exit:  parts -> collective -> finish                e.g. row-parallel partial sums,
+                                                           one per column chunk, summed
+    exit:     (out, residual) -> residual + dropout(out)   local
 
 The layer itself holds the modules under Megatron's names; :meth:`TransformerLayer.blocks`
 returns its branches in order (self attention, [cross attention], MLP).
@@ -24,30 +25,37 @@ from torch import nn
 from domino.config import TransformerConfig
 from domino.enums import LayerType
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel import RowParallelLinear, dropout
-from domino.tensor_parallel.layers import WgradStash, column_chunks
+from domino.tensor_parallel import dropout
+from domino.tensor_parallel.layers import WgradStash
 from domino.tensor_parallel.random import RNGTracker, dropout_seq_shard
 from domino.transformer.attention import CrossAttention, SelfAttention
+from domino.transformer.exits import Entry, Exit
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
 
 
 class BlockOp(Protocol):
-    """The TP region of a block (attention or MLP), as a schedule drives it."""
+    """The region of a block between its norm and its residual add (attention, MLP), as a
+    schedule drives it. The op owns the collectives at the region's edges (see ``exits``)."""
 
     training: bool
 
-    @property
-    def dense(self) -> RowParallelLinear:
-        """The row-parallel exit whose partial sums the schedule all-reduces."""
+    def entry(self, sequence_parallel: bool) -> Entry:
+        """How the region is entered in a run (``sequence_parallel``: from sequence shards)."""
+
+    def exit(self, sequence_parallel: bool) -> Exit:
+        """How the region is left in a run, and what the receiving side does with it."""
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll: Callable[[], None] | None = None) -> torch.Tensor:
-        """Everything from the column-parallel entry to ``dense``'s input: [s, b, h] ->
-        [s, b, width/tp]. The entry leaves dL/dx unreduced (the schedule reduces it) and, with
-        ``stash``, defers its weight-gradient GEMMs there. ``poll`` (when given) is called once,
-        between the entry GEMM and what follows it: a schedule's chance to run other work."""
+        """Everything from the entry's result to what :meth:`exit`'s ``parts`` read: for
+        attention and MLP [s, b, h] -> [s, b, width/tp]. The entry GEMM leaves dL/dx unreduced
+        (the entry's ``launch_grad`` reduces it) and, with ``stash``, defers its
+        weight-gradient GEMMs there. ``poll`` (when given) is called once, between the entry
+        GEMM and what follows it: a schedule's chance to run other work."""
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
 
 
 @dataclass(eq=False)
@@ -63,33 +71,25 @@ class Block:
     rng: RNGTracker
 
     def parameters(self) -> list[nn.Parameter]:
-        """The block's own parameters: its norm's and its TP region's."""
+        """The block's own parameters: its norm's and its op's."""
         return [*self.norm.parameters(), *self.op.parameters()]
+
+    @property
+    def first_module(self) -> nn.Module:
+        """The module every piece of this block runs first (its norm): a forward pre-hook on
+        it runs before any of the block's parameters is used."""
+        return self.norm
 
     def enter(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ln = self.norm(h)
         return ln, (ln if self.residual_post_norm else h)
 
-    def dense_partials(self, core: torch.Tensor, chunks: int,
-                       stash: WgradStash | None) -> Iterator[torch.Tensor]:
-        """Row-parallel partial sums [s, b, h_c] of the core's output ``op.core(ln, ...)``
-        [s, b, width/tp], one per column chunk, produced lazily so the caller can launch chunk
-        c's all-reduce before chunk c+1's GEMM runs. With ``stash`` the weight-gradient GEMMs
-        are deferred to it (as the core's are, given the same stash)."""
-        dense = self.op.dense
-        if chunks == 1:
-            yield dense.partial(core, wgrad_stash=stash)
-            return
-        for cols in column_chunks(dense.output_size, chunks):
-            yield dense.partial(core, cols, wgrad_stash=stash)
-
-    def exit(self, reduced: torch.Tensor, residual: torch.Tensor,
+    def exit(self, out: torch.Tensor, residual: torch.Tensor,
              seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
-        """``seq_shard`` = (rank, size): the tensors are this rank's sequence shard (sequence
+        """``out``: the op's output (what its exit's ``finish`` made of the result).
+        ``seq_shard`` = (rank, size): the tensors are this rank's sequence shard (sequence
         parallelism); the dropout mask is then the shard's rows of the whole sequence's."""
-        bias = self.op.dense.bias
-        out = reduced if bias is None else reduced + bias
-        # All TP ranks hold the same reduced tensor (or shards of one): the mask must match ->
+        # All TP ranks hold the same output (or shards of one): the mask must match ->
         # replicated stream.
         gen = self.rng.replicated(out.device)
         if seq_shard is None:

@@ -10,6 +10,7 @@ from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.microbatch import MicroBatch
 
 
@@ -37,6 +38,14 @@ class MLP(nn.Module):
     def dense(self) -> RowParallelLinear:
         """The row-parallel exit, under the name every block uses."""
         return self.dense_4h_to_h
+
+    def entry(self, sequence_parallel: bool) -> ColumnParallelEntry:
+        """Entered by the column-parallel fc1 (a :class:`~domino.transformer.layer.BlockOp`)."""
+        return ColumnParallelEntry(self.dense_h_to_4h.group, sequence_parallel)
+
+    def exit(self, sequence_parallel: bool) -> RowParallelExit:
+        """Left by fc2's partial sums (a :class:`~domino.transformer.layer.BlockOp`)."""
+        return RowParallelExit(self.dense_4h_to_h, sequence_parallel)
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:

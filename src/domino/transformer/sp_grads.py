@@ -13,24 +13,25 @@ from collections.abc import Callable
 import torch
 
 from domino.tensor_parallel.comm import CommGroup
+from domino.transformer.exits import Exit
 from domino.transformer.layer import Block
 
 
 class ShardGrads:
     """Sequence parallelism: the replicated parameters that see only this rank's sequence shard
-    (the blocks' norms and row-parallel biases, the final norm, the prologue's position and
+    (the blocks' norms and what their exits add, e.g. row-parallel biases, the final norm, the prologue's position and
     token-type tables) get partial gradients. One backward pass's parts are summed over the TP
     group - a block's, asynchronously, as soon as its local backwards are done, the rest when
     the pass ends - and only then added to what ``.grad`` held before the pass, so accumulating
     micro-steps adds each pass's sum once. ``on_final`` hears of a block once it is final
     (deferred GEMMs included) and summed, in the order blocks became final."""
 
-    def __init__(self, group: CommGroup, blocks: list[Block], final_norm, prologue,
-                 on_final: Callable[[Block], None] | None, micro_batches: int) -> None:
+    def __init__(self, group: CommGroup, blocks: list[Block], exits: list[Exit], final_norm,
+                 prologue, on_final: Callable[[Block], None] | None,
+                 micro_batches: int) -> None:
         self.group, self.blocks, self.on_final = group, blocks, on_final
-        self.per_block = [[*b.norm.parameters(),
-                           *([b.op.dense.bias] if b.op.dense.bias is not None else [])]
-                          for b in blocks]
+        self.per_block = [[*b.norm.parameters(), *e.replicated_parameters()]
+                          for b, e in zip(blocks, exits, strict=True)]
         self.tail = [*(final_norm.parameters() if final_norm is not None else []),
                      *(p for p in (prologue.parameters() if prologue is not None else [])
                        if not getattr(p, "tensor_model_parallel", False))]

@@ -1,0 +1,203 @@
+"""The collectives at a block's edges, owned by its op: what is sent and what the receiver does.
+
+A schedule (``executor``, ``backward``) only orders steps and launches and waits
+:class:`InFlight` handles. A block op (``layer.BlockOp``) says, per run, how its region is
+entered (:class:`Entry`) and left (:class:`Exit`), in both directions:
+
+* the TP regions of today (attention, MLP) are entered by a column-parallel GEMM and left by
+  a row-parallel one: :class:`ColumnParallelEntry` (forward: nothing, or an all-gather of the
+  sequence shards under sequence parallelism; backward: the input gradient's all-reduce, or
+  reduce-scatter) and :class:`RowParallelExit` (forward: the partial sums' all-reduce, or
+  reduce-scatter, per column chunk; backward: nothing, or an all-gather);
+* an op with another exit (an MoE layer's all-to-all combine) brings its own classes.
+
+Every rank launches the same collectives in the same order: what a launch sends may depend on
+the data, never whether or when it is launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.tensor_parallel.layers import RowParallelLinear, WgradStash, column_chunks
+
+
+class InFlight(Protocol):
+    """A result on its way: poll with :meth:`ready`, take with :meth:`wait` (any number of
+    times; the first blocks until it is there)."""
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class Ready:
+    """A result that needed no collective (e.g. entering a region without sequence
+    parallelism)."""
+
+    value: torch.Tensor
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+@dataclass(eq=False)
+class Pending:
+    """Collectives in flight: their buffers (one per part, e.g. column chunk) and handles;
+    :meth:`wait` concatenates the parts along the last dim."""
+
+    buffers: list[torch.Tensor]
+    handles: list[Handle]
+    # Inputs freed once sent: a reduce-scatter's partial sums stay graph roots of the backward,
+    # which needs their shapes and autograd nodes but not their data.
+    release: list[torch.Tensor] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return all(h.ready() for h in self.handles)
+
+    def wait(self) -> torch.Tensor:
+        for h in self.handles:
+            h.wait()
+        for t in self.release:
+            t.untyped_storage().resize_(0)
+        self.release = []
+        return self.buffers[0] if len(self.buffers) == 1 else torch.cat(self.buffers, dim=-1)
+
+
+def sum_parts(group: CommGroup, sp: bool, parts: Iterable[torch.Tensor], direction: str,
+              j: int, m: int, release: bool = False) -> Pending:
+    """Sum each part over ``group`` as soon as ``parts`` (possibly a generator) yields it: an
+    all-reduce in place, or under sequence parallelism (``sp``) a reduce-scatter along the
+    sequence (dim 0). ``release``: free the parts' data once sent (``sp`` only; see
+    :class:`Pending`)."""
+    bufs, handles, sent = [], [], []
+    for c, t in enumerate(parts):
+        tags = {"mb": m, "block": j, "chunk": c}
+        if sp:
+            buf, handle = group.reduce_scatter_seq(
+                t.detach(), async_op=True, name=f"{direction} rs b{j}", tags=tags)
+            if release and t.is_contiguous():  # (reduce_scatter_seq copied it otherwise)
+                sent.append(t.detach())
+        else:
+            buf = t.detach()  # reduced in place: no autograd node saved these outputs
+            handle = group.all_reduce(buf, async_op=True, name=f"{direction} b{j}", tags=tags)
+        bufs.append(buf)
+        handles.append(handle)
+    return Pending(bufs, handles, sent)
+
+
+def gather_seq(group: CommGroup, t: torch.Tensor, direction: str, j: int, m: int) -> Pending:
+    """All-gather the sequence shards ``t`` [s/tp, ...] into the whole sequence."""
+    buf, handle = group.all_gather_seq(t.detach(), async_op=True, name=f"{direction} ag b{j}",
+                                       tags={"mb": m, "block": j, "chunk": 0})
+    return Pending([buf], [handle])
+
+
+class Entry(Protocol):
+    """How a block's op region is entered (block ``j``, micro-batch ``m`` name the
+    collectives)."""
+
+    def launch(self, x: torch.Tensor, j: int, m: int) -> InFlight:
+        """Forward: the region's input from the norm output ``x`` of the replicated stream."""
+
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
+        """Backward: the stream's gradient from the gradient of the region's input."""
+
+
+class Exit(Protocol):
+    """How a block's op region is left, and what the receiving side does with the result."""
+
+    def parts(self, core: torch.Tensor, chunks: int,
+              stash: WgradStash | None) -> Iterator[torch.Tensor]:
+        """What the region sends, from the op core's output, lazily (``chunks`` parts where
+        the op can split them) so that each part's collective launches before the next part
+        is computed. With ``stash`` the weight-gradient GEMMs are deferred to it."""
+
+    def launch(self, parts: Iterable[torch.Tensor], j: int, m: int,
+               release: bool = False) -> InFlight:
+        """Forward: send each part as it is produced (``release``: the parts' data may be freed
+        once sent; their autograd nodes stay)."""
+
+    def finish(self, received: torch.Tensor) -> torch.Tensor:
+        """The op's output on the replicated stream from what :meth:`launch` delivered."""
+
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
+        """Backward: from the gradient of what was delivered, what the parts' gradients are
+        cut from (:meth:`part_grads`)."""
+
+    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each part's gradient from what :meth:`launch_grad` delivered."""
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        """Replicated parameters :meth:`finish` applies (under sequence parallelism each rank
+        sees only its shard, so their gradients are summed over the group)."""
+
+
+class ColumnParallelEntry:
+    """A region entered by column-parallel GEMMs: forward, the input as it is (sequence
+    parallel: the shards all-gathered); backward, the input gradient summed over the group
+    (all-reduce; sequence parallel: reduce-scattered back to the shards)."""
+
+    def __init__(self, group: CommGroup, sequence_parallel: bool) -> None:
+        self.group, self.sp = group, sequence_parallel
+
+    def launch(self, x: torch.Tensor, j: int, m: int) -> InFlight:
+        return gather_seq(self.group, x, "fwd", j, m) if self.sp else Ready(x)
+
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
+        return sum_parts(self.group, self.sp, [grad], "bwd", j, m)
+
+
+class PartialSums:
+    """A region whose result is a sum of per-rank partial results, left by summing them over
+    the group (all-reduce; sequence parallel: reduce-scatter along the sequence); backward,
+    the gradient as it is (sequence parallel: the shards all-gathered). A prologue's exit."""
+
+    def __init__(self, group: CommGroup, sequence_parallel: bool) -> None:
+        self.group, self.sp = group, sequence_parallel
+
+    def launch(self, parts: Iterable[torch.Tensor], j: int, m: int,
+               release: bool = False) -> InFlight:
+        return sum_parts(self.group, self.sp, parts, "fwd", j, m, release)
+
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
+        return gather_seq(self.group, grad, "bwd", j, m) if self.sp else Ready(grad)
+
+
+class RowParallelExit(PartialSums):
+    """The exit of a row-parallel GEMM (``dense``): its partial sums, one per column chunk,
+    summed over the TP group; the bias is added after the sum (once, not once per rank)."""
+
+    def __init__(self, dense: RowParallelLinear, sequence_parallel: bool) -> None:
+        super().__init__(dense.group, sequence_parallel)
+        self.dense = dense
+
+    def parts(self, core: torch.Tensor, chunks: int,
+              stash: WgradStash | None) -> Iterator[torch.Tensor]:
+        # Row-parallel partial sums [s, b, h_c] of the core's output [s, b, width/tp].
+        if chunks == 1:
+            yield self.dense.partial(core, wgrad_stash=stash)
+            return
+        for cols in column_chunks(self.dense.output_size, chunks):
+            yield self.dense.partial(core, cols, wgrad_stash=stash)
+
+    def finish(self, received: torch.Tensor) -> torch.Tensor:
+        bias = self.dense.bias
+        return received if bias is None else received + bias
+
+    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(parts) == 1:
+            return [grad]
+        return list(torch.split(grad, [p.shape[-1] for p in parts], dim=-1))
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        return [] if self.dense.bias is None else [self.dense.bias]
