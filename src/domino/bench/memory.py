@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def quiet_fd2() -> Iterator[None]:
-    """Silence fd 2 (the profiler's native log lines would garble the runner's output)."""
+    """Silence fd 2 (the profiler's native log lines would garble the bench's output)."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
