@@ -48,8 +48,8 @@ def test_buckets_launch_during_backward_last_layer_first(plan: Plan) -> None:
     ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(1))
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def loss():
-        return model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum()
+    def loss(context=None):
+        return model(ids[:, :-1], None, None, labels=ids[:, 1:], context=context).sum()
 
     loss().backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -59,8 +59,8 @@ def test_buckets_launch_during_backward_last_layer_first(plan: Plan) -> None:
     layer_numel = sum(p.numel() for p in blocks[0].parameters())
     reducer = GradReducer(model, params, dp, bucket_numel=layer_numel // 2)
     first_layer_params = {id(p) for p in blocks[-1].parameters()}
-    with reducer.armed(model):
-        loss().backward()
+    with reducer.armed() as context:
+        loss(context).backward()
         # Assert inside: launches happened during the backward, before finish().
         launched = [b for b in reducer.buckets if b.handle is not None]
         assert len(launched) >= 2 * len(blocks) - 1
@@ -91,8 +91,8 @@ def test_distributed_optimizer_holds_a_dp_share_of_the_state() -> None:
     opt = DistributedAdamW(reducer, 1e-3, (0.9, 0.95), 1e-8, 0.1)
     plain = torch.optim.AdamW(params, 1e-3)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
-    with reducer.armed(model):
-        model(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
+    with reducer.armed() as context:
+        model(ids[:, :-1], None, None, labels=ids[:, 1:], context=context).sum().backward()
     reducer.finish()
     assert all(b.shard.numel() == b.padded(4) // 4 for b in reducer.buckets)
     opt.step()

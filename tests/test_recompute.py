@@ -12,7 +12,7 @@ from domino import AttnMaskType, ParallelState
 from domino.gpt_model import GPTModel
 from domino.language_model import get_language_model
 from domino.tensor_parallel import CommGroup
-from domino.transformer import DominoTransformer, Plan
+from domino.transformer import BackwardContext, DominoTransformer, Plan
 
 PLANS = [Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(3, "intra_layer", 2),
          Plan(4, "cross_layer", 2)]
@@ -127,8 +127,8 @@ def test_deferred_weight_grads_carry_no_graph() -> None:
                  recompute_granularity="full")
     stack = DominoTransformer(cfg, state, self_attn_mask_type=AttnMaskType.causal,
                               plan=Plan(2, "cross_layer", 1))
-    with stack.defer_weight_grads() as sink:
-        stack(torch.randn(8, 4, 32), None).sum().backward()
+    sink: list = []
+    stack(torch.randn(8, 4, 32), None, context=BackwardContext(sink=sink)).sum().backward()
     assert sink
     with torch.enable_grad():
         for item in sink:

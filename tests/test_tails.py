@@ -20,7 +20,7 @@ from domino.gpt_model import GPTModel
 from domino.language_model import Embedding, parallel_lm_logits
 from domino.tensor_parallel import CommGroup
 from domino.tensor_parallel.layers import LATE_WGRAD_CHUNKS
-from domino.transformer import LateWork, MicroBatch, Plan, split_batch
+from domino.transformer import BackwardContext, LateWork, MicroBatch, Plan, split_batch
 
 B, S, V = 4, 8, 96
 
@@ -65,7 +65,8 @@ def test_tail_runs_late_work_under_the_last_backward_all_reduce() -> None:
     tl = Timeline(0)
     model = _gpt(_half_tp2(2e7, tl), Plan(2, "cross_layer", 1))
     tokens, labels = _batch()
-    model(tokens, None, None, labels=labels).sum().backward()
+    context = BackwardContext()
+    model(tokens, None, None, labels=labels, context=context).sum().backward()
     comm = tl.by_category("comm")
     embed = [s for s in comm if s.name == "fwd b-1"]
     assert sorted(s.args["mb"] for s in embed) == [0, 1]
@@ -77,7 +78,7 @@ def test_tail_runs_late_work_under_the_last_backward_all_reduce() -> None:
     under = [s for s in late if last.start_s <= s.start_s < last.end_s]
     assert under, "the last backward all-reduce had no late work under it"
     # Every late item ran inside the backward: the head's gradient is complete.
-    assert len(model.language_model.encoder.late_work) == 0
+    assert len(context.late) == 0
 
 
 class _PolledGroup(CommGroup):

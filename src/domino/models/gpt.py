@@ -18,6 +18,7 @@ from domino.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from domino.tensor_parallel.layers import init_sharded, mark_partitioned
+from domino.transformer import BackwardContext, Block
 from domino.utils import init_scope
 
 TIED_NAME = "language_model.embedding.word_embeddings.weight"
@@ -70,6 +71,11 @@ class GPTModel(nn.Module):
                 name = f"{_LAYERS}{int(index) + offset}.{rest}"
             yield name, p
 
+    def blocks(self) -> list[Block]:
+        """The scheduled blocks in forward order (see :meth:`TransformerLanguageModel.blocks`):
+        how a DP reducer orders its buckets and a distributed optimizer finds hook points."""
+        return self.language_model.blocks()
+
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
@@ -84,19 +90,24 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                 attention_mask: torch.Tensor | None, labels: torch.Tensor | None = None,
-                tokentype_ids: torch.Tensor | None = None, inference_params=None) -> torch.Tensor:
+                tokentype_ids: torch.Tensor | None = None, inference_params=None, *,
+                context: BackwardContext | None = None) -> torch.Tensor:
+        """``context``: this step's :class:`~domino.transformer.BackwardContext` (what a
+        training step or pipeline runtime hands the backward: a W-pass sink, a DP reducer's
+        callback); default: a fresh one."""
+        context = context if context is not None else BackwardContext()
         hidden = self.language_model(input_ids, position_ids, attention_mask,
                                      tokentype_ids=tokentype_ids,
-                                     inference_params=inference_params)  # [s, b, h]
+                                     inference_params=inference_params,
+                                     context=context)  # [s, b, h]
         if not self.post_process:
             return hidden
         tp = self.state.tp
         # The stack's last all-reduces hide what the head's own all-reduce does not need of its
         # weight-gradient GEMM; the stack's backward also adds it to .grad together with the
         # embedding's (one add per backward pass for a tied table, see LateWork).
-        late = self.language_model.encoder.late_work
         logits = parallel_lm_logits(
-            hidden, self.output_weight(), True, parallel_state=self.state, late=late,
+            hidden, self.output_weight(), True, parallel_state=self.state, late=context.late,
             sequence_parallel=self.language_model.sequence_parallel_active(inference_params)
         )  # [s, b, v/tp]
         logits = mask_padded_logits(logits, self.config.vocab_size, tp)

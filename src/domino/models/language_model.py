@@ -27,7 +27,7 @@ from domino.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from domino.transformer import DominoTransformer, InferenceParams
+from domino.transformer import BackwardContext, Block, DominoTransformer, InferenceParams
 from domino.transformer.late_work import LateWork
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
@@ -40,11 +40,11 @@ def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tenso
                        late: LateWork | None = None,
                        sequence_parallel: bool = False) -> torch.Tensor:
     """Logits [..., vocab/tp] (``parallel_output``) or [..., vocab] from hidden states [..., h]
-    and this rank's vocabulary shard of the (tied or output) weight. ``late``: the
-    ``late_work`` of the Domino stack that produced ``input_``, which then runs what its
-    all-reduce does not need of the weight-gradient GEMM. ``sequence_parallel``: ``input_`` is
-    this rank's sequence shard [s/tp, b, h] (a sequence-parallel stack's output); the logits
-    are the whole sequence's."""
+    and this rank's vocabulary shard of the (tied or output) weight. ``late``: the late work
+    of the backward context given to the Domino stack that produced ``input_``, which then
+    runs what its all-reduce does not need of the weight-gradient GEMM. ``sequence_parallel``:
+    ``input_`` is this rank's sequence shard [s/tp, b, h] (a sequence-parallel stack's output);
+    the logits are the whole sequence's."""
     group = resolve(parallel_state).tp
     # The input-gradient all-reduce runs under the vocabulary shard's weight-gradient GEMM.
     logits = linear_reduce_input_grad(input_, word_embeddings_weight, bias, group, late,
@@ -307,12 +307,20 @@ class TransformerLanguageModel(nn.Module):
                 position_ids = position_ids + inference_params.sequence_len_offset
         return self.rotary_pos_emb(position_ids)
 
+    def blocks(self) -> list[Block]:
+        """Every scheduled block (encoder's, then decoder's) in forward order: a backward
+        makes their gradients final in reverse (see ``BackwardContext.on_final``)."""
+        return [b for stack in (self.encoder, self.decoder) if stack is not None
+                for b in stack.blocks()]
+
     def forward(self, enc_input_ids, enc_position_ids, enc_attn_mask, dec_input_ids=None,
                 dec_position_ids=None, dec_attn_mask=None, enc_dec_attn_mask=None,
                 tokentype_ids=None, inference_params=None, pooling_sequence_index=0,
-                enc_hidden_states=None, output_enc_hidden=False):
+                enc_hidden_states=None, output_enc_hidden=False, *,
+                context: BackwardContext | None = None):
         """Encoder output [s, b, h] (plus pooled [b, h] with a pooler); with a decoder,
-        ``(decoder_output, encoder_output[, pooled])``."""
+        ``(decoder_output, encoder_output[, pooled])``. ``context``: the step's backward
+        context, shared by the encoder and the decoder (default: each makes its own)."""
         encoder_output = enc_hidden_states
         enc_position_ids = _cache_positions(enc_position_ids, enc_input_ids, inference_params)
         dec_position_ids = _cache_positions(dec_position_ids, dec_input_ids, inference_params)
@@ -323,7 +331,7 @@ class TransformerLanguageModel(nn.Module):
             rot = self._rotary(enc_position_ids, enc_input_ids if self.pre_process else None,
                                self.encoder.input_tensor, inference_params)
             encoder_output = self.encoder(None, enc_attn_mask, inference_params=inference_params,
-                                          rotary_pos_emb=rot, prologue=enc_in)
+                                          rotary_pos_emb=rot, prologue=enc_in, context=context)
         pooled = None
         if self.post_process and self.add_pooler and encoder_output is not None:
             sp = self.sequence_parallel_active(inference_params)
@@ -338,7 +346,7 @@ class TransformerLanguageModel(nn.Module):
         decoder_output = self.decoder(None, dec_attn_mask, encoder_output=encoder_output,
                                       enc_dec_attn_mask=enc_dec_attn_mask,
                                       inference_params=inference_params, rotary_pos_emb=rot,
-                                      prologue=dec_in)
+                                      prologue=dec_in, context=context)
         if pooled is not None:
             return decoder_output, encoder_output, pooled
         return decoder_output, encoder_output

@@ -14,6 +14,7 @@ from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 from domino.pipeline.partition import Layout
 from domino.plan import Plan
+from domino.transformer import Block
 
 
 class PipelineModel(nn.Module):
@@ -43,6 +44,15 @@ class PipelineModel(nn.Module):
         for chunk in self.chunks:
             yield from chunk.checkpoint_tensors()
 
+    def blocks(self) -> list[Block]:
+        """This rank's scheduled blocks, chunk by chunk, each in forward order."""
+        return [b for chunk in self.chunks for b in chunk.blocks()]
+
+    def sequence_parallel_active(self, inference_params=None) -> bool:
+        """Do the chunks run sequence parallel (what crosses a stage boundary is then this
+        rank's sequence shard [s/tp, b, h])?"""
+        return self.chunks[0].language_model.sequence_parallel_active(inference_params)
+
     def tied_word_tables(self) -> list[nn.Parameter]:
         """The word tables this rank shares with the other end of the pipeline (tied weights
         on a multi-stage pipeline): their gradients are summed over ``state.embedding``."""
@@ -65,7 +75,7 @@ class PipelineModel(nn.Module):
         pp, layout = self.state.pp, self.layout
         s, b = input_ids.shape[1], input_ids.shape[0]
         h = self.config.hidden_size
-        sp = self.chunks[0].language_model.sequence_parallel_active(inference_params)
+        sp = self.sequence_parallel_active(inference_params)
         s_stage = s // self.state.tp.size if sp else s  # what crosses a stage boundary
         x = None
         out = None

@@ -22,6 +22,7 @@ import torch
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.schedules import Action, build
 from domino.tensor_parallel.comm import Handle
+from domino.transformer import BackwardContext
 
 
 def _tag(kind: str, vstage: int, mb: int) -> int:
@@ -53,11 +54,12 @@ class PipelineRunner:
         self.actions = build(schedule, self.stages, micro_batches, self.chunks)[
             self.state.pp.rank]
         self.zero_bubble = schedule == "zero_bubble"
-        # Each chunk's last backward action: where a DP reducer is armed (see step).
-        self._last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == "B"}
+        # Each chunk's micro-batch of its last backward: its forward gets a DP reducer's
+        # backward context (see step).
+        self._last_backward = {a.chunk: a.mb for a in self.actions if a.kind == "B"}
         # What crosses a stage boundary: the stack's input/output, the rank's sequence shard
         # under sequence parallelism.
-        if model.chunks[0].language_model.sequence_parallel_active():
+        if model.sequence_parallel_active():
             seq_length //= self.state.tp.size
         self.shape = (seq_length, micro_batch_size, model.config.hidden_size)
         self.dtype = model.config.params_dtype
@@ -130,6 +132,7 @@ class PipelineRunner:
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         deferred: dict[tuple[int, int], list] = {}
+        contexts: dict[tuple[int, int], BackwardContext] = {}  # of the forwards not yet B
         loss = torch.zeros(1, dtype=torch.float64, device=self.state.device)
         held = 0
         for i, a in enumerate(self.actions):
@@ -144,10 +147,17 @@ class PipelineRunner:
                     chunk.set_input_tensor(x)
                 t0 = time.perf_counter()  # a pass's span starts once its input is here
                 is_last = k == self.last
+                if self.zero_bubble:  # the backward leaves its weight gradients for W
+                    context = BackwardContext(sink=[])
+                elif reducer is not None and self._last_backward[a.chunk] == a.mb:
+                    context = reducer.context()  # its blocks' DP buckets launch in the B
+                else:
+                    context = BackwardContext()
+                contexts[key] = context
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     out = chunk(batch["tokens"], batch["position_ids"],
                                 batch.get("attention_mask"),
-                                labels=batch["labels"] if is_last else None)
+                                labels=batch["labels"] if is_last else None, context=context)
                 chunk.set_input_tensor(None)
                 if is_last:
                     lsum = (out.float() * batch["loss_mask"]).sum()
@@ -162,15 +172,11 @@ class PipelineRunner:
                 grad = None if k == self.last else self._take(a, posted, stats)
                 t0 = time.perf_counter()
                 out = outputs.pop(key)
+                torch.autograd.backward(out, grad)
+                context = contexts.pop(key)
                 if self.zero_bubble:
-                    with chunk.language_model.encoder.defer_weight_grads() as sink:
-                        torch.autograd.backward(out, grad)
-                    deferred[key] = sink
+                    deferred[key] = context.sink
                 else:
-                    armed = reducer is not None and self._last_backward[a.chunk] == i
-                    with reducer.armed(chunk, begin=False) if armed else \
-                            contextlib.nullcontext():
-                        torch.autograd.backward(out, grad)
                     held -= 1
                 x = inputs.pop(key)
                 if k > 0:
@@ -184,7 +190,8 @@ class PipelineRunner:
                 stats.spans.append((str(a), t0, time.perf_counter()))
         for _tensor, handle in sends:
             handle.wait()
-        assert not posted and not outputs and not deferred, "schedule left work undone"
+        assert not posted and not outputs and not deferred and not contexts, \
+            "schedule left work undone"
         last_rank = self.last % self.stages
         self.state.pp.broadcast(loss, last_rank)
         return loss, stats

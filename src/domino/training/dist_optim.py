@@ -159,19 +159,18 @@ class DistributedAdamW:
     def attach(self, model: nn.Module) -> list:
         """Forward pre-hooks that wait for the parameters just before their first use: the
         model's own (embedding, final norm, head: everything outside the transformer blocks)
-        and each block's norm (which runs first in a block's pieces: its norm and TP region).
+        and each block's first module (``Block.first_module``, its norm: it runs first in
+        every piece of the block), found through ``model.blocks()``.
         Returns the hook handles."""
-        from domino.transformer.stack import stacks_of
-
-        blocks = [b for stack in stacks_of(model) for layer in stack.layers
-                  for b in layer.blocks()]
+        blocks = model.blocks()
         inside = {id(p) for b in blocks for p in b.parameters()}
         outside = [p for p in self.params if id(p) not in inside]
         def waiter(params: list[nn.Parameter]):
             return lambda module, args: self.wait_params(params)
 
         return [model.register_forward_pre_hook(waiter(outside)),
-                *(b.norm.register_forward_pre_hook(waiter(b.parameters())) for b in blocks)]
+                *(b.first_module.register_forward_pre_hook(waiter(b.parameters()))
+                  for b in blocks)]
 
     # -- checkpoints --------------------------------------------------------------------------
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:

@@ -2,18 +2,20 @@
 
 Gradients are summed over the DP group in buckets (a few MiB each, parameters in backward order:
 last layers first). A bucket is launched, asynchronously, as soon as every parameter in it has its
-final gradient - which the Domino schedule reports block by block (``Executor.backward``'s
-``on_final``: a block's norm, TP region and exit bias are done, including its deferred
-weight-gradient GEMMs) - so its all-reduce runs under the backward of the layers before it.
-Parameters outside the transformer blocks (embedding, final norm, LM head) are launched when the
-backward ends. A pipeline (``PipelineRunner.step(reducer=...)``) arms each model chunk around
-its last micro-batch's backward, except under zero-bubble, whose W passes finish the weight
+final gradient - which the Domino schedule reports block by block (the ``on_final`` of the
+step's :class:`~domino.transformer.BackwardContext`: a block's norm, op and exit bias are done,
+including its deferred weight-gradient GEMMs) - so its all-reduce runs under the backward of the
+layers before it. The model says which blocks there are (``model.blocks()``). Parameters outside
+the transformer blocks (embedding, final norm, LM head) are launched when the backward ends. A
+pipeline (``PipelineRunner.step(reducer=...)``) gives :meth:`GradReducer.context` to the forward
+of each model chunk's last backward, except under zero-bubble, whose W passes finish the weight
 gradients later: there everything is launched at :meth:`GradReducer.finish`, which waits for
 every bucket before the optimizer step.
 
-Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`): earlier
-ones only add into ``.grad``. Every DP rank launches the same buckets in the same order (blocks
-finish last-first whatever the timing), which collectives on one group require.
+Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`, whose
+context goes to that micro-step's forward): earlier ones only add into ``.grad``. Every DP rank
+launches the same buckets in the same order (blocks finish last-first whatever the timing),
+which collectives on one group require.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from domino.tensor_parallel import CommGroup
 from domino.tensor_parallel.comm import Handle
 from domino.training.optim import BUCKET_NUMEL
+from domino.transformer.context import BackwardContext
 
 MIN_BUCKET_NUMEL = 1 << 16
 
@@ -51,18 +54,16 @@ class _Bucket:
 
 
 def backward_order(model: nn.Module, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-    """``params`` in the order the backward finishes them: the Domino stacks' blocks last
-    first, then everything else (embedding, final norm, head: final when the backward ends)."""
-    from domino.transformer.stack import stacks_of
-
+    """``params`` in the order the backward finishes them: the model's blocks
+    (``model.blocks()``) last first, then everything else (embedding, final norm, head: final
+    when the backward ends)."""
     wanted = {id(p) for p in params}
     ordered, seen = [], set()
-    for stack in reversed(stacks_of(model)):
-        for block in reversed([b for layer in stack.layers for b in layer.blocks()]):
-            for p in block.parameters():
-                if id(p) in wanted and id(p) not in seen:
-                    ordered.append(p)
-                    seen.add(id(p))
+    for block in reversed(model.blocks()):
+        for p in block.parameters():
+            if id(p) in wanted and id(p) not in seen:
+                ordered.append(p)
+                seen.add(id(p))
     return ordered + [p for p in params if id(p) not in seen]
 
 
@@ -94,24 +95,17 @@ class GradReducer:
         self.launched_early = 0
 
     @contextlib.contextmanager
-    def armed(self, model: nn.Module, begin: bool = True) -> Iterator[None]:
-        """Within: backwards of ``model``'s Domino stacks report final blocks, whose buckets
-        are launched then (use around the last micro-step's backward; then :meth:`finish`).
-        ``begin=False``: part of a step already begun (a pipeline arms each of its model
-        chunks around that chunk's last backward)."""
-        from domino.transformer.stack import stacks_of
+    def armed(self) -> Iterator[BackwardContext]:
+        """Begin a step's reduction and yield the backward context to pass to the forward of
+        its last micro-step (``model(..., context=ctx)``): that backward launches each bucket
+        once its blocks are final. Then :meth:`finish`."""
+        self.begin()
+        yield self.context()
 
-        if begin:
-            self.begin()
-        stacks = stacks_of(model)
-        saved = [s.on_final_block for s in stacks]
-        try:
-            for s in stacks:
-                s.on_final_block = self._block_final
-            yield
-        finally:
-            for s, before in zip(stacks, saved, strict=True):
-                s.on_final_block = before
+    def context(self) -> BackwardContext:
+        """A backward context whose final blocks launch their buckets (after :meth:`begin`; a
+        pipeline gives one to the forward of each model chunk's last backward)."""
+        return BackwardContext(on_final=self.ready)
 
     def begin(self) -> None:
         """Start a step's reduction (:meth:`armed` does; call it directly to reduce everything
@@ -120,9 +114,6 @@ class GradReducer:
         for b in self.buckets:
             b.waiting, b.flat, b.handle, b.grads, b.shard = len(b.params), None, None, [], None
         self._armed = True
-
-    def _block_final(self, block) -> None:
-        self.ready(block.parameters())
 
     def ready(self, params: Sequence[nn.Parameter]) -> None:
         """These parameters' gradients are final: launch every bucket that is now complete."""

@@ -60,11 +60,13 @@ def autocast(args: TrainArgs, device: torch.device):
     return contextlib.nullcontext()
 
 
-def forward_loss(model, batch, args, device) -> torch.Tensor:
-    """Sum of the masked per-token losses of one micro-batch (fp32)."""
+def forward_loss(model, batch, args, device, context=None) -> torch.Tensor:
+    """Sum of the masked per-token losses of one micro-batch (fp32). ``context``: the
+    backward context for this forward's backward (a ``GradReducer``'s, to overlap it)."""
+    extra = {} if context is None else {"context": context}
     with autocast(args, device):
         per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                          labels=batch["labels"])  # [b, s]
+                          labels=batch["labels"], **extra)  # [b, s]
     return (per_token.float() * batch["loss_mask"]).sum()
 
 
@@ -122,8 +124,8 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
             last = i == len(batches) - 1
-            with reducer.armed(model) if overlap and last else contextlib.nullcontext():
-                lsum = forward_loss(model, batch, args, device)
+            with reducer.armed() if overlap and last else contextlib.nullcontext() as context:
+                lsum = forward_loss(model, batch, args, device, context)
                 (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.context import BackwardContext
 from domino.transformer.executor import Executor, LocalPiece, Record, Span
 from domino.transformer.exits import InFlight
 from domino.transformer.late_work import LateWork, Task
-from domino.transformer.layer import Block
 from domino.transformer.sp_grads import ShardGrads
 
 
@@ -28,26 +28,21 @@ class BackwardPass:
     otherwise block on an unfinished all-reduce - at the latest M pieces later, which bounds
     the activations they keep alive; the first layer's are all kept, with ``late`` (the LM
     head's weight gradient) and the prologue's weight gradient, for the last input-gradient
-    all-reduces, which nothing after the stack could hide. With ``sink`` (a zero-bubble
-    pipeline), what is left when the input gradients are done goes there instead of running.
-
-    ``on_final(block)`` is called as soon as every gradient of a block's parameters is
-    complete (its norm, its TP region and the bias its exit adds), last block first: what a
-    data-parallel reducer launches its buckets on.
+    all-reduces, which nothing after the stack could hide. ``late``, ``sink`` (a zero-bubble
+    pipeline's: what is left when the input gradients are done goes there instead of running)
+    and ``on_final`` (told of each block's parameters once final, last block first) come from
+    the step's :class:`~domino.transformer.context.BackwardContext`.
     """
 
     def __init__(self, executor: Executor, rec: Record, grad_y: torch.Tensor,
-                 sink: list | None = None, late: LateWork | None = None,
-                 on_final: Callable[[Block], None] | None = None) -> None:
-        if on_final is not None and sink is not None:
-            raise ValueError("on_final needs the weight gradients run here, not sunk")
+                 context: BackwardContext) -> None:
         ex = self.ex = executor
-        self.rec, self.grad_y, self.sink, self.on_final = rec, grad_y, sink, on_final
+        self.rec, self.grad_y = rec, grad_y
+        self.sink, self.on_final, self.late = context.sink, context.on_final, context.late
         self.B, self.M = B, M = len(ex.blocks), len(rec.mbs)
-        self.late = late if late is not None else LateWork()
         self.left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards
         self.shard_grads = (ShardGrads(ex.group, ex.blocks, ex.exits, ex.final_norm,
-                                       rec.prologue, on_final, M) if ex.sp else None)
+                                       rec.prologue, self.on_final, M) if ex.sp else None)
         self.device = grad_y.device
         self.pending: dict[tuple[int, int], InFlight] = {}  # entries' gradients in flight
         self.deferred: deque = deque()  # weight-gradient stashes not run yet, oldest first
@@ -111,7 +106,7 @@ class BackwardPass:
             if self.shard_grads is not None:  # on_final once they are summed over TP
                 self.shard_grads.block_final(j)
             elif self.on_final is not None:
-                self.on_final(self.ex.blocks[j])
+                self.on_final(self.ex.blocks[j].parameters())
 
     def local_bwd(self, jj: int, m: int) -> None:
         """local^T(jj, m); then launch the backward of par(jj - 1, m)'s exit on the gradient
@@ -163,7 +158,8 @@ class BackwardPass:
                     core = None
             del rec.reduced[(j, m)]
             g = self._fill(self.exit_grads.pop((j, m))).wait()
-            torch.autograd.backward(parts, ex.exits[j].part_grads(g, parts))  # dW GEMMs land in the stash
+            # The dW GEMMs land in the stash.
+            torch.autograd.backward(parts, ex.exits[j].part_grads(g, parts))
             if core is not None:  # sequence parallel: the core's backward on its own
                 leaf = core_in if ex.recompute else rec.core_leaves.pop((j, m))
                 if between is not None:

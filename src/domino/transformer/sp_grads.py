@@ -19,15 +19,16 @@ from domino.transformer.layer import Block
 
 class ShardGrads:
     """Sequence parallelism: the replicated parameters that see only this rank's sequence shard
-    (the blocks' norms and what their exits add, e.g. row-parallel biases, the final norm, the prologue's position and
-    token-type tables) get partial gradients. One backward pass's parts are summed over the TP
-    group - a block's, asynchronously, as soon as its local backwards are done, the rest when
-    the pass ends - and only then added to what ``.grad`` held before the pass, so accumulating
-    micro-steps adds each pass's sum once. ``on_final`` hears of a block once it is final
-    (deferred GEMMs included) and summed, in the order blocks became final."""
+    (the blocks' norms and what their exits add, e.g. row-parallel biases; the final norm; the
+    prologue's position and token-type tables) get partial gradients. One backward pass's
+    parts are summed over the TP group - a block's, asynchronously, as soon as its local
+    backwards are done, the rest when the pass ends - and only then added to what ``.grad``
+    held before the pass, so accumulating micro-steps adds each pass's sum once. ``on_final``
+    hears of a block's parameters once they are final (deferred GEMMs included) and summed, in
+    the order blocks became final."""
 
     def __init__(self, group: CommGroup, blocks: list[Block], exits: list[Exit], final_norm,
-                 prologue, on_final: Callable[[Block], None] | None,
+                 prologue, on_final: Callable[[list[torch.Tensor]], None] | None,
                  micro_batches: int) -> None:
         self.group, self.blocks, self.on_final = group, blocks, on_final
         self.per_block = [[*b.norm.parameters(), *e.replicated_parameters()]
@@ -72,7 +73,7 @@ class ShardGrads:
         while self.final and self.final[0] in self.summed:
             j = self.final.popleft()
             if self.on_final is not None:
-                self.on_final(self.blocks[j])
+                self.on_final(self.blocks[j].parameters())
 
     def local_done(self, j: int) -> None:
         """One of block j's local backwards (its norm's) is done: the last launches its sum

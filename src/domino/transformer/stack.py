@@ -18,9 +18,9 @@ from domino.enums import AttnMaskType, LayerType
 from domino.parallel_state import ParallelState, resolve
 from domino.plan import SYNC, Plan
 from domino.transformer.backward import BackwardPass
+from domino.transformer.context import BackwardContext
 from domino.transformer.executor import Executor
-from domino.transformer.late_work import LateWork
-from domino.transformer.layer import TransformerLayer
+from domino.transformer.layer import Block, TransformerLayer
 from domino.transformer.microbatch import InferenceParams, MicroBatch, Prologue, split_batch
 from domino.transformer.norms import build_norm
 from domino.utils import init_scope
@@ -34,10 +34,11 @@ class _ScheduledStack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, stack, executor, mbs, prologue, x, memory, *params):
+    def forward(ctx, context, executor, mbs, prologue, x, memory, *params):
         with torch.enable_grad():
             y, record = executor.forward(x, mbs, graph=True, prologue=prologue)
-        ctx.stack, ctx.executor, ctx.record, ctx.num_params = stack, executor, record, len(params)
+        ctx.context, ctx.executor, ctx.record = context, executor, record
+        ctx.num_params = len(params)
         return y.detach()
 
     @staticmethod
@@ -50,8 +51,7 @@ class _ScheduledStack(torch.autograd.Function):
         # graph holding every micro-batch's activations. Running the recorded pieces' backward
         # needs no grad mode.
         grad_x, grad_mem = BackwardPass(ctx.executor, ctx.record, grad_y.contiguous(),
-                                        sink=ctx.stack.wgrad_sink, late=ctx.stack.late_work,
-                                        on_final=ctx.stack.on_final_block).run()
+                                        ctx.context).run()
         ctx.record = None
         return (None, None, None, None, grad_x, grad_mem) + (None,) * ctx.num_params
 
@@ -95,13 +95,6 @@ class DominoTransformer(nn.Module):
         self.set_plan(plan if plan is not None else Plan.from_config(config))
         self.sequence_parallel = config.sequence_parallel  # see sequence_parallel_active
         self.input_tensor: torch.Tensor | None = None
-        self.wgrad_sink: list | None = None  # see defer_weight_grads
-        # Weight-gradient work of the layers after the stack (the LM head), run by the stack's
-        # backward under its last all-reduces (see late_work.LateWork).
-        self.late_work = LateWork()
-        # Called with each block whose parameter gradients a backward has completed (a
-        # data-parallel reducer's hook; see domino.training.grad_sync).
-        self.on_final_block = None
 
     @property
     def plan(self) -> Plan:
@@ -164,9 +157,12 @@ class DominoTransformer(nn.Module):
                 enc_dec_attn_mask: torch.Tensor | None = None,
                 inference_params: InferenceParams | None = None,
                 rotary_pos_emb: torch.Tensor | None = None, *,
-                prologue: Prologue | None = None) -> torch.Tensor:
+                prologue: Prologue | None = None,
+                context: BackwardContext | None = None) -> torch.Tensor:
         """``prologue`` (instead of ``hidden_states``): what produces the input, run inside the
-        schedule (the embedding, whose all-reduce then overlaps the first block)."""
+        schedule (the embedding, whose all-reduce then overlaps the first block).
+        ``context``: the step's :class:`BackwardContext` (late work, W-pass sink, final-block
+        callback) that this forward's backward uses; default: a fresh one."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         sp = self.sequence_parallel_active(inference_params)
@@ -196,7 +192,7 @@ class DominoTransformer(nn.Module):
                             "the shard (state.tp.seq_shard(x)) or turn sequence_parallel off.")
         if sp and encoder_output is not None:
             # Cross attention reads the whole encoder output: gather it once for every layer
-            # (its gradient comes back as this rank's shard, see Executor.backward).
+            # (its gradient comes back as this rank's shard, see BackwardPass.run).
             encoder_output_full = self.state.tp.all_gather_seq(
                 encoder_output.detach(), name="fwd ag memory")[0]
         else:
@@ -213,26 +209,19 @@ class DominoTransformer(nn.Module):
             or (encoder_output is not None and encoder_output.requires_grad))
         mbs = self._micro_batches(b, attention_mask, encoder_output_full, enc_dec_attn_mask,
                                   inference_params, rotary_pos_emb, needs_graph)
-        blocks = [blk for layer in self.layers for blk in layer.blocks()]
-        executor = Executor(blocks, self.final_layernorm, self.state.tp, self.effective_plan(),
+        executor = Executor(self.blocks(), self.final_layernorm, self.state.tp,
+                            self.effective_plan(),
                             recompute=self.config.recompute_granularity == "full",
                             sequence_parallel=sp)
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
-        return _ScheduledStack.apply(self, executor, mbs, prologue, hidden_states, encoder_output,
+        return _ScheduledStack.apply(context if context is not None else BackwardContext(),
+                                     executor, mbs, prologue, hidden_states, encoder_output,
                                      *params)
 
-    @contextlib.contextmanager
-    def defer_weight_grads(self) -> Iterator[list]:
-        """Backwards run inside leave the weight-gradient GEMMs they have not run yet (the
-        input gradients are complete) in the yielded list: run each item's ``run()`` later
-        (a zero-bubble pipeline's W pass). Without this, a backward finishes them itself."""
-        sink: list = []
-        before, self.wgrad_sink = self.wgrad_sink, sink
-        try:
-            yield sink
-        finally:
-            self.wgrad_sink = before
+    def blocks(self) -> list[Block]:
+        """The stack's blocks in forward order (a backward makes them final in reverse)."""
+        return [blk for layer in self.layers for blk in layer.blocks()]
 
 
 def check_mask(mask: torch.Tensor | None, batch: int, name: str) -> None:
