@@ -18,7 +18,6 @@ from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region,
 )
 from domino.utils import divide, even_splits
 
@@ -293,7 +292,9 @@ class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split by columns (input rows); partial sums are all-reduced.
 
     Returns ``(output, bias)`` like :class:`ColumnParallelLinear`. The bias is replicated and
-    added after the reduction (once, not once per rank).
+    added after the reduction (once, not once per rank). ``input_is_parallel`` is Megatron's
+    spelling; only True (the input is already split, as a column-parallel layer leaves it) is
+    supported.
     """
 
     def __init__(self, input_size: int, output_size: int, *, group: CommGroup,
@@ -301,6 +302,11 @@ class RowParallelLinear(nn.Module):
                  init_method: InitMethod, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None):
         super().__init__()
+        if not input_is_parallel:
+            raise ValueError("RowParallelLinear(input_is_parallel=False) is not supported: "
+                             "feed it the split input a ColumnParallelLinear produces (or "
+                             "scatter_to_tensor_model_parallel_region(x, group)) with "
+                             "input_is_parallel=True.")
         self.group, self.input_is_parallel = group, input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.input_size, self.output_size = input_size, output_size
@@ -321,8 +327,6 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, weight)
 
     def forward(self, x: torch.Tensor):
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x, self.group)
         out = reduce_from_tensor_model_parallel_region(self.partial(x), self.group)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
