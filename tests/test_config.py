@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from domino import TransformerConfig, parallel_state
+from domino import TransformerConfig, distributed, megatron_compat
 from domino.parallel_state import ParallelState, check_sizes
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=1000)
@@ -173,17 +173,17 @@ needs_no_process_group = pytest.mark.skipif(
 
 @needs_no_process_group
 def test_initialize_model_parallel_without_distributed() -> None:
-    if parallel_state.model_parallel_is_initialized():
+    if megatron_compat.model_parallel_is_initialized():
         pytest.skip("model parallel is already initialised in this process")
     with pytest.raises(RuntimeError, match="torch.distributed is not initiali"):
-        parallel_state.initialize_model_parallel(2)
-    assert not parallel_state.model_parallel_is_initialized()  # nothing half-built left behind
+        megatron_compat.initialize_model_parallel(2)
+    assert not megatron_compat.model_parallel_is_initialized()  # nothing half-built left behind
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
-        parallel_state.get_tensor_model_parallel_world_size()
+        megatron_compat.get_tensor_model_parallel_world_size()
     with pytest.raises(RuntimeError, match="not initiali"):
         ParallelState.build(1)
     # Seed-API code without any initialisation runs single-process.
-    state = parallel_state.get_parallel_state()
+    state = megatron_compat.get_parallel_state()
     assert state.tp.size == 1 and state.tp.rank == 0
 
 
@@ -192,6 +192,6 @@ def test_init_distributed_without_env_names_variables(monkeypatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RuntimeError) as info:
-        parallel_state.init_distributed("cpu")
+        distributed.init_distributed("cpu")
     msg = str(info.value)
     assert "RANK" in msg and "WORLD_SIZE" in msg and "torchrun" in msg

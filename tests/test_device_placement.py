@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from domino import ParallelState, TransformerConfig
+from domino.distributed import init_distributed
 from domino.gpt_model import GPTModel
-from domino.parallel_state import init_distributed
 from domino.transformer.rope import RotaryEmbedding
 
 

@@ -26,7 +26,8 @@ RANK_SCRIPT = """
 import os, sys, time
 from pathlib import Path
 import torch.distributed as dist
-from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
+from domino.parallel_state import ParallelState
+from domino.distributed import init_distributed, shutdown_distributed
 
 flags = Path(sys.argv[1])
 init_distributed("cpu", timeout_s=30.0)

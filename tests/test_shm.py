@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from dist import run_distributed
 
-from domino import ParallelState, parallel_state
+from domino import ParallelState, megatron_compat
 from domino.tensor_parallel import CommGroup, shm
 
 SIZES = [1, 7, 64, 1000, 4099]  # with 256-byte slots: one piece, several, a ragged last one
@@ -160,9 +160,9 @@ def _build(rank: int, world: int, shared: bool) -> dict:
 
     threads = workers()
     # The Megatron-style API: the current state's transports stop with it.
-    current = parallel_state.initialize_model_parallel(world, shared_memory=shared)
+    current = megatron_compat.initialize_model_parallel(world, shared_memory=shared)
     api = (current.transports(), len(workers()))
-    parallel_state.destroy_model_parallel()
+    megatron_compat.destroy_model_parallel()
     return {"transports": names, "left": left, "threads": threads, "api": api,
             "api_after": workers()}
 

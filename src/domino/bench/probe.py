@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from domino.distributed import init_distributed, shutdown_distributed
 from domino.netem import EmulatedLink, rate_bits_per_s
-from domino.parallel_state import init_distributed, shutdown_distributed
 from domino.supervisor import local_env, run_ranks
 from domino.tensor_parallel import CommGroup
 from domino.timing import device_sync

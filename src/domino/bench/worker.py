@@ -25,9 +25,10 @@ from domino.bench.modes import Mode, parse_mode
 from domino.bench.probe import probe_allreduce
 from domino.bench.spec import build_config
 from domino.bench.timeline import Timeline
+from domino.distributed import init_distributed, shutdown_distributed
 from domino.enums import AttnMaskType
 from domino.memory import peak_bytes, reset_peak
-from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
+from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
 from domino.transformer.stack import using_plan, using_sequence_parallel
 

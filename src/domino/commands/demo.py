@@ -11,8 +11,8 @@ import sys
 import torch
 
 from domino import ParallelState, TransformerConfig
+from domino.distributed import init_distributed, shutdown_distributed
 from domino.models.gpt import GPTModel
-from domino.parallel_state import init_distributed, shutdown_distributed
 from domino.supervisor import RankFailed, local_env, run_ranks
 from domino.tensor_parallel import CommGroup
 from domino.utils import free_port

@@ -75,8 +75,9 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
 
 def run_rank(spec: dict[str, Any]) -> int:
     """One rank: initialise, load the model at the spec's TP size, run the command."""
+    from domino.distributed import init_distributed, shutdown_distributed
     from domino.inference.tasks import eval_rank, generate_rank
-    from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
+    from domino.parallel_state import ParallelState
 
     commands: dict[str, Callable[[dict, Any], None]] = {
         "generate": generate_rank, "eval": eval_rank}

@@ -9,8 +9,9 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.enums import AttnMaskType
+from domino.megatron_compat import resolve
 from domino.models.language_model import get_language_model, parallel_lm_logits
-from domino.parallel_state import ParallelState, resolve
+from domino.parallel_state import ParallelState
 from domino.plan import Plan
 from domino.tensor_parallel import (
     gather_from_tensor_model_parallel_region,

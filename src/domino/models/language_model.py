@@ -14,7 +14,8 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.enums import AttnMaskType, LayerType
-from domino.parallel_state import ParallelState, resolve
+from domino.megatron_compat import resolve
+from domino.parallel_state import ParallelState
 from domino.plan import Plan
 from domino.tensor_parallel import (
     ColumnParallelLinear,

@@ -14,7 +14,8 @@ from typing import NoReturn
 
 import torch
 
-from domino.parallel_state import ParallelState, init_distributed, shutdown_distributed
+from domino.distributed import init_distributed, shutdown_distributed
+from domino.parallel_state import ParallelState
 from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
 from domino.training.launch import write_config

@@ -15,7 +15,8 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.enums import AttnMaskType, LayerType
-from domino.parallel_state import ParallelState, resolve
+from domino.megatron_compat import resolve
+from domino.parallel_state import ParallelState
 from domino.plan import SYNC, Plan
 from domino.transformer.backward import BackwardPass
 from domino.transformer.context import BackwardContext
