@@ -143,9 +143,9 @@ def test_outputs_that_cannot_be_written(tmp_path: Path, data: str, capfd) -> Non
 
 def test_bench_refuses_flags_it_would_ignore(capfd) -> None:
     line = _refused(capfd, ["bench", "--plan", "nonsense"])
-    assert "--plan only apply to a pipeline comparison" in line
+    assert "--plan applies only to a pipeline comparison" in line
     line = _refused(capfd, ["bench", "--pipeline-micro-batches", "4", "--schedules", "1f1b"])
-    assert "--pipeline-micro-batches, --schedules only apply" in line
+    assert "--pipeline-micro-batches, --schedules apply only" in line
     line = _refused(capfd, ["bench", "--pipeline-model-parallel-size", "2", "--modes", "sync"])
     assert "drop --modes" in line
     line = _refused(capfd, ["bench", "--pipeline-model-parallel-size", "2", "--plan",

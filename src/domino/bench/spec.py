@@ -114,7 +114,8 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     """The worker spec of a comparison of Domino modes (TP ranks only), and its modes."""
     given = [f"--{n.replace('_', '-')}" for n in PIPELINE_ONLY if getattr(args, n) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} only apply to a pipeline comparison: add "
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{', '.join(given)} {verb} only to a pipeline comparison: add "
                          "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
                          "modes to compare are chosen with --modes)")
     modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
