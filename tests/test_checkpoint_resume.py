@@ -53,7 +53,7 @@ def _train(args: TrainArgs, run_dir: str) -> dict:
 def _logits(run_dir: str, tp: int) -> torch.Tensor:
     """Full-vocabulary logits of the run's latest checkpoint on IDS, loaded at TP=tp."""
     from domino.checkpoint.layout import open_checkpoint
-    from domino.inference.session import load_saved_model
+    from domino.inference.loading import load_saved_model
     from domino.parallel_state import ParallelState
 
     state = ParallelState.build(tp)

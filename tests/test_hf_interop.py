@@ -23,8 +23,8 @@ from domino.checkpoint.store import save
 from domino.cli import main
 from domino.config import TransformerConfig
 from domino.data import BPETokenizer
+from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
-from domino.inference.session import load_saved_model
 from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 

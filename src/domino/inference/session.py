@@ -1,5 +1,5 @@
 """Running a saved model: the shared launch of ``domino generate`` / ``domino eval`` (local ranks
-or torchrun) and loading a checkpoint into a model at this run's TP size."""
+or torchrun); each rank runs :func:`domino.inference.worker.run_rank`."""
 
 from __future__ import annotations
 
@@ -8,17 +8,13 @@ import json
 import os
 import sys
 import tempfile
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from domino.checkpoint import layout
-from domino.checkpoint.layout import Meta, open_checkpoint
+from domino.checkpoint.layout import open_checkpoint
 from domino.config import TransformerConfig
-from domino.plan import Plan
 from domino.supervisor import RankFailed, local_env, run_ranks
 from domino.utils import free_port
 
@@ -54,6 +50,8 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
     spec = {**spec, "command": command, "step_dir": str(step_dir.resolve()), "tp": tp,
             "device": device}
     if _under_torchrun():
+        from domino.inference.worker import run_rank  # (the rank's side, run here)
+
         return run_rank(spec)
     nproc = ns.nproc or tp
     if nproc % tp:
@@ -71,50 +69,3 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
         except RankFailed as err:
             return err.exit_code
     return 0
-
-
-def run_rank(spec: dict[str, Any]) -> int:
-    """One rank: initialise, load the model at the spec's TP size, run the command."""
-    from domino.distributed import init_distributed, shutdown_distributed
-    from domino.inference.tasks import eval_rank, generate_rank
-    from domino.parallel_state import ParallelState
-
-    commands: dict[str, Callable[[dict, Any], None]] = {
-        "generate": generate_rank, "eval": eval_rank}
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        device = init_distributed(spec["device"])
-        if device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        state = ParallelState.build(spec["tp"], device=device)
-        commands[spec["command"]](spec, state)
-        state.world.barrier()
-        return 0
-    except Exception as err:
-        sys.stderr.write(f"[rank {rank}] {type(err).__name__}: {err}\n")
-        if not isinstance(err, ValueError):
-            traceback.print_exc()
-        return 1
-    finally:
-        shutdown_distributed()
-
-
-def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
-    """(model, config, tokenizer, meta): the checkpoint's GPT on this rank, in eval mode."""
-    from domino.checkpoint.store import load_model, load_tokenizer
-    from domino.models.gpt import GPTModel
-
-    meta = Meta.from_json(layout.read_json(step_dir / layout.META, "checkpoint record"),
-                          step_dir / layout.META)
-    config = TransformerConfig.from_dict(meta.config)
-    # Sequence parallelism is a training-memory layout of the same weights; inference feeds
-    # sequences of any length (and KV-cache steps of one token), so it runs without it.
-    config.sequence_parallel = False
-    if plan is None and meta.plan:
-        plan = Plan.parse(meta.plan)
-    torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
-    model = GPTModel(config, parallel_state=state, plan=plan)
-    load_model(step_dir, meta, model, state)
-    model.eval()
-    return model, config, load_tokenizer(step_dir, meta), meta

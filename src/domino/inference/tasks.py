@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
+from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
-from domino.inference.session import load_saved_model
 
 
 def generate_rank(spec: dict[str, Any], state) -> None:

@@ -1,0 +1,31 @@
+"""Loading a saved model for inference: the checkpoint's GPT on this rank, in eval mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from domino.checkpoint import layout
+from domino.checkpoint.layout import Meta
+from domino.checkpoint.store import load_model, load_tokenizer
+from domino.config import TransformerConfig
+from domino.models.gpt import GPTModel
+from domino.plan import Plan
+
+
+def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
+    """(model, config, tokenizer, meta): the checkpoint's GPT on this rank, in eval mode."""
+    meta = Meta.from_json(layout.read_json(step_dir / layout.META, "checkpoint record"),
+                          step_dir / layout.META)
+    config = TransformerConfig.from_dict(meta.config)
+    # Sequence parallelism is a training-memory layout of the same weights; inference feeds
+    # sequences of any length (and KV-cache steps of one token), so it runs without it.
+    config.sequence_parallel = False
+    if plan is None and meta.plan:
+        plan = Plan.parse(meta.plan)
+    torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
+    model = GPTModel(config, parallel_state=state, plan=plan)
+    load_model(step_dir, meta, model, state)
+    model.eval()
+    return model, config, load_tokenizer(step_dir, meta), meta
