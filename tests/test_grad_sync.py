@@ -57,7 +57,7 @@ def test_buckets_launch_during_backward_last_layer_first(plan: Plan) -> None:
 
     blocks = model.language_model.encoder.layers
     layer_numel = sum(p.numel() for p in blocks[0].parameters())
-    reducer = GradReducer(model, params, dp, bucket_numel=layer_numel // 2)
+    reducer = GradReducer(model, params, state, bucket_numel=layer_numel // 2)
     first_layer_params = {id(p) for p in blocks[-1].parameters()}
     with reducer.armed() as context:
         loss(context).backward()
@@ -82,12 +82,12 @@ def test_distributed_optimizer_holds_a_dp_share_of_the_state() -> None:
     parameters, against the full set for the plain optimizer."""
     from domino.training.dist_optim import DistributedAdamW
 
-    dp = CommGroup(size=4, rank=1, enabled=False)
+    state = ParallelState(dp=CommGroup(size=4, rank=1, enabled=False))
     torch.manual_seed(0)
     model = GPTModel(config(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64),
-                     parallel_state=ParallelState(dp=dp))
+                     parallel_state=state)
     params = [p for p in model.parameters() if p.requires_grad]
-    reducer = GradReducer(model, params, dp, shard=True)
+    reducer = GradReducer(model, params, state, shard=True)
     opt = DistributedAdamW(reducer, 1e-3, (0.9, 0.95), 1e-8, 0.1)
     plain = torch.optim.AdamW(params, 1e-3)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -27,6 +27,7 @@ from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
 from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
+from domino.tensor_parallel import placement_of
 
 TEXT = "def forward(self, x):\n    return self.alpha * x + beta"
 
@@ -53,8 +54,8 @@ def _ours(tmp: Path, config: TransformerConfig, tokenizer, seed: int = 0):
     _perturb(model, seed)
     with torch.no_grad():  # padding rows stay zero, as a trained model's do
         for p in model.parameters():
-            if getattr(p, "vocab_rows", None):
-                p[p.vocab_rows:] = 0
+            if placement_of(p).rows:
+                p[placement_of(p).rows:] = 0
     meta = Meta(step=0, consumed_samples=0, config=config.to_dict(), layout={}, tensors={},
                 files={})
     folder = save(tmp, 0, state, model, None, meta, tokenizer=tokenizer)

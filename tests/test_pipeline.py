@@ -52,7 +52,7 @@ def _args(**kw) -> TrainArgs:
 
 def _gathered(model, state, grads: bool) -> dict[str, torch.Tensor]:
     """Full tensors (or gradients) under the full model's names, on TP rank 0."""
-    from domino.tensor_parallel import gather_full
+    from domino.tensor_parallel import gather_full, placement_of
 
     out = {}
     tensors = model.checkpoint_tensors() if hasattr(model, "checkpoint_tensors") else \
@@ -60,14 +60,14 @@ def _gathered(model, state, grads: bool) -> dict[str, torch.Tensor]:
     for name, p in tensors:
         t = p.grad if grads else p.detach()
         full = gather_full(t.detach(), p, state.tp)
-        rows = getattr(p, "vocab_rows", None)  # padding rows depend on the TP size
-        key = name + (" (last-stage copy)" if getattr(p, "tied_copy", False) else "")
+        rows = placement_of(p).rows  # padding rows depend on the TP size
+        key = name + (" (last-stage copy)" if placement_of(p).tied_copy else "")
         out[key] = (full[:rows] if rows else full).clone()
     return out
 
 
 def _train(model, state, args, runner=None) -> dict:
-    from domino.training.grad_sync import GradReducer
+    from domino.training.grad_sync import make_reducer
     from domino.training.optim import build_optimizer, learning_rate, set_lr
     from domino.training.step import train_step
 
@@ -78,9 +78,7 @@ def _train(model, state, args, runner=None) -> dict:
     mine = everything[state.dp.rank * per_rank:(state.dp.rank + 1) * per_rank]
     res = {"losses": [], "norms": [], "early": []}
     # With DP the buckets launch during the schedule's last backwards (not zero-bubble's).
-    reducer = (GradReducer(model, params, state.dp, bucket_numel=4096)
-               if state.dp.size > 1 and runner is not None
-               and runner.overlaps_dp else None)
+    reducer = make_reducer(model, params, state, runner=runner, bucket_numel=4096)
     for step in range(1, STEPS + 1):
         set_lr(optimizer, learning_rate(step, args))
         out = train_step(model, params, optimizer, None, mine, args, state, runner=runner,

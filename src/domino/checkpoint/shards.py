@@ -1,6 +1,7 @@
 """How a tensor is cut across TP ranks, and reading any rank's part for any TP size.
 
-A TP-sharded tensor is described by its partition ``dim``, its ``stride`` (the dimension is
+A TP-sharded tensor is described (from its parameter's
+:class:`~domino.tensor_parallel.placement.Placement`) by its partition ``dim``, its ``stride`` (the dimension is
 ``stride`` equal blocks and each rank holds its part of every block: SwiGLU's [gate; up]) and,
 for vocabulary tables, the number of ``vocab`` rows that are real (the rest is padding, whose
 amount depends on the TP size). Reading rank r of b of a tensor saved by a ranks gathers exactly
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from domino.checkpoint.layout import CheckpointError, inside
+from domino.tensor_parallel.placement import placement_of
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -58,19 +60,25 @@ class TensorSpec:
 
 
 def describe(local: torch.Tensor, like: torch.Tensor, tp_size: int, files: list[str],
-             ) -> TensorSpec:
-    """The spec of a tensor whose local part is ``local``, split like parameter ``like``
-    (``files[r]``: the file TP rank r writes; a replicated tensor lives in ``files[0]``)."""
+             name: str = "a tensor") -> TensorSpec:
+    """The spec of a tensor whose local part is ``local``, split as parameter ``like``'s
+    placement says (``files[r]``: the file TP rank r writes; a replicated tensor lives in
+    ``files[0]``). Only TP cuts have a layout yet: a tensor sharded over another group is
+    refused (NotImplementedError) until that dimension's checkpoints are written."""
     dtype = str(local.dtype).removeprefix("torch.")
-    sharded = (bool(getattr(like, "tensor_model_parallel", False)) and local.dim() > 0
+    placement = placement_of(like)
+    sharded = (placement.shard is not None and local.dim() > 0
                and local.shape == like.shape)  # not e.g. a scalar optimizer step
     if not sharded:
         return TensorSpec(tuple(local.shape), dtype, (files[0],))
-    dim = int(like.partition_dim)
+    if placement.shard != "tp":
+        raise NotImplementedError(
+            f"{name} is sharded over {placement.shard!r}: checkpoints store TP shards only "
+            "(a layout for other sharded dimensions comes with them)")
     shape = list(local.shape)
-    shape[dim] *= tp_size
-    return TensorSpec(tuple(shape), dtype, tuple(files), dim,
-                      int(getattr(like, "partition_stride", 1)), getattr(like, "vocab_rows", None))
+    shape[placement.dim] *= tp_size
+    return TensorSpec(tuple(shape), dtype, tuple(files), placement.dim, placement.stride,
+                      placement.rows)
 
 
 def _parts(full: int, stride: int, size: int) -> tuple[int, int]:

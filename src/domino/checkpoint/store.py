@@ -25,7 +25,7 @@ from domino.checkpoint import layout
 from domino.checkpoint.layout import CheckpointError, Meta
 from domino.checkpoint.shards import ShardReader, TensorSpec, describe
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel import is_partitioned
+from domino.tensor_parallel.placement import placement_of
 
 
 def _writes(state: ParallelState) -> bool:
@@ -54,22 +54,24 @@ def optimizer_state(optimizer: Any) -> dict | None:
 
 def _rank_tensors(model: nn.Module, opt_state: dict | None,
                   state: ParallelState) -> tuple[dict, dict, dict]:
-    """(model, optimizer, spec) tensors this rank writes: sharded ones always, replicated ones
-    only on TP rank 0 (they are identical on every TP rank)."""
+    """(model, optimizer, spec) tensors this rank writes, as each parameter's placement says:
+    sharded ones always, replicated ones only on TP rank 0 (they are identical on every TP
+    rank)."""
     tp, pp = state.tp, state.pp.rank
     model_files = [layout.model_file(r, pp) for r in range(tp.size)]
     optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
     weights, moments, specs = {}, {}, {}
     for name, p in named_model_tensors(model):
-        if getattr(p, "tied_copy", False):
+        placement = placement_of(p)
+        if placement.tied_copy:
             continue  # the last stage's copy of the word table: the first stage writes it
-        if is_partitioned(p) or tp.rank == 0:
+        if placement.shard is not None or tp.rank == 0:
             weights[name] = p.detach()
-            specs[name] = describe(p.detach(), p, tp.size, model_files)
+            specs[name] = describe(p.detach(), p, tp.size, model_files, name)
         slots = opt_state.get(p, {}) if opt_state is not None else {}
         for key, value in slots.items():
             value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            spec = describe(value.detach(), p, tp.size, optim_files)
+            spec = describe(value.detach(), p, tp.size, optim_files, name)
             if spec.dim is not None or tp.rank == 0:
                 moments[f"optimizer.{key}/{name}"] = value.detach()
                 specs[f"optimizer.{key}/{name}"] = spec

@@ -18,7 +18,8 @@ from domino.tensor_parallel import (
     mask_padded_logits,
     vocab_parallel_cross_entropy,
 )
-from domino.tensor_parallel.layers import init_sharded, mark_partitioned
+from domino.tensor_parallel.layers import init_sharded
+from domino.tensor_parallel.placement import Placement, place
 from domino.transformer import BackwardContext, Block
 from domino.utils import init_scope
 
@@ -56,8 +57,8 @@ class GPTModel(nn.Module):
                 self.word_embeddings = nn.Parameter(init_sharded(
                     (padded, config.hidden_size), config.init_method, 0, state.tp,
                     config.params_dtype, state.device, valid_rows=config.vocab_size))
-            mark_partitioned(self.word_embeddings, 0, vocab_rows=config.vocab_size)
-            self.word_embeddings.tied_copy = True  # type: ignore[attr-defined]
+            place(self.word_embeddings, Placement("tp", 0, rows=config.vocab_size,
+                                                  tied_copy=True))
 
     def checkpoint_tensors(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under the full model's names (a stage's layers by their global numbers;

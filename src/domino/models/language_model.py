@@ -23,11 +23,12 @@ from domino.tensor_parallel import (
     VocabParallelEmbedding,
     gather_from_tensor_model_parallel_region,
 )
-from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad, mark_partitioned
+from domino.tensor_parallel.layers import init_sharded, linear_reduce_input_grad
 from domino.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from domino.tensor_parallel.placement import Placement, place
 from domino.transformer import BackwardContext, Block, DominoTransformer, InferenceParams
 from domino.transformer.late_work import LateWork
 from domino.transformer.microbatch import MicroBatch
@@ -276,7 +277,7 @@ class TransformerLanguageModel(nn.Module):
                     config.hidden_size, self.padded_vocab_size, group=state.tp, bias=False,
                     init_method=config.init_method, params_dtype=config.params_dtype,
                     device=state.device)
-            mark_partitioned(self.output_layer.weight, 0, vocab_rows=config.vocab_size)
+            place(self.output_layer.weight, Placement("tp", 0, rows=config.vocab_size))
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list | None) -> None:
         """Input of a pipeline stage built with ``pre_process=False``."""

@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism: collectives, autograd mappings, layers, loss, RNG."""
+"""Megatron-style tensor parallelism: collectives, autograd mappings, layers, parameter
+placements, loss, RNG."""
 
 from domino.tensor_parallel.comm import CommGroup, CommHook, Handle
 from domino.tensor_parallel.cross_entropy import mask_padded_logits, vocab_parallel_cross_entropy
@@ -8,8 +9,6 @@ from domino.tensor_parallel.layers import (
     VocabParallelEmbedding,
     gather_full,
     init_sharded,
-    is_partitioned,
-    mark_partitioned,
     shard_of_full,
 )
 from domino.tensor_parallel.mappings import (
@@ -18,12 +17,13 @@ from domino.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from domino.tensor_parallel.placement import Placement, place, placement_of
 from domino.tensor_parallel.random import RNGTracker, dropout
 
 __all__ = [
     "CommGroup", "CommHook", "Handle", "ColumnParallelLinear", "RowParallelLinear",
-    "VocabParallelEmbedding", "init_sharded", "shard_of_full", "gather_full", "is_partitioned",
-    "mark_partitioned", "vocab_parallel_cross_entropy", "mask_padded_logits",
+    "VocabParallelEmbedding", "init_sharded", "shard_of_full", "gather_full", "Placement",
+    "place", "placement_of", "vocab_parallel_cross_entropy", "mask_padded_logits",
     "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "RNGTracker", "dropout",

@@ -19,6 +19,7 @@ from domino.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from domino.tensor_parallel.placement import Placement, place, placement_of
 from domino.utils import divide, even_splits
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -59,27 +60,14 @@ def init_sharded(full_shape: tuple[int, ...], init_method: InitMethod, dim: int,
     return shard.to(device=device, dtype=dtype)
 
 
-def mark_partitioned(param: torch.Tensor, dim: int, stride: int = 1,
-                     vocab_rows: int | None = None) -> None:
-    """Tag a TP-sharded parameter with how it was cut (see :func:`gather_full`);
-    ``vocab_rows``: a vocabulary table whose rows past this many are padding (their number
-    depends on the TP size, so checkpoints reshard them)."""
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = dim  # type: ignore[attr-defined]
-    param.partition_stride = stride  # type: ignore[attr-defined]
-    param.vocab_rows = vocab_rows  # type: ignore[attr-defined]
-
-
-def is_partitioned(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False))
-
-
 def gather_full(tensor: torch.Tensor, like: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Reassemble the full tensor from every rank's shard ``tensor`` of parameter ``like``
-    (the inverse of :func:`shard_of_full`); replicated parameters are returned as they are."""
-    if group.size == 1 or not is_partitioned(like):
+    (the inverse of :func:`shard_of_full`) over ``group``, the group its placement shards it
+    over; replicated parameters are returned as they are."""
+    placement = placement_of(like)
+    if group.size == 1 or placement.shard is None:
         return tensor
-    dim, stride = like.partition_dim, like.partition_stride
+    dim, stride = placement.dim, placement.stride
     moved = tensor.movedim(dim, -1).contiguous()
     full = group.all_gather_last_dim(moved)  # [..., size * shard]
     per_rank = full.chunk(group.size, dim=-1)
@@ -261,9 +249,9 @@ class ColumnParallelLinear(nn.Module):
                                                 params_dtype, device, stride))
         self.bias = (nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
                                               device=device)) if bias else None)
-        mark_partitioned(self.weight, 0, stride)
+        place(self.weight, Placement("tp", 0, stride))
         if self.bias is not None:
-            mark_partitioned(self.bias, 0, stride)
+            place(self.bias, Placement("tp", 0, stride))
 
     def forward(self, x: torch.Tensor, reduce_input_grad: bool = True,
                 wgrad_stash: WgradStash | None = None):
@@ -315,7 +303,7 @@ class RowParallelLinear(nn.Module):
                                                 params_dtype, device))
         self.bias = (nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
                      if bias else None)
-        mark_partitioned(self.weight, 1)
+        place(self.weight, Placement("tp", 1))
 
     def partial(self, x: torch.Tensor, columns: slice | None = None,
                 wgrad_stash: WgradStash | None = None) -> torch.Tensor:
@@ -353,7 +341,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(init_sharded((num_embeddings, embedding_dim), init_method, 0,
                                                 group, params_dtype, device,
                                                 valid_rows=self.real_num_embeddings))
-        mark_partitioned(self.weight, 0, vocab_rows=self.real_num_embeddings)
+        place(self.weight, Placement("tp", 0, rows=self.real_num_embeddings))
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's lookups (zero for ids outside its vocabulary range): summed over the TP

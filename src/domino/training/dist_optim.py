@@ -1,14 +1,16 @@
 """ZeRO-1: AdamW whose state is sharded over the data-parallel group (``--use-distributed-optimizer``).
 
 The gradient buckets of :class:`~domino.training.grad_sync.GradReducer` (sharded mode) are
-reduce-scattered, so each DP rank receives the summed gradients of its own 1/DP chunk of every
+reduce-scattered over their gradient group (DP x CP for dense weights: the placement's
+``grad_group``), so each rank of it receives the summed gradients of its own 1/DP chunk of every
 bucket - during the backward, as the buckets' layers finish. Each rank runs AdamW on its chunks
 only (its moments are the only ones it holds: optimizer memory per rank / DP), then the updated
 chunks are all-gathered back into every rank's parameters: with ``overlap_param_gather``
 asynchronously, first layers first, each bucket waited for only where the next forward first
 uses one of its parameters (:meth:`DistributedAdamW.attach`). The global gradient norm is summed
-from the chunks (each element counted once over DP, TP-replicated parameters once over TP), so
-clipping is the unsharded optimizer's. Parameters stay fp32 (bf16 runs under autocast), so they
+from the chunks (each element counted once over its gradient group, then each parameter where
+its placement counts it, e.g. TP-replicated ones once over TP), so clipping is the unsharded
+optimizer's. Parameters stay fp32 (bf16 runs under autocast), so they
 are their own master weights; the chunk buffers are refreshed from them before every update.
 
 Checkpoints hold the full moments per parameter, exactly as the unsharded optimizer writes them
@@ -23,7 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from domino.tensor_parallel import CommGroup, is_partitioned
+from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.placement import (
+    WITHIN,
+    NamedGroups,
+    counts_in_norm,
+    placement_of,
+    sum_over_norm_groups,
+)
 from domino.training.grad_sync import GradReducer
 
 SLOTS = ("exp_avg", "exp_avg_sq")
@@ -50,14 +59,15 @@ class DistributedAdamW:
         :meth:`wait_params` (or the hooks :meth:`attach` installs) finishes them."""
         if not reducer.shard:
             raise ValueError("DistributedAdamW needs a GradReducer built with shard=True")
-        self.reducer, self.dp = reducer, reducer.dp
+        self.reducer = reducer
         self.overlap_param_gather = overlap_param_gather
         self._gathers: dict[int, tuple[torch.Tensor, object]] = {}  # bucket -> (full, handle)
-        size, rank = self.dp.size, self.dp.rank
         self.chunks: list[torch.Tensor] = []
         self.segments: list[_Segment] = []
         decay, no_decay = [], []
         for bi, bucket in enumerate(reducer.buckets):
+            group = self._group(bi)
+            size, rank = group.size, group.rank
             n = bucket.padded(size) // size
             first = bucket.params[0]
             chunk = torch.zeros(n, dtype=torch.float32, device=first.device)
@@ -78,6 +88,10 @@ class DistributedAdamW:
         self.inner = torch.optim.AdamW(groups or [{"params": [torch.zeros(1)]}], lr=lr,
                                        betas=betas, eps=eps)
         self.params = [p for b in reducer.buckets for p in b.params]
+
+    def _group(self, bucket: int) -> CommGroup:
+        """The group bucket ``bucket`` is sharded over (its gradient group)."""
+        return self.reducer.state.group(self.reducer.buckets[bucket].group)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -100,20 +114,29 @@ class DistributedAdamW:
         for bucket in self.reducer.buckets:
             bucket.shard.mul_(factor)
 
-    def grad_norm(self, tp: CommGroup, pp: CommGroup | None = None) -> float:
-        """The full model's gradient L2 norm from the reduced chunks (equal on every rank)."""
+    def grad_norm(self, state: NamedGroups) -> float:
+        """The full model's gradient L2 norm from the reduced chunks (equal on every rank).
+
+        Chunks are disjoint over their gradient group: each group's squares are summed over it
+        first (norm groups inside it, such as EP inside DP x CP, are then spanned: only their
+        rank 0 keeps the sum), then over the norm groups as the unsharded norm is."""
         device = self.chunks[0].device if self.chunks else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        names = list(dict.fromkeys(b.group for b in self.reducer.buckets))  # same on every rank
+        parts = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
         for seg in self.segments:
-            p = seg.param
-            if getattr(p, "tied_copy", False) or not (is_partitioned(p) or tp.rank == 0):
+            name = self.reducer.buckets[seg.bucket].group
+            if not counts_in_norm(placement_of(seg.param), state, skip=WITHIN[name]):
                 continue
-            total += torch.linalg.vector_norm(self._shard_grad(seg),
-                                              dtype=torch.float32).double() ** 2
-        self.dp.all_reduce(total, name="grad norm")  # chunks are disjoint over DP
-        tp.all_reduce(total, name="grad norm")
-        if pp is not None:
-            pp.all_reduce(total, name="grad norm")
+            parts[name] += torch.linalg.vector_norm(self._shard_grad(seg),
+                                                    dtype=torch.float32).double() ** 2
+        total = None
+        for name, part in parts.items():
+            state.group(name).all_reduce(part, name="grad norm")
+            if all(state.group(inner).rank == 0 for inner in WITHIN[name]):
+                total = part if total is None else total + part
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+        sum_over_norm_groups(total, state)
         return float(total.sqrt())
 
     def step(self, clip_coeff: float = 1.0) -> None:
@@ -128,12 +151,11 @@ class DistributedAdamW:
             self.inner.step()
             for seg in self.segments:
                 seg.view.grad = None
-            size = self.dp.size
             # Buckets are in backward order: launch the first layers' (the last buckets) first.
             for bi in reversed(range(len(self.chunks))):
-                chunk = self.chunks[bi]
-                full = chunk.new_empty(chunk.numel() * size)
-                self._gathers[bi] = (full, self.dp.all_gather_into(
+                chunk, group = self.chunks[bi], self._group(bi)
+                full = chunk.new_empty(chunk.numel() * group.size)
+                self._gathers[bi] = (full, group.all_gather_into(
                     full, chunk, async_op=True, name="dp params (all-gather)"))
         if not self.overlap_param_gather:
             self.wait_params()
@@ -175,15 +197,16 @@ class DistributedAdamW:
     # -- checkpoints --------------------------------------------------------------------------
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Every parameter's full AdamW state, as ``torch.optim.AdamW.state`` holds it, on every
-        DP rank (a collective: every DP rank calls it). Empty before the first step."""
+        rank of the gradient groups (a collective: every rank calls it). Empty before the first
+        step."""
         local = [self.inner.state.get(seg.view, {}) for seg in self.segments]
-        stepped = self.dp.all_gather_json(bool(any(local)))
+        groups = self.reducer.groups()
+        stepped = [any(g.all_gather_json(bool(any(local)))) for g in groups]  # every group
         if not any(stepped):
             return {}
         step = next((float(st["step"]) for st in local if st), None)
-        steps = [s for s in self.dp.all_gather_json(step) if s is not None]
+        steps = [s for g in groups for s in g.all_gather_json(step) if s is not None]
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        size = self.dp.size
         for slot in SLOTS:
             for bi, (bucket, chunk) in enumerate(zip(self.reducer.buckets, self.chunks,
                                                      strict=True)):
@@ -191,8 +214,9 @@ class DistributedAdamW:
                 for seg, st in zip(self.segments, local, strict=True):
                     if seg.bucket == bi and st:
                         mine[seg.local:seg.local + seg.hi - seg.lo] = st[slot]
-                full = chunk.new_empty(chunk.numel() * size)
-                self.dp.all_gather_into(full, mine, name="optimizer state (all-gather)")
+                group = self._group(bi)
+                full = chunk.new_empty(chunk.numel() * group.size)
+                group.all_gather_into(full, mine, name="optimizer state (all-gather)")
                 offset = 0
                 for p in bucket.params:
                     entry = out.setdefault(p, {"step": torch.tensor(steps[0])})

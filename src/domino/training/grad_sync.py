@@ -1,19 +1,22 @@
-"""Data-parallel gradient reduction overlapped with the backward schedule.
+"""Data-parallel gradient reduction: the one bucketing implementation, overlapped with the
+backward schedule or not (:func:`make_reducer` decides which, once per run).
 
-Gradients are summed over the DP group in buckets (a few MiB each, parameters in backward order:
-last layers first). A bucket is launched, asynchronously, as soon as every parameter in it has its
-final gradient - which the Domino schedule reports block by block (the ``on_final`` of the
-step's :class:`~domino.transformer.BackwardContext`: a block's norm, op and exit bias are done,
+Each gradient is summed over the group its parameter's placement names (``grad_group``: DP x CP
+for dense weights, later expert-DP for experts), in buckets (a few MiB each, one gradient group
+per bucket, parameters in backward order: last layers first). Overlapped, a bucket is launched,
+asynchronously, as soon as every parameter in it has its final gradient - which the Domino
+schedule reports block by block (the ``on_final`` of the step's
+:class:`~domino.transformer.BackwardContext`: a block's norm, op and exit bias are done,
 including its deferred weight-gradient GEMMs) - so its all-reduce runs under the backward of the
 layers before it. The model says which blocks there are (``model.blocks()``). Parameters outside
 the transformer blocks (embedding, final norm, LM head) are launched when the backward ends. A
 pipeline (``PipelineRunner.step(reducer=...)``) gives :meth:`GradReducer.context` to the forward
-of each model chunk's last backward, except under zero-bubble, whose W passes finish the weight
-gradients later: there everything is launched at :meth:`GradReducer.finish`, which waits for
-every bucket before the optimizer step.
+of each model chunk's last backward. Not overlapped (``--no-overlap-grad-reduce``, or
+zero-bubble, whose W passes finish the weight gradients later), everything is launched at
+:meth:`GradReducer.finish`, which waits for every bucket before the optimizer step.
 
 Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`, whose
-context goes to that micro-step's forward): earlier ones only add into ``.grad``. Every DP rank
+context goes to that micro-step's forward): earlier ones only add into ``.grad``. Every rank
 launches the same buckets in the same order (blocks finish last-first whatever the timing),
 which collectives on one group require.
 """
@@ -27,17 +30,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from domino.tensor_parallel import CommGroup
-from domino.tensor_parallel.comm import Handle
-from domino.training.optim import BUCKET_NUMEL
+from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.tensor_parallel.placement import GRAD_GROUPS, NamedGroups, placement_of
 from domino.transformer.context import BackwardContext
 
+BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per collective: few launches, bounded extra memory
 MIN_BUCKET_NUMEL = 1 << 16
 
 
 @dataclass(eq=False)
 class _Bucket:
     params: list[nn.Parameter]
+    group: str  # the gradient group (a name of ``state.group``) its sums run over
     waiting: int = 0  # parameters whose gradient is not final yet
     flat: torch.Tensor | None = None
     handle: Handle | None = None
@@ -68,31 +72,46 @@ def backward_order(model: nn.Module, params: Sequence[nn.Parameter]) -> list[nn.
 
 
 class GradReducer:
-    """Buckets of ``model``'s ``params`` reduced over ``dp`` as they become final."""
+    """Buckets of ``model``'s ``params``, each reduced over its parameters' gradient group."""
 
-    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], dp: CommGroup,
-                 bucket_numel: int | None = None, shard: bool = False) -> None:
-        """``shard`` (a distributed optimizer): reduce-scatter each bucket instead, every DP rank
-        keeping its chunk of the sums (:attr:`_Bucket.shard`); ``.grad`` is left unreduced."""
-        self.dp, self.shard = dp, shard
+    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups,
+                 bucket_numel: int | None = None, shard: bool = False,
+                 overlap: bool = True) -> None:
+        """``state``: the parallel state (its groups by name). ``shard`` (a distributed
+        optimizer): reduce-scatter each bucket instead, every rank of its group keeping its
+        chunk of the sums (:attr:`_Bucket.shard`); ``.grad`` is left unreduced. ``overlap``:
+        the caller gives :meth:`context` to the backward (the training step reads it)."""
+        self.state, self.shard, self.overlap = state, shard, overlap
         if bucket_numel is None:
-            # At least ~4 buckets, or the last one would wait for the whole backward; few enough
-            # that launches stay cheap.
+            # Overlapped: at least ~4 buckets, or the last one would wait for the whole
+            # backward; few enough that launches stay cheap. Blocking: the largest.
             total = sum(p.numel() for p in params)
-            bucket_numel = max(MIN_BUCKET_NUMEL, min(BUCKET_NUMEL, total // 4))
+            bucket_numel = (max(MIN_BUCKET_NUMEL, min(BUCKET_NUMEL, total // 4))
+                            if overlap or shard else BUCKET_NUMEL)
         self.buckets: list[_Bucket] = []
-        size = 0
+        filling: dict[str, tuple[_Bucket, int]] = {}  # per gradient group: its open bucket, size
         for p in backward_order(model, params):
-            last = self.buckets[-1] if self.buckets else None
-            if last is None or size + p.numel() > bucket_numel or p.dtype != last.params[0].dtype:
-                self.buckets.append(_Bucket([]))
-                size = 0
-            self.buckets[-1].params.append(p)
-            size += p.numel()
+            name = placement_of(p).grad_group
+            bucket, size = filling.get(name, (None, 0))
+            if bucket is None or size + p.numel() > bucket_numel \
+                    or p.dtype != bucket.params[0].dtype:
+                bucket, size = _Bucket([], name), 0
+                self.buckets.append(bucket)
+            bucket.params.append(p)
+            filling[name] = (bucket, size + p.numel())
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: set[int] = set()
         self._armed = False
         self.launched_early = 0
+
+    def groups(self) -> list[CommGroup]:
+        """The distinct groups the buckets are reduced over (for their timing)."""
+        out: list[CommGroup] = []
+        for name in dict.fromkeys(b.group for b in self.buckets):
+            g = self.state.group(name)
+            if all(g is not seen for seen in out):
+                out.append(g)
+        return out
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[BackwardContext]:
@@ -109,7 +128,7 @@ class GradReducer:
 
     def begin(self) -> None:
         """Start a step's reduction (:meth:`armed` does; call it directly to reduce everything
-        at :meth:`finish`, without overlap)."""
+        at :meth:`finish`, without overlap, or before a pipeline's step)."""
         self._ready.clear()
         for b in self.buckets:
             b.waiting, b.flat, b.handle, b.grads, b.shard = len(b.params), None, None, [], None
@@ -133,19 +152,20 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         bucket.grads = grads
+        group = self.state.group(bucket.group)
         if not self.shard:
             bucket.flat = torch.cat([g.reshape(-1) for g in grads])
-            bucket.handle = self.dp.all_reduce(bucket.flat, async_op=True, name="dp grads")
+            bucket.handle = group.all_reduce(bucket.flat, async_op=True, name="dp grads")
             return
-        size = self.dp.size
+        size = group.size
         pad = bucket.padded(size) - bucket.numel
         parts = [g.reshape(-1) for g in grads]
         if pad:
             parts.append(grads[0].new_zeros(pad))
         bucket.flat = torch.cat(parts)
         bucket.shard = bucket.flat.new_empty(bucket.flat.numel() // size)
-        bucket.handle = self.dp.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
-                                               name="dp grads (reduce-scatter)")
+        bucket.handle = group.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
+                                             name="dp grads (reduce-scatter)")
 
     def finish(self) -> None:
         """Launch what is left (in bucket order), wait for every bucket and write the sums back
@@ -166,3 +186,17 @@ class GradReducer:
                     g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
             bucket.flat, bucket.grads = None, []
+
+
+def make_reducer(model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups, *,
+                 distributed_optimizer: bool = False, overlap: bool = True, runner=None,
+                 bucket_numel: int | None = None) -> GradReducer | None:
+    """The run's gradient reduction, decided here once: None when every gradient group has one
+    rank (nothing to reduce); sharded for the distributed optimizer (ZeRO-1); overlapped with
+    the backward when ``overlap`` (``--overlap-grad-reduce``) or ZeRO-1 asks for it and the
+    schedule allows it (``runner``, a pipeline's: not under zero-bubble)."""
+    if all(state.group(name).size == 1 for name in GRAD_GROUPS):
+        return None
+    overlapped = (overlap or distributed_optimizer) and (runner is None or runner.overlaps_dp)
+    return GradReducer(model, params, state, bucket_numel, shard=distributed_optimizer,
+                       overlap=overlapped)

@@ -28,10 +28,10 @@ from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import SYNC, Plan
-from domino.tensor_parallel import is_partitioned
+from domino.tensor_parallel import placement_of
 from domino.training.data import rank_batches
 from domino.training.dist_optim import DistributedAdamW
-from domino.training.grad_sync import GradReducer
+from domino.training.grad_sync import make_reducer
 from domino.training.logging import RunLogger
 from domino.training.optim import DynamicLossScaler, agree, build_optimizer, learning_rate, set_lr
 from domino.training.prepare import Run
@@ -90,12 +90,11 @@ class Trainer:
         else:
             self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        zero = args.use_distributed_optimizer and dp.size > 1
-        # A pipeline overlaps the reduction with its schedule except under zero-bubble (see
-        # PipelineRunner.overlaps_dp), which reduces after it.
-        self.reducer = (GradReducer(self.model, self.params, dp, shard=zero)
-                        if zero or (dp.size > 1 and args.overlap_grad_reduce and (
-                            self.runner is None or self.runner.overlaps_dp)) else None)
+        # The gradient reduction, overlapped or not (make_reducer decides); ZeRO-1 with DP > 1.
+        self.reducer = make_reducer(self.model, self.params, self.state,
+                                    distributed_optimizer=args.use_distributed_optimizer,
+                                    overlap=args.overlap_grad_reduce, runner=self.runner)
+        zero = self.reducer is not None and self.reducer.shard
         self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
                                                                    args.adam_beta2),
                                            args.adam_eps, args.weight_decay,
@@ -114,8 +113,9 @@ class Trainer:
         self.last_save_t = time.monotonic()
         self.bad_since: int | None = None  # first step of the current NaN/inf streak
         count = torch.tensor([float(sum(
-            p.numel() * (tp.size if is_partitioned(p) else 1) for p in self.params
-            if not getattr(p, "tied_copy", False)))], device=self.state.device)
+            p.numel() * (self.state.group(pl.shard).size if pl.shard else 1)
+            for p in self.params if not (pl := placement_of(p)).tied_copy))],
+            device=self.state.device)
         pp.all_reduce(count, name="parameter count")
         if self.rank0:
             for note in notes:

@@ -1,5 +1,5 @@
-"""Optimiser pieces: AdamW groups, LR schedule, DP gradient reduction, global-norm clipping and
-dynamic loss scaling."""
+"""Optimiser pieces: AdamW groups, LR schedule, global-norm clipping and dynamic loss scaling
+(the DP gradient reduction is :mod:`domino.training.grad_sync`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from domino.tensor_parallel import CommGroup, is_partitioned
+from domino.tensor_parallel import CommGroup, placement_of
+from domino.tensor_parallel.placement import NamedGroups, counts_in_norm, sum_over_norm_groups
 from domino.training.arguments import TrainArgs
-
-BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per DP all-reduce: few launches, bounded extra memory
 
 
 def build_optimizer(model: nn.Module, args: TrainArgs) -> torch.optim.AdamW:
@@ -61,51 +60,21 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def allreduce_grads(grads: Sequence[torch.Tensor], dp: CommGroup,
-                    bucket_numel: int = BUCKET_NUMEL) -> None:
-    """Sum gradients over the data-parallel group, flattened into buckets (few large
-    collectives instead of one per tensor). The loss is already normalised by the global token
-    count, so the sum is the data-parallel mean gradient."""
-    if dp.size == 1:
-        return
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in [*grads, None]:
-        if g is not None and (not bucket or (size + g.numel() <= bucket_numel
-                                             and g.dtype == bucket[0].dtype)):
-            bucket.append(g)
-            size += g.numel()
-            continue
-        if bucket:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dp.all_reduce(flat, name="dp grads")
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-        bucket, size = ([g], g.numel()) if g is not None else ([], 0)
-
-
-def global_grad_norm(params: Sequence[nn.Parameter], tp: CommGroup,
-                     pp: CommGroup | None = None) -> float:
+def global_grad_norm(params: Sequence[nn.Parameter], state: NamedGroups) -> float:
     """L2 norm of the full model's gradient, equal to the single-process model's norm.
 
-    TP-sharded parameters contribute their shard on every TP rank; TP-replicated ones (norms,
-    row-parallel biases, position embeddings) only on TP rank 0, so they count once. Pipeline
-    stages hold different parameters, so their sums add up over ``pp``; the last stage's copy
-    of a tied word table is left out (it equals the first stage's). The result is identical on
-    every rank of the TP x PP group. Gradients are already DP-reduced, so no DP sum.
+    Each parameter's placement says where it counts (``placement.counts_in_norm``): a sharded
+    parameter on every rank of its group, a replicated one (norms, row-parallel biases, position
+    embeddings) only on rank 0 of the groups replicating it, a pipeline's tied copy of the word
+    table nowhere (it equals the first stage's). The squares are summed over the norm groups
+    (TP, PP, and EP when > 1), so the result is identical on every rank of them. Gradients are already reduced over their gradient group: no DP sum.
     """
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        if getattr(p, "tied_copy", False):
-            continue
-        if p.grad is not None and (is_partitioned(p) or tp.rank == 0):
+        if p.grad is not None and counts_in_norm(placement_of(p), state):
             total += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
-    tp.all_reduce(total, name="grad norm")
-    if pp is not None:
-        pp.all_reduce(total, name="grad norm")
+    sum_over_norm_groups(total, state)
     return float(total.sqrt())
 
 

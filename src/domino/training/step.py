@@ -11,18 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from domino.parallel_state import ParallelState
+from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.placement import GRAD_GROUPS
 from domino.training.arguments import TrainArgs
 from domino.training.data import rank_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
-from domino.training.optim import (
-    agree,
-    allreduce_grads,
-    clip_coeff,
-    clip_grads,
-    global_grad_norm,
-    grads_of,
-)
+from domino.training.optim import agree, clip_coeff, clip_grads, global_grad_norm, grads_of
 
 
 @dataclass
@@ -94,10 +89,16 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
                reducer: GradReducer | None = None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches (through ``runner``, a
     PipelineRunner, when the model is a pipeline). ``requests`` (e.g. "stop after this step")
-    are agreed on by every rank in the same collective as the overflow check. With ``reducer``
-    the DP reduction of the last micro-batch's backward overlaps it (``--overlap-grad-reduce``);
-    without, it runs after the backward."""
+    are agreed on by every rank in the same collective as the overflow check. ``reducer`` (the
+    run's, from :func:`~domino.training.grad_sync.make_reducer`; None only when no gradient
+    group has more than one rank) sums the gradients over their groups: during the last
+    micro-batch's backward when it was built to overlap, else after the backward."""
+    if reducer is None and any(state.group(name).size > 1 for name in GRAD_GROUPS):
+        raise ValueError("train_step needs a GradReducer with data parallelism: build it with "
+                         "domino.training.grad_sync.make_reducer")
     dp, tp, device = state.dp, state.tp, state.device
+    # Time blocked on DP collectives: the token count's, the gradient groups', ZeRO's gathers.
+    dp_groups = _distinct([dp, *(reducer.groups() if reducer is not None else [])])
     comm0 = tp.stats.wait_s
     # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
     # exact global mean, whatever the DP size or accumulation layout.
@@ -105,7 +106,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     # Waited for at the first backward: DP collectives finish in order, so behind ZeRO's
     # parameter all-gathers of the last step (which the first forward overlaps).
     counted = dp.all_reduce(n_tokens, async_op=True, name="token count")
-    gather0 = dp.stats.wait_s  # ZeRO's parameter all-gathers waited in the forward
+    gather0 = _waited(dp_groups)  # ZeRO's parameter all-gathers waited in the forward
     denom = None
     scale = scaler.scale if scaler is not None else 1.0
 
@@ -118,8 +119,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     optimizer.zero_grad(set_to_none=False)
     pipeline_wait = 0.0
     zero = isinstance(optimizer, DistributedAdamW)
-    overlap = reducer is not None and (args.overlap_grad_reduce or zero) and (
-        runner is None or runner.overlaps_dp)
+    overlap = reducer is not None and reducer.overlap
     if runner is None:
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
@@ -135,19 +135,15 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
                                       reducer=reducer if overlap else None)
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
-    dp0 = dp.stats.wait_s
-    gathered = dp0 - gather0
     grads = grads_of(params)
     if runner is not None:
         for table in model.tied_word_tables():  # first and last stage: one tied weight
             state.embedding.all_reduce(table.grad, name="tied embedding grads")
-    if reducer is not None and not overlap:
-        reducer.begin()  # everything is reduced at finish
     if reducer is not None:
+        if not overlap:
+            reducer.begin()  # everything is launched at finish
         reducer.finish()
-    else:
-        allreduce_grads(grads, dp)
-    exposed_dp = dp.stats.wait_s - dp0 + gathered
+    exposed_dp = _waited(dp_groups) - gather0
     dp.all_reduce(loss_sum, name="loss")
     if scaler is not None:
         if zero:
@@ -155,14 +151,13 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         else:
             for grad in grads:
                 grad.mul_(1.0 / scale)
-    norm = (optimizer.grad_norm(tp, state.pp) if zero
-            else global_grad_norm(params, tp, state.pp))
+    norm = optimizer.grad_norm(state) if zero else global_grad_norm(params, state)
     # Every rank must agree to skip, or the replicas would diverge.
     overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, device)
     if not overflow and zero:
-        before = dp.stats.wait_s
+        before = _waited(dp_groups)
         optimizer.step(clip_coeff(args.clip_grad, norm))
-        exposed_dp += dp.stats.wait_s - before  # its parameter all-gathers, when waited here
+        exposed_dp += _waited(dp_groups) - before  # its parameter all-gathers, when waited here
     elif not overflow:
         clip_grads(params, args.clip_grad, norm)
         optimizer.step()
@@ -170,3 +165,15 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         scaler.update(overflow)
     return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait,
                        exposed_dp)
+
+
+def _distinct(groups: list[CommGroup]) -> list[CommGroup]:
+    out: list[CommGroup] = []
+    for g in groups:
+        if all(g is not seen for seen in out):
+            out.append(g)
+    return out
+
+
+def _waited(groups: list[CommGroup]) -> float:
+    return sum(g.stats.wait_s for g in groups)

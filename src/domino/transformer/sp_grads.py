@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.placement import placement_of
 from domino.transformer.exits import Exit
 from domino.transformer.layer import Block
 
@@ -35,7 +36,7 @@ class ShardGrads:
                           for b, e in zip(blocks, exits, strict=True)]
         self.tail = [*(final_norm.parameters() if final_norm is not None else []),
                      *(p for p in (prologue.parameters() if prologue is not None else [])
-                       if not getattr(p, "tensor_model_parallel", False))]
+                       if placement_of(p).shard != "tp")]
         self.before: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for p in [*(p for ps in self.per_block for p in ps), *self.tail]:
             if p.requires_grad and id(p) not in self.before:
