@@ -14,6 +14,7 @@ from domino.cli import main
 from domino.config import TransformerConfig
 from domino.data import BPETokenizer, ByteTokenizer, IndexedDatasetBuilder, preprocess
 from domino.data.preprocess import stdlib_corpus_files
+from domino.runtime import SEED_SPELLING
 from domino.training import arguments
 from domino.training.arguments import TrainArgs, resolve_args, to_toml
 from domino.training.optim import learning_rate
@@ -103,6 +104,7 @@ def test_config_layering_and_round_trip(tmp_path) -> None:
 
 def test_help_comes_from_config_metadata() -> None:
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(TransformerConfig)}
+    helps.update((name, text) for name, (_, text) in SEED_SPELLING.items())  # domino_* & co
     for name in ("num_layers", "hidden_size", "domino_overlap", "hidden_dropout"):
         assert arguments.help_text(name) == helps[name]
     import argparse

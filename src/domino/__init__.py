@@ -12,17 +12,19 @@ _EXPORTS = {
     "TransformerConfig": "domino.config",
     "ParallelState": "domino.parallel_state",
     "Plan": "domino.plan",
+    "RuntimeConfig": "domino.runtime",
     "AttnMaskType": "domino.enums",
     "LayerType": "domino.enums",
 }
-__all__ = ["TransformerConfig", "ParallelState", "Plan", "AttnMaskType", "LayerType",
-           "__version__"]
+__all__ = ["TransformerConfig", "ParallelState", "Plan", "RuntimeConfig", "AttnMaskType",
+           "LayerType", "__version__"]
 
 if TYPE_CHECKING:
     from domino.config import TransformerConfig
     from domino.enums import AttnMaskType, LayerType
     from domino.parallel_state import ParallelState
     from domino.plan import Plan
+    from domino.runtime import RuntimeConfig
 
 
 def __getattr__(name: str):

@@ -10,18 +10,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
 
-from domino.plan import Plan, check_fields
+from domino.runtime import SEED_SPELLING, RuntimeConfig
 from domino.utils import init_method_normal, scaled_init_method_normal
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
-RECOMPUTE_GRANULARITIES = ("full", "selective")
 ROPE_SCALING_TYPES = ("llama3",)
 
 
@@ -29,8 +28,9 @@ ROPE_SCALING_TYPES = ("llama3",)
 class TransformerConfig:
     """Architecture and initialisation of a transformer language model.
 
-    The ``domino_*`` fields are the seed-compatible way to give the default Domino schedule
-    (``Plan.from_config``); a model built with an explicit ``plan=`` ignores them.
+    How it runs (Domino plan, sequence parallelism, recomputation) is a
+    :class:`~domino.runtime.RuntimeConfig` passed to the model; the seed's keywords for those
+    (``domino_*``, ``sequence_parallel``, ``recompute_granularity``) build the default one.
     """
 
     num_layers: int = field(metadata={"help": "Number of transformer layers (encoder)."})
@@ -52,14 +52,16 @@ class TransformerConfig:
         default=1024, metadata={"help": "Size of the learned position table / longest sequence."})
     seq_length: int = field(default=1024, metadata={"help": "Training sequence length."})
     position_embedding_type: str = field(
-        default="learned_absolute", metadata={"help": "learned_absolute, rope or none."})
+        default="learned_absolute",
+        metadata={"help": "learned_absolute, rope or none.", "choices": POSITION_EMBEDDING_TYPES})
     rotary_percent: float = field(
         default=1.0, metadata={"help": "Fraction of each head's channels that RoPE rotates."})
     rotary_base: float = field(default=10000.0, metadata={"help": "RoPE base period (theta)."})
     rotary_seq_len_interpolation_factor: float | None = field(
         default=None, metadata={"help": "Divide RoPE positions by this (position interpolation)."})
     rope_scaling_type: str | None = field(
-        default=None, metadata={"help": "RoPE frequency scaling: llama3 (Llama 3.1's), or none."})
+        default=None, metadata={"help": "RoPE frequency scaling: llama3 (Llama 3.1's), or none.",
+                                "choices": ROPE_SCALING_TYPES})
     rope_scaling_factor: float = field(
         default=8.0, metadata={"help": "llama3 RoPE scaling: how much longer the context gets."})
     rope_low_freq_factor: float = field(
@@ -69,7 +71,8 @@ class TransformerConfig:
     rope_original_max_position_embeddings: int = field(
         default=8192,
         metadata={"help": "llama3 RoPE scaling: the context length before scaling."})
-    normalization: str = field(default="LayerNorm", metadata={"help": "LayerNorm or RMSNorm."})
+    normalization: str = field(
+        default="LayerNorm", metadata={"help": "LayerNorm or RMSNorm.", "choices": NORMALIZATIONS})
     activation: str = field(
         default="gelu",
         metadata={"help": "MLP activation: gelu (exact), gelu_tanh (GPT-2's tanh approximation) "
@@ -92,26 +95,18 @@ class TransformerConfig:
     params_dtype: torch.dtype = field(default=torch.float32, metadata={"help": "Parameter dtype."})
     attention_softmax_in_fp32: bool = field(
         default=True, metadata={"help": "Compute the attention softmax in fp32."})
-    domino_micro_batches: int = field(
-        default=2, metadata={"help": "Domino: split each batch into this many micro-batches."})
-    domino_overlap: str = field(
-        default="cross_layer", metadata={"help": "Domino overlap: none, intra_layer, cross_layer."})
-    domino_column_chunks: int = field(
-        default=1, metadata={"help": "Domino: split row-parallel GEMM outputs into column chunks."})
-    recompute_granularity: str | None = field(
-        default=None,
-        metadata={"help": "Activation recomputation (Megatron's names): full (every piece of "
-                          "every layer is recomputed in backward from its inputs) or selective "
-                          "(the core attention only); None keeps every activation."})
-    sequence_parallel: bool = field(
-        default=False,
-        metadata={"help": "Sequence parallelism (Megatron's name): norms, dropout and residuals "
-                          "run on this TP rank's 1/tp of the sequence; each TP all-reduce becomes "
-                          "an all-gather before the column-parallel GEMM and a reduce-scatter "
-                          "after the row-parallel one. Training and plain forwards only: a "
-                          "forward with a KV cache runs without it (same weights, same math)."})
+    # -- Run-time choices in the seed's (Megatron's) spelling: constructor keywords only, not
+    # part of the model (not in fields(), to_dict(), architecture() or ==). They build the
+    # default RuntimeConfig, ``config.runtime()``, that a model built without ``runtime=`` runs.
+    domino_micro_batches: InitVar[int] = SEED_SPELLING["domino_micro_batches"][0]
+    domino_overlap: InitVar[str] = SEED_SPELLING["domino_overlap"][0]
+    domino_column_chunks: InitVar[int] = SEED_SPELLING["domino_column_chunks"][0]
+    recompute_granularity: InitVar[str | None] = SEED_SPELLING["recompute_granularity"][0]
+    sequence_parallel: InitVar[bool] = SEED_SPELLING["sequence_parallel"][0]
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, domino_micro_batches: int, domino_overlap: str,
+                      domino_column_chunks: int, recompute_granularity: str | None,
+                      sequence_parallel: bool) -> None:
         _positive(self, "num_layers", "hidden_size", "num_attention_heads",
                   "make_vocab_size_divisible_by", "max_position_embeddings", "seq_length")
         if self.vocab_size < 0:
@@ -138,11 +133,11 @@ class TransformerConfig:
         _choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         _choice(self, "normalization", NORMALIZATIONS)
         _choice(self, "activation", ACTIVATIONS)
-        if self.recompute_granularity is not None:
-            _choice(self, "recompute_granularity", RECOMPUTE_GRANULARITIES)
-        check_fields(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks,
-                     "domino_{}".format)
-        Plan.from_config(self).check_width(self.hidden_size)
+        self._runtime = RuntimeConfig.from_seed(
+            domino_micro_batches=domino_micro_batches, domino_overlap=domino_overlap,
+            domino_column_chunks=domino_column_chunks, sequence_parallel=sequence_parallel,
+            recompute_granularity=recompute_granularity)
+        self._runtime.plan.check_width(self.hidden_size)
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
@@ -203,11 +198,11 @@ class TransformerConfig:
                 raise ValueError(
                     f"{name}={value} is not divisible by tensor_model_parallel_size={tp_size}; "
                     f"choose a TP size that divides {name} (or change {name}).")
-        if self.sequence_parallel and tp_size > 1 and self.seq_length % tp_size:
-            raise ValueError(
-                f"sequence_parallel needs seq_length divisible by tensor_model_parallel_size: "
-                f"seq_length={self.seq_length} is not divisible by {tp_size}; choose a sequence "
-                f"length that is a multiple of {tp_size} (or turn sequence_parallel off).")
+
+    def runtime(self) -> RuntimeConfig:
+        """The run-time config the seed's keywords (``domino_*``, ``sequence_parallel``,
+        ``recompute_granularity``) asked for: what a model built without ``runtime=`` runs."""
+        return self._runtime
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-able values (the init callables are left out: they only matter
@@ -222,12 +217,14 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are an error (ValueError)."""
+        """Inverse of :meth:`to_dict`; unknown keys are an error (ValueError). The run-time
+        keys that records written before the split held (``domino_*``, ...) are skipped: a
+        checkpoint keeps its plan in its own record."""
         known = {f.name for f in dataclasses.fields(cls)} - _NOT_SAVED
+        values = {k: v for k, v in values.items() if k not in SEED_SPELLING}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields {unknown}")
-        values = dict(values)
         if "params_dtype" in values:
             dtype = getattr(torch, str(values["params_dtype"]), None)
             if not isinstance(dtype, torch.dtype):
@@ -255,6 +252,25 @@ class TransformerConfig:
         multiple = self.make_vocab_size_divisible_by * tp_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
+
+def _seed_alias(name: str) -> property:
+    """``config.<name>``: the seed spelling of ``config.runtime()``, read and (as the seed's
+    code may) set; the library itself reads ``runtime()``."""
+
+    def get(self: TransformerConfig) -> Any:
+        return self._runtime.seed_spelling()[name]
+
+    def set_(self: TransformerConfig, value: Any) -> None:
+        runtime = RuntimeConfig.from_seed(**{**self._runtime.seed_spelling(), name: value})
+        runtime.plan.check_width(self.hidden_size)
+        self._runtime = runtime
+
+    return property(get, set_, doc=SEED_SPELLING[name][1])
+
+
+# After the dataclass is made: its __init__ keeps the keyword defaults, reads go to runtime().
+for _name in SEED_SPELLING:
+    setattr(TransformerConfig, _name, _seed_alias(_name))
 
 _NOT_SAVED = {"init_method", "output_layer_init_method"}
 

@@ -1,8 +1,8 @@
 """The Domino schedule as one value: how many micro-batches, which overlap, how many column chunks.
 
 A :class:`Plan` is what every part of the library that chooses or runs a schedule shares: the
-model (``DominoTransformer(config, state, plan=...)``), ``domino train``'s flags, the benchmark's
-modes and the autotuner. It has one text form, ``m<N>:<none|intra|cross>[:c<K>]`` (``c1`` is
+model's run-time config (:class:`~domino.runtime.RuntimeConfig`, or the constructors' ``plan=``
+shortcut), ``domino train``'s flags, the benchmark's modes and the autotuner. It has one text form, ``m<N>:<none|intra|cross>[:c<K>]`` (``c1`` is
 left out), read by :meth:`Plan.parse` and written by ``str(plan)``, and one set of rules
 (:func:`check_fields`, :meth:`Plan.check_fits`, :meth:`Plan.check_width`) whose messages name
 whatever the caller calls the values (a config field, a flag, a benchmark mode).
@@ -62,12 +62,6 @@ class Plan:
     def __str__(self) -> str:
         text = f"m{self.micro_batches}:{_SHORT[self.overlap]}"
         return text if self.column_chunks == 1 else f"{text}:c{self.column_chunks}"
-
-    @classmethod
-    def from_config(cls, config: Any) -> Plan:
-        """The default plan of a model config (its ``domino_*`` fields, the seed's spelling)."""
-        return cls(config.domino_micro_batches, config.domino_overlap,
-                   config.domino_column_chunks)
 
     @property
     def splits(self) -> bool:

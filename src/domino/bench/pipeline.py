@@ -16,7 +16,7 @@ import torch
 
 from domino.bench.hooks import BenchHook
 from domino.bench.memory import quiet_fd2
-from domino.bench.spec import build_config, layouts
+from domino.bench.spec import build_config, build_runtime, layouts
 from domino.bench.timeline import Timeline
 from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
@@ -32,7 +32,7 @@ class PipelineBench:
         self.spec, self.state = spec, state
         config = build_config(spec)
         self.layouts = layouts(spec)
-        plan = Plan.parse(spec["plan"])
+        runtime = build_runtime(spec, Plan.parse(spec["plan"]))
         self.models: dict[tuple, PipelineModel] = {}
         self.runners: dict[str, PipelineRunner] = {}
         m, s, b = spec["pipeline_micro_batches"], spec["seq_length"], spec["micro_batch_size"]
@@ -40,7 +40,7 @@ class PipelineBench:
             key = layout.bounds
             if key not in self.models:
                 torch.manual_seed(spec["seed"])
-                self.models[key] = PipelineModel(config, state, layout, plan=plan)
+                self.models[key] = PipelineModel(config, state, layout, runtime=runtime)
             self.runners[schedule] = PipelineRunner(self.models[key], schedule, m, s, b,
                                                     record=True)
         gen = torch.Generator().manual_seed(spec["seed"] + 1)

@@ -19,6 +19,7 @@ from domino.netem import check_can_emulate, parse_rate
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
 from domino.plan import Plan
+from domino.runtime import DEFAULT_PLAN, RuntimeConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
@@ -43,8 +44,12 @@ def build_config(spec: dict[str, Any]) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=spec.get("attention_dropout") or 0.0,
         params_dtype=DTYPES[spec["dtype"]],
-        recompute_granularity=spec.get("recompute_granularity"),
     )
+
+
+def build_runtime(spec: dict[str, Any], plan: Plan = DEFAULT_PLAN) -> RuntimeConfig:
+    """How the spec's model runs (the modes then swap the plan and sequence parallelism)."""
+    return RuntimeConfig(plan=plan, recompute_granularity=spec.get("recompute_granularity"))
 
 
 def layouts(spec: dict[str, Any]) -> dict[str, Layout]:
@@ -134,6 +139,7 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
             "attention_dropout", "shared_memory_comm")}
     build_config(spec).validate_parallel(tp)
+    build_runtime(spec)  # (its checks)
     _check_modes(modes, args)
     spec["modes"] = [m.name for m in modes]
     spec["device"] = resolve_device(args.device, tp)
@@ -197,6 +203,7 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
                 stage_layers=counts,
                 world_size=p * tp, ranks_per_host=tp, hosts=p, trace=args.out_dir is not None)
     build_config(spec).validate_parallel(tp)
+    build_runtime(spec)  # (its checks)
     plan.check_fits(args.micro_batch_size, what=f"--plan {args.plan}",
                     batch_name="--micro-batch-size")
     layouts(spec)  # every schedule fits the layers and pipeline micro-batches

@@ -23,7 +23,7 @@ from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
 from domino.bench.probe import probe_allreduce
-from domino.bench.spec import build_config
+from domino.bench.spec import build_config, build_runtime
 from domino.bench.timeline import Timeline
 from domino.distributed import init_distributed, shutdown_distributed
 from domino.enums import AttnMaskType
@@ -62,7 +62,8 @@ class _Bench:
         if spec["model"] == "stack":
             from domino.transformer import DominoTransformer
 
-            stack = DominoTransformer(config, state, self_attn_mask_type=AttnMaskType.causal)
+            stack = DominoTransformer(config, state, self_attn_mask_type=AttnMaskType.causal,
+                                      runtime=build_runtime(spec))
             self.model: torch.nn.Module = stack
             x = torch.randn(s, b, h, generator=gen).to(device, dtype)  # [s, b, h]
             w = torch.randn(s, b, h, generator=gen).to(device, dtype)
@@ -77,7 +78,7 @@ class _Bench:
         else:
             from domino.models.gpt import GPTModel
 
-            gpt = GPTModel(config, parallel_state=state)
+            gpt = GPTModel(config, parallel_state=state, runtime=build_runtime(spec))
             self.model = gpt
             ids = torch.randint(0, spec["vocab_size"], (b, s + 1), generator=gen).to(device)
             tokens, labels = ids[:, :-1], ids[:, 1:]  # [b, s]

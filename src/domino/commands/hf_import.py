@@ -17,6 +17,7 @@ from domino.checkpoint.hf_import import hf_file, import_hf
 from domino.checkpoint.layout import CheckpointError, Meta
 from domino.commands.convert import write_run_config
 from domino.config import TransformerConfig
+from domino.training import model_flags
 from domino.utils import check_output_dir, removed_on_error
 
 
@@ -31,29 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_settings(config: TransformerConfig, tokenizer_dir: Path, tp: int) -> dict[str, Any]:
     """`domino train` settings that build this model with this tokenizer."""
-    values = dict(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.ffn_hidden_size,
-        num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
-        seq_length=config.seq_length, max_position_embeddings=config.max_position_embeddings,
-        position_embedding_type=config.position_embedding_type,
-        normalization=config.normalization, swiglu=config.activation == "swiglu",
-        openai_gelu=config.activation == "gelu_tanh",
-        disable_bias_linear=not config.add_bias_linear, norm_epsilon=config.layernorm_epsilon,
-        rotary_base=config.rotary_base, rotary_percent=config.rotary_percent,
-        rotary_seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
-        rope_scaling_type=config.rope_scaling_type,
-        rope_scaling_factor=config.rope_scaling_factor,
-        rope_low_freq_factor=config.rope_low_freq_factor,
-        rope_high_freq_factor=config.rope_high_freq_factor,
-        rope_original_max_position_embeddings=config.rope_original_max_position_embeddings,
-        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
-        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
-        init_method_std=config.init_method_std, tokenizer_type="hf",
-        tokenizer_dir=str(tokenizer_dir.resolve()), tensor_model_parallel_size=tp)
-    return values
-
+    return {**model_flags.train_settings(config), "tokenizer_type": "hf",
+            "tokenizer_dir": str(tokenizer_dir.resolve()), "tensor_model_parallel_size": tp}
 
 
 def run(ns: argparse.Namespace) -> int:

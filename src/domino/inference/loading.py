@@ -12,6 +12,7 @@ from domino.checkpoint.store import load_model, load_tokenizer
 from domino.config import TransformerConfig
 from domino.models.gpt import GPTModel
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig
 
 
 def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
@@ -19,13 +20,13 @@ def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
     meta = Meta.from_json(layout.read_json(step_dir / layout.META, "checkpoint record"),
                           step_dir / layout.META)
     config = TransformerConfig.from_dict(meta.config)
-    # Sequence parallelism is a training-memory layout of the same weights; inference feeds
-    # sequences of any length (and KV-cache steps of one token), so it runs without it.
-    config.sequence_parallel = False
     if plan is None and meta.plan:
         plan = Plan.parse(meta.plan)
+    # Sequence parallelism is a training-memory layout of the same weights; inference feeds
+    # sequences of any length (and KV-cache steps of one token), so it runs without it.
+    runtime = RuntimeConfig(plan=plan) if plan is not None else RuntimeConfig()
     torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
-    model = GPTModel(config, parallel_state=state, plan=plan)
+    model = GPTModel(config, parallel_state=state, runtime=runtime)
     load_model(step_dir, meta, model, state)
     model.eval()
     return model, config, load_tokenizer(step_dir, meta), meta

@@ -41,9 +41,7 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
     step_dir, meta, _ = open_checkpoint(ns.checkpoint, hashes=True)
-    saved = TransformerConfig.from_dict(meta.config)
-    saved.sequence_parallel = False  # as load_saved_model runs it
-    saved.validate_parallel(tp)
+    TransformerConfig.from_dict(meta.config).validate_parallel(tp)  # (run without SP)
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu")

@@ -13,6 +13,7 @@ from domino.megatron_compat import resolve
 from domino.models.language_model import get_language_model, parallel_lm_logits
 from domino.parallel_state import ParallelState
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig
 from domino.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     mask_padded_logits,
@@ -34,10 +35,12 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, num_tokentypes: int = 0,
                  parallel_output: bool = True, pre_process: bool = True,
                  post_process: bool = True, *, parallel_state: ParallelState | None = None,
-                 label_smoothing: float = 0.0, plan: Plan | None = None,
-                 layers: tuple[int, int] | None = None) -> None:
+                 label_smoothing: float = 0.0, runtime: RuntimeConfig | None = None,
+                 plan: Plan | None = None, layers: tuple[int, int] | None = None) -> None:
         """``pre_process`` / ``post_process`` / ``layers`` cut the model into a pipeline stage:
-        the embedding, the layers ``layers[0]`` .. ``layers[1] - 1``, the final norm and head."""
+        the embedding, the layers ``layers[0]`` .. ``layers[1] - 1``, the final norm and head.
+        ``runtime``: how it runs (default ``config.runtime()``); ``plan``: a shortcut for its
+        Domino schedule."""
         super().__init__()
         state = resolve(parallel_state)
         self.config, self.state = config, state
@@ -46,8 +49,8 @@ class GPTModel(nn.Module):
         self.label_smoothing = label_smoothing
         self.language_model, _ = get_language_model(
             config, num_tokentypes, add_pooler=False, encoder_attn_mask_type=AttnMaskType.causal,
-            pre_process=pre_process, post_process=post_process, parallel_state=state, plan=plan,
-            layers=layers)
+            pre_process=pre_process, post_process=post_process, parallel_state=state,
+            runtime=runtime, plan=plan, layers=layers)
         if post_process and not pre_process and not config.untie_embeddings_and_output_weights:
             # Last pipeline stage with tied weights: its own copy, drawn as the embedding's word
             # table is (the same seeded stream, first draw); a pipeline trainer keeps the two

@@ -4,7 +4,8 @@ parallel_lm_logits and get_language_model, over Domino transformers.
 Shapes: token ids and position ids are [b, s] at the API edge; hidden states are [s, b, h].
 Every constructor also takes an optional ``parallel_state`` (default: the current one from
 ``domino.parallel_state``, or single-process when none was initialised); the models also take
-``plan`` (the Domino schedule of their transformers; default from the config's ``domino_*``).
+``runtime`` (a :class:`~domino.runtime.RuntimeConfig`: how their transformers run; default
+``config.runtime()``, the seed's keywords) and ``plan`` (a shortcut for its Domino schedule).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from domino.enums import AttnMaskType, LayerType
 from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig, resolve_runtime
 from domino.tensor_parallel import (
     ColumnParallelLinear,
     CommGroup,
@@ -219,12 +221,14 @@ class TransformerLanguageModel(nn.Module):
                  num_tokentypes: int = 0, add_encoder: bool = True, add_decoder: bool = False,
                  decoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  add_pooler: bool = False, pre_process: bool = True, post_process: bool = True,
-                 *, parallel_state: ParallelState | None = None, plan: Plan | None = None,
+                 *, parallel_state: ParallelState | None = None,
+                 runtime: RuntimeConfig | None = None, plan: Plan | None = None,
                  layers: tuple[int, int] | None = None) -> None:
         """``layers`` = (first, end) of the encoder's layers this pipeline stage holds
         (default: all); the decoder of an encoder-decoder model is not pipelined."""
         super().__init__()
         state = resolve(parallel_state)
+        runtime = resolve_runtime(config, runtime, plan)
         config.validate_parallel(state.tp.size)
         if not (add_encoder or add_decoder):
             raise ValueError("a language model needs add_encoder or add_decoder (or both).")
@@ -262,10 +266,10 @@ class TransformerLanguageModel(nn.Module):
             raise ValueError("an encoder-decoder model is not split into pipeline stages")
         self.encoder = (DominoTransformer(config, state, LayerType.encoder, encoder_attn_mask_type,
                                           pre_process, post_process, num_layers=end - first,
-                                          plan=plan, layer_offset=first)
+                                          runtime=runtime, layer_offset=first)
                         if add_encoder else None)
         self.decoder = (DominoTransformer(config, state, LayerType.decoder, decoder_attn_mask_type,
-                                          pre_process, post_process, plan=plan)
+                                          pre_process, post_process, runtime=runtime)
                         if add_decoder else None)
         if post_process and add_pooler:
             with init_scope("pooler"):
@@ -379,14 +383,15 @@ def get_language_model(config: TransformerConfig, num_tokentypes: int, add_poole
                        add_decoder: bool = False,
                        decoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                        pre_process: bool = True, post_process: bool = True, *,
-                       parallel_state: ParallelState | None = None, plan: Plan | None = None,
+                       parallel_state: ParallelState | None = None,
+                       runtime: RuntimeConfig | None = None, plan: Plan | None = None,
                        layers: tuple[int, int] | None = None):
     """Build a :class:`TransformerLanguageModel`; returns ``(model, "language_model")``."""
     model = TransformerLanguageModel(
         config, encoder_attn_mask_type, num_tokentypes=num_tokentypes, add_encoder=add_encoder,
         add_decoder=add_decoder, decoder_attn_mask_type=decoder_attn_mask_type,
         add_pooler=add_pooler, pre_process=pre_process, post_process=post_process,
-        parallel_state=parallel_state, plan=plan, layers=layers)
+        parallel_state=parallel_state, runtime=runtime, plan=plan, layers=layers)
     return model, "language_model"
 
 

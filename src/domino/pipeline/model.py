@@ -14,6 +14,7 @@ from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 from domino.pipeline.partition import Layout
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig, resolve_runtime
 from domino.transformer import Block
 
 
@@ -27,8 +28,12 @@ class PipelineModel(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layout: Layout, *,
-                 plan: Plan | None = None, label_smoothing: float = 0.0) -> None:
+                 runtime: RuntimeConfig | None = None, plan: Plan | None = None,
+                 label_smoothing: float = 0.0) -> None:
+        """``runtime``: how every chunk runs (default ``config.runtime()``); ``plan``: a
+        shortcut for its Domino schedule."""
         super().__init__()
+        runtime = resolve_runtime(config, runtime, plan)
         if layout.stages != state.pp.size:
             raise ValueError(f"the layout has {layout.stages} stages but the pipeline group "
                              f"{state.pp.size} ranks")
@@ -36,7 +41,7 @@ class PipelineModel(nn.Module):
         rank = state.pp.rank
         self.chunks = nn.ModuleList(
             GPTModel(config, pre_process=layout.is_first(rank, c),
-                     post_process=layout.is_last(rank, c), parallel_state=state, plan=plan,
+                     post_process=layout.is_last(rank, c), parallel_state=state, runtime=runtime,
                      layers=layout.layers(rank, c), label_smoothing=label_smoothing)
             for c in range(layout.chunks))
 

@@ -1,7 +1,9 @@
 """`domino train` settings: one flat dataclass, its command-line flags and TOML layering.
 
 Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. Flags follow
-Megatron's names; a flag whose field exists in :class:`TransformerConfig` takes that field's help.
+Megatron's names. The model flags are TransformerConfig's fields (``model_flags``: their names,
+types and help); the run-time flags (``--domino-*``, ``--sequence-parallel``,
+``--recompute-granularity``) make the :class:`~domino.runtime.RuntimeConfig`.
 """
 
 from __future__ import annotations
@@ -17,67 +19,48 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from domino.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, TransformerConfig
+from domino.config import TransformerConfig
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
+from domino.runtime import RECOMPUTE_GRANULARITIES, SEED_SPELLING, RuntimeConfig
+from domino.training import model_flags
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-_MODEL_HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TransformerConfig)}
+# Help of a flag given without its own: the config field's, or the seed keyword's.
+_MODEL_HELP = {**{f.name: f.metadata.get("help", "") for f in dataclasses.fields(TransformerConfig)},
+               **{name: text for name, (_, text) in SEED_SPELLING.items()}}
 
 
 def _f(default: Any, help: str | None = None, group: str = "training",
        choices: tuple[str, ...] | None = None) -> Any:
-    """A field; ``help=None`` takes the help of the TransformerConfig field of the same name."""
+    """A field; ``help=None`` takes the help of the TransformerConfig field or seed keyword of
+    the same name."""
     return field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
+# The model flags (group "model"), one per TransformerConfig field: see model_flags.
+ModelArgs = dataclasses.make_dataclass("ModelArgs", model_flags.model_fields(), kw_only=True)
+ModelArgs.__module__ = __name__
+ModelArgs.__doc__ = "`domino train`'s model flags, derived from TransformerConfig's fields."
+
+
 @dataclass(kw_only=True)
-class TrainArgs:
+class TrainArgs(ModelArgs):
     """Everything a `domino train` run needs (model, parallelism, optimisation, data, output)."""
 
-    # model (help text from TransformerConfig)
-    num_layers: int = _f(4, group="model")
-    hidden_size: int = _f(256, group="model")
-    num_attention_heads: int = _f(4, group="model")
-    ffn_hidden_size: int | None = _f(None, group="model")
-    num_query_groups: int | None = _f(None, group="model")
-    seq_length: int = _f(128, group="model")
-    max_position_embeddings: int | None = _f(
-        None, "Size of the learned position table; default = seq_length.", "model")
-    position_embedding_type: str = _f("learned_absolute", group="model",
-                                      choices=POSITION_EMBEDDING_TYPES)
-    normalization: str = _f("LayerNorm", group="model", choices=NORMALIZATIONS)
-    swiglu: bool = _f(False, "Use the SwiGLU activation in the MLP instead of GeLU.", "model")
-    untie_embeddings_and_output_weights: bool = _f(False, group="model")
-    openai_gelu: bool = _f(False, "GeLU with the tanh approximation (GPT-2's gelu_new) instead "
-                           "of the exact one.", "model")
-    disable_bias_linear: bool = _f(False, "No biases in the linear layers (Llama).", "model")
-    kv_channels: int | None = _f(None, group="model")
-    norm_epsilon: float = _f(1e-5, "Epsilon of the LayerNorm / RMSNorm layers.", "model")
-    rotary_base: float = _f(10000.0, group="model")
-    rotary_percent: float = _f(1.0, group="model")
-    rotary_seq_len_interpolation_factor: float | None = _f(None, group="model")
-    rope_scaling_type: str | None = _f(None, group="model", choices=("llama3",))
-    rope_scaling_factor: float = _f(8.0, group="model")
-    rope_low_freq_factor: float = _f(1.0, group="model")
-    rope_high_freq_factor: float = _f(4.0, group="model")
-    rope_original_max_position_embeddings: int = _f(8192, group="model")
-    hidden_dropout: float = _f(0.0, group="model")
-    attention_dropout: float = _f(0.0, group="model")
-    init_method_std: float = _f(0.02, group="model")
-    make_vocab_size_divisible_by: int = _f(128, group="model")
+    # how the model runs (RuntimeConfig): its flags sit with the model's
     recompute_granularity: str | None = _f(
         None, "Activation recomputation: full (every layer's pieces are rerun in backward from "
         "their inputs) or selective (the core attention only); saves memory for compute.",
-        "model", ("full", "selective"))
-    domino_micro_batches: int = _f(2, group="model")
-    domino_overlap: str = _f("cross_layer", group="model")
-    domino_column_chunks: int = _f(1, group="model")
+        "model", RECOMPUTE_GRANULARITIES)
+    domino_micro_batches: int = _f(SEED_SPELLING["domino_micro_batches"][0], group="model")
+    domino_overlap: str = _f(SEED_SPELLING["domino_overlap"][0], group="model")
+    domino_column_chunks: int = _f(SEED_SPELLING["domino_column_chunks"][0], group="model")
     domino_autotune: bool = _f(
         False, "Before training, time sync TP and cross-layer Domino with 2-4 micro-batches x 1-2 "
         "column chunks on the first batch and train with the fastest (all ranks agree; replaces "
@@ -245,6 +228,12 @@ class TrainArgs:
     def plan(self) -> Plan:
         """The Domino schedule these settings ask for (before any autotuning)."""
         return Plan(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks)
+
+    def runtime(self) -> RuntimeConfig:
+        """How the model runs: the plan (before any autotuning), sequence parallelism and
+        recomputation."""
+        return RuntimeConfig(plan=self.plan(), sequence_parallel=self.sequence_parallel,
+                             recompute_granularity=self.recompute_granularity)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

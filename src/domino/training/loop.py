@@ -81,14 +81,14 @@ class Trainer:
         if pp.size > 1:
             layout = args.pipeline_layout()
             self.model: torch.nn.Module = PipelineModel(run.config, self.state, layout,
-                                                        plan=run.plan)
+                                                        runtime=run.runtime)
             self.pipeline_micro_batches = args.global_batch_size // (
                 args.micro_batch_size * dp.size)
             self.runner = PipelineRunner(self.model, args.schedule(),
                                          self.pipeline_micro_batches, args.seq_length,
                                          args.micro_batch_size)
         else:
-            self.model = GPTModel(run.config, parallel_state=self.state, plan=run.plan)
+            self.model = GPTModel(run.config, parallel_state=self.state, runtime=run.runtime)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # The gradient reduction, overlapped or not (make_reducer decides); ZeRO-1 with DP > 1.
         self.reducer = make_reducer(self.model, self.params, self.state,

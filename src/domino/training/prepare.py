@@ -1,5 +1,5 @@
-"""What a run is made of, built once: :class:`Run` (settings, model config, plan, tokenizer,
-datasets), and :func:`prepare_run`, which checks everything that can be checked before any
+"""What a run is made of, built once: :class:`Run` (settings, model config, run-time config,
+tokenizer, datasets), and :func:`prepare_run`, which checks everything that can be checked before any
 process starts and fills in the derived settings.
 """
 
@@ -20,6 +20,8 @@ from domino.data.tokenizer import Tokenizer
 from domino.parallel_state import check_sizes
 from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig
+from domino.training import model_flags
 from domino.training.arguments import TrainArgs, field_types
 from domino.training.data import build_datasets, make_tokenizer, prepare_default_corpus
 from domino.training.resume import (
@@ -34,17 +36,23 @@ from domino.utils import removed_on_error
 
 @dataclass(eq=False)
 class Run:
-    """One run's inputs: resolved settings (``args``), the model config, the Domino plan, the
-    tokenizer and the train / validation datasets, and the run folder (None until known)."""
+    """One run's inputs: resolved settings (``args``), the model config, how the model runs
+    (``runtime``: Domino plan, sequence parallelism, recomputation), the tokenizer and the
+    train / validation datasets, and the run folder (None until known)."""
 
     args: TrainArgs
     config: TransformerConfig
-    plan: Plan
+    runtime: RuntimeConfig
     tokenizer: Tokenizer
     train_ds: Any
     valid_ds: Any
     run_dir: Path | None = None
     resume: Resume | None = None  # the checkpoint this run continues from
+
+    @property
+    def plan(self) -> Plan:
+        """The Domino plan asked for (before any autotuning)."""
+        return self.runtime.plan
 
 
 def under_torchrun() -> bool:
@@ -52,31 +60,9 @@ def under_torchrun() -> bool:
 
 
 def model_config(args: TrainArgs, vocab_size: int) -> TransformerConfig:
-    """The TransformerConfig of a run (raises ValueError with the field's message)."""
-    if args.swiglu and args.openai_gelu:
-        raise ValueError("--swiglu and --openai-gelu pick different activations; pass one.")
-    activation = "swiglu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu"
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, vocab_size=vocab_size,
-        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        rope_scaling_type=args.rope_scaling_type, rope_scaling_factor=args.rope_scaling_factor,
-        rope_low_freq_factor=args.rope_low_freq_factor,
-        rope_high_freq_factor=args.rope_high_freq_factor,
-        rope_original_max_position_embeddings=args.rope_original_max_position_embeddings,
-        normalization=args.normalization, activation=activation,
-        add_bias_linear=not args.disable_bias_linear, layernorm_epsilon=args.norm_epsilon,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        recompute_granularity=args.recompute_granularity,
-        sequence_parallel=args.sequence_parallel)
+    """The TransformerConfig of a run (raises ValueError with the field's message); how it
+    runs is ``args.runtime()``."""
+    return model_flags.model_config(args, vocab_size)
 
 
 def default_run_dir() -> Path:
@@ -278,8 +264,10 @@ def build_run(args: TrainArgs, run_dir: Path | None = None,
     ds = open_dataset(args.data_path)
     check_tokenizer(ds, tokenizer)
     config = model_config(args, tokenizer.vocab_size)
+    runtime = args.runtime()
     config.validate_parallel(args.tensor_model_parallel_size)
+    runtime.check(config, args.tensor_model_parallel_size)
     start, consumed = (0, 0) if resume is None else (resume.start_step, resume.consumed)
     train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer),  # split/size checks
                                         start_step=start, consumed_samples=consumed)
-    return Run(args, config, args.plan(), tokenizer, train_ds, valid_ds, run_dir, resume)
+    return Run(args, config, runtime, tokenizer, train_ds, valid_ds, run_dir, resume)

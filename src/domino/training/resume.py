@@ -13,6 +13,7 @@ from domino.checkpoint import layout
 from domino.checkpoint.layout import CheckpointError, Meta, open_checkpoint
 from domino.config import TransformerConfig
 from domino.training.arguments import TrainArgs
+from domino.training.model_flags import flag_label
 from domino.utils import check_output_dir, format_bytes
 
 # What makes a folder hold a run (a folder with only config.* is a launch that never trained).
@@ -21,27 +22,6 @@ RUN_MARKERS = ("metrics.jsonl", layout.CHECKPOINTS)
 RUN_OUTPUTS = (layout.CHECKPOINTS, "metrics.jsonl", "loss_curve.png", "sample.txt",
                "autotune.json", "tensorboard", "config.json", "config.toml")
 BYTES_PER_PARAM_SAVED = 3  # x the parameter size: weights + AdamW's two moments
-
-# How each architecture field is set from `domino train` (for messages that name the flag).
-_FLAG_OF = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
-    "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
-    "kv_channels": "--kv-channels", "num_query_groups": "--num-query-groups",
-    "max_position_embeddings": "--max-position-embeddings",
-    "position_embedding_type": "--position-embedding-type", "rotary_percent": "--rotary-percent",
-    "rotary_base": "--rotary-base", "rope_scaling_type": "--rope-scaling-type",
-    "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor",
-    "rope_scaling_factor": "--rope-scaling-factor",
-    "rope_low_freq_factor": "--rope-low-freq-factor",
-    "rope_high_freq_factor": "--rope-high-freq-factor",
-    "rope_original_max_position_embeddings": "--rope-original-max-position-embeddings",
-    "normalization": "--normalization", "activation": "the activation (--swiglu, --openai-gelu)",
-    "add_bias_linear": "linear biases (--disable-bias-linear)",
-    "layernorm_epsilon": "--norm-epsilon",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "vocab_size": "the vocabulary size (the tokenizer)",
-}
-
 
 @dataclass
 class Resume:
@@ -136,7 +116,7 @@ def check_compatible(args: TrainArgs, run, resume: Resume) -> None:
     diffs = [name for name in sorted(set(mine) | set(theirs))
              if mine.get(name) != theirs.get(name)]
     if diffs:
-        parts = [f"{_FLAG_OF.get(n, 'TransformerConfig.' + n)} is {theirs.get(n)!r} in the "
+        parts = [f"{flag_label(n)} is {theirs.get(n)!r} in the "
                  f"checkpoint but {mine.get(n)!r} here" for n in diffs]
         raise ValueError(
             f"--load {resume.step_dir}: the checkpoint holds another model: {'; '.join(parts)}. "

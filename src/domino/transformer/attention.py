@@ -110,7 +110,7 @@ def _mb_slice(mask: torch.Tensor | None, mb: MicroBatch, b: int) -> torch.Tensor
 
 class _AttentionBase(nn.Module):
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, recompute: bool = False) -> None:
         super().__init__()
         tp = state.tp
         self.layer_number = layer_number
@@ -121,7 +121,7 @@ class _AttentionBase(nn.Module):
         self.q_per_group = divide(config.num_attention_heads, config.num_query_groups)
         self.dropout_p = config.attention_dropout
         self.softmax_fp32 = config.attention_softmax_in_fp32
-        self.recompute = config.recompute_granularity == "selective"
+        self.recompute = recompute  # selective recomputation of the core attention
         self.dense = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, group=tp,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
@@ -148,11 +148,12 @@ class _AttentionBase(nn.Module):
 
 
 class SelfAttention(_AttentionBase):
-    """Multi-head / grouped-query self attention; heads split over TP ranks."""
+    """Multi-head / grouped-query self attention; heads split over TP ranks. ``recompute``:
+    the core attention's activations are recomputed in backward (selective recomputation)."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
-                 device: torch.device | None = None) -> None:
-        super().__init__(config, state, layer_number, device)
+                 device: torch.device | None = None, *, recompute: bool = False) -> None:
+        super().__init__(config, state, layer_number, device, recompute)
         width = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
@@ -197,8 +198,8 @@ class CrossAttention(_AttentionBase):
     """Queries from the decoder, keys/values from the encoder output (``mb.memory``)."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
-                 device: torch.device | None = None) -> None:
-        super().__init__(config, state, layer_number, device)
+                 device: torch.device | None = None, *, recompute: bool = False) -> None:
+        super().__init__(config, state, layer_number, device, recompute)
         self.query = ColumnParallelLinear(
             config.hidden_size, config.num_attention_heads * self.head_dim, group=state.tp,
             bias=config.add_bias_linear, init_method=config.init_method,

@@ -100,19 +100,24 @@ class Block:
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: self attention, cross attention (decoder), MLP."""
+    """Pre-norm transformer layer: self attention, cross attention (decoder), MLP.
+    ``recompute_attention``: selective recomputation of the core attention (a run-time choice,
+    ``RuntimeConfig.recompute_granularity == "selective"``)."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
                  layer_type: LayerType = LayerType.encoder,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, *,
+                 recompute_attention: bool = False) -> None:
         super().__init__()
         self.layer_number, self.layer_type = layer_number, layer_type
         self.config, self.rng = config, state.rng
         self.input_layernorm = build_norm(config, device)
-        self.self_attention = SelfAttention(config, state, layer_number, device)
+        self.self_attention = SelfAttention(config, state, layer_number, device,
+                                            recompute=recompute_attention)
         self.post_attention_layernorm = build_norm(config, device)
         if layer_type == LayerType.decoder:
-            self.inter_attention = CrossAttention(config, state, layer_number, device)
+            self.inter_attention = CrossAttention(config, state, layer_number, device,
+                                                  recompute=recompute_attention)
             self.post_inter_attention_layernorm = build_norm(config, device)
         self.mlp = MLP(config, state, device)
 

@@ -1,8 +1,9 @@
 """DominoTransformer: a stack of layers run by a Domino schedule (a :class:`~domino.plan.Plan`).
 
-The plan is passed in at construction and changes only through :meth:`DominoTransformer.set_plan`
-or, for every stack of a model at once, :func:`set_plan` and the :func:`using_plan` context
-manager (which puts the previous plans back).
+How the stack runs is a :class:`~domino.runtime.RuntimeConfig` (plan, sequence parallelism,
+recomputation) passed in at construction. The plan changes only through
+:meth:`DominoTransformer.set_plan` or, for every stack of a model at once, :func:`set_plan` and
+the :func:`using_plan` context manager (which puts the previous plans back).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from domino.enums import AttnMaskType, LayerType
 from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
 from domino.plan import SYNC, Plan
+from domino.runtime import RuntimeConfig, resolve_runtime
 from domino.transformer.backward import BackwardPass
 from domino.transformer.context import BackwardContext
 from domino.transformer.executor import Executor
@@ -60,11 +62,11 @@ class _ScheduledStack(torch.autograd.Function):
 class DominoTransformer(nn.Module):
     """Transformer stack whose TP all-reduces overlap with computation (the Domino schedule).
 
-    ``plan`` is the schedule (default: ``Plan.from_config(config)``, the config's ``domino_*``
-    fields); :meth:`set_plan` swaps it (same weights, another schedule). Input and output are
-    [s, b, h]; with sequence parallelism (:meth:`sequence_parallel_active`) this rank's
-    sequence shard [s/tp, b, h] of each, and of ``encoder_output`` (masks and RoPE angles
-    still cover the whole sequence).
+    ``runtime`` is how it runs (default: ``config.runtime()``, the seed's keywords); ``plan``
+    is a shortcut for ``runtime.replace(plan=plan)``, and :meth:`set_plan` swaps the plan
+    (same weights, another schedule). Input and output are [s, b, h]; with sequence
+    parallelism (:meth:`sequence_parallel_active`) this rank's sequence shard [s/tp, b, h] of
+    each, and of ``encoder_output`` (masks and RoPE angles still cover the whole sequence).
     """
 
     def __init__(self, config: TransformerConfig, parallel_state: ParallelState | None = None,
@@ -72,10 +74,13 @@ class DominoTransformer(nn.Module):
                  self_attn_mask_type: AttnMaskType = AttnMaskType.padding,
                  pre_process: bool = True, post_process: bool = True,
                  num_layers: int | None = None, device: torch.device | str | None = None, *,
-                 plan: Plan | None = None, layer_offset: int = 0) -> None:
+                 runtime: RuntimeConfig | None = None, plan: Plan | None = None,
+                 layer_offset: int = 0) -> None:
         super().__init__()
         state = resolve(parallel_state)
+        runtime = resolve_runtime(config, runtime, plan)
         config.validate_parallel(state.tp.size)
+        runtime.check(config, state.tp.size)
         device = torch.device(device) if device is not None else state.device
         self.config, self.state = config, state
         self.layer_type, self.self_attn_mask_type = layer_type, self_attn_mask_type
@@ -88,19 +93,30 @@ class DominoTransformer(nn.Module):
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with init_scope(f"{layer_type.name}.layer{i}"):
-                layers.append(TransformerLayer(config, state, i + 1, layer_type, device))
+                layers.append(TransformerLayer(
+                    config, state, i + 1, layer_type, device,
+                    recompute_attention=runtime.recompute_granularity == "selective"))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (build_norm(config, device)
                                 if post_process and config.final_layernorm else None)
-        self._plan, self._force = SYNC, False
-        self.set_plan(plan if plan is not None else Plan.from_config(config))
-        self.sequence_parallel = config.sequence_parallel  # see sequence_parallel_active
+        self._runtime, self._force = runtime, False
+        self.set_plan(runtime.plan)  # its checks
         self.input_tensor: torch.Tensor | None = None
+
+    @property
+    def runtime(self) -> RuntimeConfig:
+        """How this stack runs (its plan as :meth:`set_plan` last set it)."""
+        return self._runtime
 
     @property
     def plan(self) -> Plan:
         """The schedule this stack was given (see :meth:`effective_plan` for the one it runs)."""
-        return self._plan
+        return self._runtime.plan
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism asked for (see :meth:`sequence_parallel_active`)."""
+        return self._runtime.sequence_parallel
 
     def set_plan(self, plan: Plan, *, force: bool = False) -> None:
         """Run later forwards (and their backwards) under ``plan``. ``force`` runs it even
@@ -109,7 +125,7 @@ class DominoTransformer(nn.Module):
             raise TypeError(f"plan must be a domino.plan.Plan, got {type(plan).__name__}; "
                             "build one with Plan(...) or Plan.parse('m2:cross').")
         plan.check_width(self.config.hidden_size, what="the plan's column_chunks")
-        self._plan, self._force = plan, bool(force)
+        self._runtime, self._force = self._runtime.replace(plan=plan), bool(force)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline stages without pre-processing receive their input here."""
@@ -123,7 +139,7 @@ class DominoTransformer(nn.Module):
 
     def sequence_parallel_active(self, inference_params: InferenceParams | None = None) -> bool:
         """Does a forward run sequence parallel: its input and output [s/tp, b, h] this rank's
-        sequence shard? When :attr:`sequence_parallel` is set (from the config) and TP > 1,
+        sequence shard? When :attr:`sequence_parallel` is set (the runtime's) and TP > 1,
         except with a KV cache (incremental decoding feeds a token at a time). What feeds the
         stack and what reads its output (embedding, LM head, pooler, pipeline) ask the same."""
         return (self.sequence_parallel and self.state.tp.size > 1
@@ -212,7 +228,7 @@ class DominoTransformer(nn.Module):
                                   inference_params, rotary_pos_emb, needs_graph)
         executor = Executor(self.blocks(), self.final_layernorm, self.state.tp,
                             self.effective_plan(),
-                            recompute=self.config.recompute_granularity == "full",
+                            recompute=self._runtime.recompute_granularity == "full",
                             sequence_parallel=sp)
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
@@ -271,13 +287,13 @@ def using_plan(model: nn.Module, plan: Plan, *, force: bool = False) -> Iterator
 def using_sequence_parallel(model: nn.Module, on: bool) -> Iterator[None]:
     """Run the enclosed code with sequence parallelism ``on`` (or off) in every
     DominoTransformer of ``model`` (what the bench compares; a model normally keeps its
-    config's setting); their own settings are back afterwards, also when the code raises."""
+    runtime's setting); their own settings are back afterwards, also when the code raises."""
     stacks = stacks_of(model)
     saved = [s.sequence_parallel for s in stacks]
     try:
         for s in stacks:
-            s.sequence_parallel = bool(on)
+            s._runtime = s._runtime.replace(sequence_parallel=bool(on))
         yield
     finally:
         for s, before in zip(stacks, saved, strict=True):
-            s.sequence_parallel = before
+            s._runtime = s._runtime.replace(sequence_parallel=before)

@@ -1,0 +1,127 @@
+"""How a model runs, apart from what it is: :class:`RuntimeConfig`.
+
+A :class:`~domino.config.TransformerConfig` is the architecture (what a checkpoint records). The
+choices that change how the same weights are computed - the Domino schedule (a
+:class:`~domino.plan.Plan`), sequence parallelism, activation recomputation (and, with the next
+capabilities, precision and compilation) - live in one frozen value passed to the model
+constructors (``GPTModel(config, runtime=...)``, ``TransformerLanguageModel``,
+``DominoTransformer``, ``PipelineModel``) and read where they act.
+
+The seed's (Megatron's) spelling - ``TransformerConfig(..., domino_micro_batches=...,
+domino_overlap=..., domino_column_chunks=..., sequence_parallel=..., recompute_granularity=...)``
+- still builds the default one: :meth:`RuntimeConfig.from_seed`, read back by
+``config.runtime()``, is what a model built without ``runtime=`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from domino.plan import Plan, check_fields
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
+
+# The seed's constructor spelling of the run-time choices (TransformerConfig keywords and
+# `domino train` flags): name -> (default, help).
+SEED_SPELLING: dict[str, tuple[Any, str]] = {
+    "domino_micro_batches": (
+        DEFAULT_PLAN.micro_batches, "Domino: split each batch into this many micro-batches."),
+    "domino_overlap": (
+        DEFAULT_PLAN.overlap, "Domino overlap: none, intra_layer, cross_layer."),
+    "domino_column_chunks": (
+        DEFAULT_PLAN.column_chunks,
+        "Domino: split row-parallel GEMM outputs into column chunks."),
+    "recompute_granularity": (
+        None, "Activation recomputation (Megatron's names): full (every piece of every layer is "
+              "recomputed in backward from its inputs) or selective (the core attention only); "
+              "None keeps every activation."),
+    "sequence_parallel": (
+        False, "Sequence parallelism (Megatron's name): norms, dropout and residuals run on this "
+               "TP rank's 1/tp of the sequence; each TP all-reduce becomes an all-gather before "
+               "the column-parallel GEMM and a reduce-scatter after the row-parallel one. "
+               "Training and plain forwards only: a forward with a KV cache runs without it "
+               "(same weights, same math)."),
+}
+
+
+class _Model(Protocol):  # what check() reads of a TransformerConfig (no import: config imports us)
+    hidden_size: int
+    seq_length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """The run-time choices of a model: same weights, another way of computing them."""
+
+    plan: Plan = field(
+        default=DEFAULT_PLAN,
+        metadata={"help": "The Domino schedule (micro-batches, overlap, column chunks)."})
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": SEED_SPELLING["sequence_parallel"][1]})
+    recompute_granularity: str | None = field(
+        default=None, metadata={"help": SEED_SPELLING["recompute_granularity"][1]})
+    # Precision and compilation (bf16 compute weights, torch.compile per piece) belong here.
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, Plan):
+            raise TypeError(f"plan must be a domino.plan.Plan, got {type(self.plan).__name__}; "
+                            "build one with Plan(...) or Plan.parse('m2:cross').")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or "
+                             "False.")
+        if (self.recompute_granularity is not None
+                and self.recompute_granularity not in RECOMPUTE_GRANULARITIES):
+            raise ValueError(
+                f"recompute_granularity={self.recompute_granularity!r} is not one of "
+                f"{', '.join(RECOMPUTE_GRANULARITIES)} (or None: keep every activation).")
+
+    @classmethod
+    def from_seed(cls, *, domino_micro_batches: int = DEFAULT_PLAN.micro_batches,
+                  domino_overlap: str = DEFAULT_PLAN.overlap,
+                  domino_column_chunks: int = DEFAULT_PLAN.column_chunks,
+                  sequence_parallel: bool = False,
+                  recompute_granularity: str | None = None) -> RuntimeConfig:
+        """The run-time config the seed's spelling asks for (messages name those keywords)."""
+        check_fields(domino_micro_batches, domino_overlap, domino_column_chunks,
+                     "domino_{}".format)
+        return cls(plan=Plan(domino_micro_batches, domino_overlap, domino_column_chunks),
+                   sequence_parallel=sequence_parallel,
+                   recompute_granularity=recompute_granularity)
+
+    def seed_spelling(self) -> dict[str, Any]:
+        """Inverse of :meth:`from_seed`: this config in the seed's keywords."""
+        return {"domino_micro_batches": self.plan.micro_batches,
+                "domino_overlap": self.plan.overlap,
+                "domino_column_chunks": self.plan.column_chunks,
+                "recompute_granularity": self.recompute_granularity,
+                "sequence_parallel": self.sequence_parallel}
+
+    def replace(self, **changes: Any) -> RuntimeConfig:
+        """A copy with ``changes`` (validated like a new one)."""
+        return dataclasses.replace(self, **changes)
+
+    def check(self, config: _Model, tp_size: int) -> None:
+        """Raise ValueError unless this runs ``config``'s model over ``tp_size`` TP ranks."""
+        self.plan.check_width(config.hidden_size, what="the plan's column_chunks")
+        if self.sequence_parallel and tp_size > 1 and config.seq_length % tp_size:
+            raise ValueError(
+                f"sequence_parallel needs seq_length divisible by tensor_model_parallel_size: "
+                f"seq_length={config.seq_length} is not divisible by {tp_size}; choose a sequence "
+                f"length that is a multiple of {tp_size} (or turn sequence_parallel off).")
+
+
+def resolve_runtime(config: Any, runtime: RuntimeConfig | None,
+                    plan: Plan | None = None) -> RuntimeConfig:
+    """What a model constructor runs: ``runtime``, else the config's seed-spelled default
+    (``config.runtime()``); ``plan`` is a shortcut for ``runtime.replace(plan=plan)``."""
+    if runtime is not None and not isinstance(runtime, RuntimeConfig):
+        raise TypeError(f"runtime must be a domino.runtime.RuntimeConfig, got "
+                        f"{type(runtime).__name__}.")
+    if runtime is not None and plan is not None:
+        raise ValueError("pass the plan inside runtime= (RuntimeConfig(plan=...)) or as plan=, "
+                         "not both.")
+    base = runtime if runtime is not None else config.runtime()
+    return base if plan is None else base.replace(plan=plan)
