@@ -243,8 +243,8 @@ def test_sequence_parallel_validation() -> None:
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=10,
                             sequence_parallel=True)
     with pytest.raises(ValueError, match="seq_length=10 is not divisible by 4"):
-        cfg.validate_parallel(4)
-    cfg.validate_parallel(2)
+        cfg.runtime().check(cfg, 4)  # the run-time config's check (the model's is SP-free)
+    cfg.runtime().check(cfg, 2)
     state = ParallelState(tp=CommGroup(size=2, rank=0, enabled=False))
     model = GPTModel(config(hidden_size=32, num_attention_heads=4, vocab_size=64,
                             sequence_parallel=True), parallel_state=state)
