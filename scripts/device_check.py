@@ -135,7 +135,9 @@ def _rank(rank: int, world: int, port: int, device_name: str, nccl: bool, steps:
         ok = worst < 1e-4 and torch.isfinite(bf16_loss).item()
         print("DEVICE CHECK OK" if ok else "DEVICE CHECK FAILED", flush=True)
         if not ok:
+            state.close()
             sys.exit(1)
+    state.close()  # the shared-memory transports' threads stop before the groups go
     dist.destroy_process_group()
 
 

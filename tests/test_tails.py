@@ -63,7 +63,9 @@ def test_tail_runs_late_work_under_the_last_backward_all_reduce() -> None:
     head's and the embedding's weight-gradient work under it, and the embedding's forward
     all-reduces are launched for every micro-batch before the first block waits for any."""
     tl = Timeline(0)
-    model = _gpt(_half_tp2(2e7, tl), Plan(2, "cross_layer", 1))
+    # 2 Mbit/s: each all-reduce takes milliseconds, far longer than a late item even on a
+    # loaded machine (at 20 Mbit/s a busy machine could finish the last one before any ran).
+    model = _gpt(_half_tp2(2e6, tl), Plan(2, "cross_layer", 1))
     tokens, labels = _batch()
     context = BackwardContext()
     model(tokens, None, None, labels=labels, context=context).sum().backward()

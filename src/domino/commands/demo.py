@@ -48,6 +48,7 @@ def _rank(steps: int, seed: int) -> int:
     """One rank (RANK / WORLD_SIZE from the environment); rank 0 prints the comparison."""
     torch.set_num_threads(1)
     init_distributed("cpu")
+    state = None
     try:
         state = ParallelState.build(CommGroup.world().size)
         torch.manual_seed(seed)
@@ -65,6 +66,8 @@ def _rank(steps: int, seed: int) -> int:
         print("OK: TP and single-process training agree" if ok else "MISMATCH", flush=True)
         return 0 if ok else 1
     finally:
+        if state is not None:  # its transports' threads stop before the groups go
+            state.close()
         shutdown_distributed()
 
 

@@ -22,6 +22,7 @@ def run_rank(spec: dict[str, Any]) -> int:
     commands: dict[str, Callable[[dict, Any], None]] = {
         "generate": generate_rank, "eval": eval_rank}
     rank = int(os.environ.get("RANK", "0"))
+    state = None
     try:
         device = init_distributed(spec["device"])
         if device.type == "cpu":
@@ -38,6 +39,8 @@ def run_rank(spec: dict[str, Any]) -> int:
         traceback.print_exc()
         return 1
     finally:
+        if state is not None:  # its transports' threads stop before the groups go
+            state.close()
         shutdown_distributed()
 
 
