@@ -96,7 +96,7 @@ class TrainArgs(ModelArgs):
     shared_memory_comm: bool = _f(
         True, "On CPU: TP, DP and tied-embedding groups whose ranks share a host move their "
         "all-reduces, reduce-scatters and all-gathers through shared memory instead of gloo's "
-        "loopback TCP (a sixth of the host CPU per byte in the bench's probe; see the README). "
+        "loopback TCP (a sixth of the host CPU per byte in the bench's probe; see docs/parallelism.md). "
         "Off: gloo for everything. Groups across hosts (or emulated hosts) always use gloo.",
         "parallel")
     sequence_parallel: bool = _f(
