@@ -203,8 +203,7 @@ def test_every_rank_keeps_to_gloo_when_one_cannot_share(how: str) -> None:
                     reason="needs root and unshare(1) for a network namespace")
 def test_another_network_namespace_is_another_host() -> None:
     code = "from domino.tensor_parallel.shm import host_key; print(host_key())"
-    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout
+    here = shm.host_key() + "\n"  # this process: the test's own namespace
     there = subprocess.run(["unshare", "--net", sys.executable, "-c", code],
                            capture_output=True, text=True, check=True).stdout
     assert here.split("|")[1] == there.split("|")[1]  # same boot
@@ -247,24 +246,30 @@ def _stalled(rank: int, world: int) -> None:
     t._channel._timeout_s = 2.0  # the process group's timeout, shortened
     fast = CommGroup(group.group, world, rank, transport=t)
     if rank == 1:
-        time.sleep(6)  # alive, but not taking part
+        _alive_until(os.environ["DOMINO_TEST_OUT"], 6)  # alive, but not taking part
         os._exit(0)
     t0 = time.perf_counter()
     msg = _error_of(lambda: fast.all_reduce(torch.ones(10)))
     _report({"msg": msg, "s": time.perf_counter() - t0})
 
 
+def _alive_until(path: str, at_most_s: float) -> None:
+    """Stay alive until the other rank has written ``path`` (its result), at most this long."""
+    deadline = time.monotonic() + at_most_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _run_failing(fn, tmp_path) -> dict:
     import json
 
     import torch.multiprocessing as mp
-    from dist import _entry, free_port
+    from dist import start_ranks
 
     out = tmp_path / "result.json"
     os.environ["DOMINO_TEST_OUT"] = str(out)
     try:
-        ctx = mp.start_processes(_entry, args=(2, free_port(), str(tmp_path), fn, ()),
-                                 nprocs=2, join=False, start_method="spawn")
+        ctx = start_ranks(fn, 2, str(tmp_path), join=False)
         deadline = time.monotonic() + 60
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline, "ranks hung"
@@ -308,7 +313,8 @@ def _peer_fails(rank: int, world: int) -> None:
         work = t._submit(boom)
         msg = _error_of(work.wait)
         cause = repr(_cause_of(work.wait))
-        time.sleep(5)  # alive: rank 0 must learn of it from the closed FIFOs, not by timeout
+        # alive: rank 0 must learn of it from the closed FIFOs, not by timeout
+        _alive_until(os.environ["DOMINO_TEST_OUT"] + ".0", 5)
         _report({"msg": msg, "cause": cause})
     t0 = time.perf_counter()
     msg = _error_of(lambda: fast.all_reduce(torch.ones(10)))
