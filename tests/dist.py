@@ -15,6 +15,7 @@ import pickle
 import socket
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,3 +77,19 @@ def run_distributed(fn: Callable, world: int, *args) -> list:
             with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def fit(args, run_dir: str):
+    """``domino.training.loop.train`` of ``args`` into ``run_dir`` on this rank, without drawing
+    loss_curve.png: half a second of matplotlib per run, and the tests that train many runs in
+    a spawn compare numbers (test_train_cli checks the figure)."""
+    from domino.training import logging as train_logging
+    from domino.training.loop import train
+    from domino.training.prepare import build_run
+
+    draw = train_logging.plot_loss_curve
+    train_logging.plot_loss_curve = lambda path, train, val: None
+    try:
+        return train(build_run(args, Path(run_dir)))
+    finally:
+        train_logging.plot_loss_curve = draw

@@ -13,11 +13,10 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import fit, run_distributed
 
 from domino.training.arguments import TrainArgs
 
@@ -43,10 +42,7 @@ def _args(data: str, **kw) -> TrainArgs:
 
 
 def _train(args: TrainArgs, run_dir: str) -> dict:
-    from domino.training.loop import train
-    from domino.training.prepare import build_run
-
-    res = train(build_run(args, Path(run_dir)))
+    res = fit(args, run_dir)
     return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses}
 
 

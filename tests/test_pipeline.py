@@ -12,11 +12,10 @@ resume bit-identically, and reshard to PP=1.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import fit, run_distributed
 
 from domino.config import TransformerConfig
 from domino.plan import Plan
@@ -208,10 +207,7 @@ def _run_args(data: str, **kw) -> TrainArgs:
 
 
 def _fit(args: TrainArgs, run_dir: str) -> dict:
-    from domino.training.loop import train
-    from domino.training.prepare import build_run
-
-    res = train(build_run(args, Path(run_dir)))
+    res = fit(args, run_dir)
     return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses,
             "sample": res.sample}
 

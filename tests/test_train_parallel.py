@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
+from dist import fit, run_distributed
 
 from domino.data import ByteTokenizer, preprocess
 from domino.data.preprocess import stdlib_corpus_files
@@ -39,10 +39,7 @@ def _args(data: str, **kw) -> TrainArgs:
 
 
 def _train(args: TrainArgs, run_dir: str) -> dict:
-    from domino.training.loop import train
-    from domino.training.prepare import build_run
-
-    res = train(build_run(args, Path(run_dir)))
+    res = fit(args, run_dir)
     assert res.skipped == sum(not math.isfinite(n) for n in res.grad_norms)
     return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses}
 
