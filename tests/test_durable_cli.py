@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,15 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--mi
 @pytest.fixture(scope="module")
 def data(byte_dataset) -> list[str]:
     return ["--data-path", byte_dataset(400_000), "--split", "90,10,0"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, data) -> Path:
+    """A 3-step run, trained once for the tests that start from one (a test that writes into
+    it works on a copy)."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    assert main(["train", *FLAGS, *data, "--train-iters", "3", "--save", str(run)]) == 0
+    return run
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -117,9 +127,9 @@ def test_sigterm_checkpoints_at_the_step_boundary(tmp_path: Path, data) -> None:
     assert _latest(run) == more and max(_losses(run)) == more
 
 
-def test_diverged_loss_stops_without_overwriting(tmp_path: Path, data, capfd) -> None:
+def test_diverged_loss_stops_without_overwriting(tmp_path: Path, data, saved_run, capfd) -> None:
     run = tmp_path / "run"
-    assert main(["train", *FLAGS, *data, "--train-iters", "3", "--save", str(run)]) == 0
+    shutil.copytree(saved_run, run)
     files = {p: hashlib.sha256(p.read_bytes()).hexdigest()
              for p in (run / "checkpoints").rglob("*") if p.is_file()}
     capfd.readouterr()
@@ -149,9 +159,8 @@ def _val_loss(out: str) -> float:
     return float(line.split(" loss ")[1].split(",")[0])
 
 
-def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, capfd) -> None:
-    run = tmp_path / "run"
-    assert main(["train", *FLAGS, *data, "--train-iters", "3", "--save", str(run)]) == 0
+def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, capfd) -> None:
+    run = saved_run  # only read here
     logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if "val_loss" in r][-1]["val_loss"]
     for tp in ("1", "4"):
