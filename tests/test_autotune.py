@@ -73,7 +73,7 @@ def test_single_process_picks_fastest_and_restores_state() -> None:
     def step() -> None:  # a real fwd+bwd (uses dropout RNG), slow unless the plan is M3
         calls.append(stack.plan)
         stack(x, None).sum().backward()
-        time.sleep(0.0 if stack.plan == M3 else 0.02)
+        time.sleep(0.0 if stack.plan == M3 else 0.1)  # far above a loaded machine's jitter
 
     torch.manual_seed(7)
     expected_rng = torch.get_rng_state()
