@@ -159,7 +159,8 @@ def _val_loss(out: str) -> float:
     return float(line.split(" loss ")[1].split(",")[0])
 
 
-def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, capfd) -> None:
+def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, byte_dataset,
+                                               capfd) -> None:
     run = saved_run  # only read here
     logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if "val_loss" in r][-1]["val_loss"]
@@ -187,7 +188,8 @@ def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, 
     # Eval reads what training's validation read (the run's settings) and gets its number.
     assert main(["eval", str(run), *data[:2], "--eval-iters", "1"]) == 0
     assert _val_loss(capfd.readouterr().out) == pytest.approx(logged, rel=1e-5)
-    assert main(["eval", str(tmp_path / "tp4"), *data[:2], "--tensor-model-parallel-size", "2",
-                 "--nproc", "2"]) == 0
+    # The whole split (the default), of a smaller dataset (same byte tokenizer).
+    assert main(["eval", str(tmp_path / "tp4"), "--data-path", byte_dataset(40_000),
+                 "--tensor-model-parallel-size", "2", "--nproc", "2"]) == 0
     out = capfd.readouterr().out
     assert "valid split" in out and "perplexity" in out and "TP=2 x DP=1" in out

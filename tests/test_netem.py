@@ -143,8 +143,13 @@ def test_teardown_when_body_raises(netns_ok: None) -> None:
 
 def test_close_kills_processes_left_in_namespace(netns_ok: None) -> None:
     with EmulatedLink(2) as link:
-        proc = subprocess.Popen(link.wrap(1, [sys.executable, "-c", "import time; time.sleep(60)"]))
+        # Closed once the process runs inside (a process still starting is not in it yet).
+        proc = subprocess.Popen(link.wrap(1, [sys.executable, "-c", "import time; print('in', "
+                                              "flush=True); time.sleep(60)"]),
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "in"
     assert proc.wait(timeout=10) != 0
+    proc.stdout.close()
     assert not set(link.namespaces) & _netns_names()
 
 

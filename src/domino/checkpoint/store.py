@@ -84,7 +84,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any
 
 
 def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
-         optimizer: torch.optim.Optimizer | None, meta: Meta, keep: int = 0,
+         optimizer: Any, meta: Meta, keep: int = 0,
          tokenizer: Any = None) -> Path:
     """Write checkpoint ``step`` of this run (every rank calls this); returns its folder.
 
@@ -236,7 +236,7 @@ def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelStat
                               "checkpoint holds a different model")
 
 
-def load_optimizer(step_dir: Path, meta: Meta, optimizer: torch.optim.Optimizer,
+def load_optimizer(step_dir: Path, meta: Meta, optimizer: Any,
                    model: nn.Module, state: ParallelState) -> None:
     """Fill ``optimizer``'s state (AdamW moments and steps) with this rank's part (a
     distributed optimizer keeps its DP chunks of it)."""

@@ -105,8 +105,8 @@ class Embedding(nn.Module):
             real_num_embeddings=self.real_vocab_size, params_dtype=wdtype, device=device)
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
         if self.add_position_embedding:
-            self.position_embeddings = nn.Embedding(max_sequence_length, hidden_size,
-                                                    dtype=wdtype, device=device)
+            self.position_embeddings = _embedding(max_sequence_length, hidden_size, wdtype,
+                                                  device)
             _init_replicated(self.position_embeddings.weight, config.init_method)
         self.tokentype_embeddings = None
         if num_tokentypes > 0:
@@ -115,9 +115,9 @@ class Embedding(nn.Module):
     def add_tokentype_embeddings(self, num_tokentypes: int) -> None:
         """Add (or replace) token-type embeddings, e.g. when fine-tuning a pretrained model."""
         self.num_tokentypes = num_tokentypes
-        self.tokentype_embeddings = nn.Embedding(
-            num_tokentypes, self.hidden_size, dtype=self.word_embeddings.weight.dtype,
-            device=self.word_embeddings.weight.device)
+        self.tokentype_embeddings = _embedding(
+            num_tokentypes, self.hidden_size, self.word_embeddings.weight.dtype,
+            self.word_embeddings.weight.device)
         _init_replicated(self.tokentype_embeddings.weight, self.config.init_method)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
@@ -414,6 +414,15 @@ def _check_ids(ids: torch.Tensor, limit: int, name: str, field: str) -> None:
         lo, hi = int(ids.min()), int(ids.max())
         raise ValueError(f"{name} range from {lo} to {hi}, outside [0, {limit}) set by {field}; "
                          f"check the data/tokenizer or raise {field}.")
+
+
+def _embedding(num: int, dim: int, dtype: torch.dtype, device) -> nn.Embedding:
+    """``nn.Embedding``; on the meta device (sizing a model) without its own random init, whose
+    meta kernel imports ``torch._dynamo`` (2.5 s of a launcher's start-up). Elsewhere it still
+    draws, so the default generator's stream - and every weight - is what it always was."""
+    if device is not None and torch.device(device).type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim, dtype=dtype, device="meta"))
+    return nn.Embedding(num, dim, dtype=dtype, device=device)
 
 
 def _init_replicated(weight: torch.Tensor, init_method) -> None:

@@ -33,6 +33,7 @@ from domino.tensor_parallel.placement import (
     placement_of,
     sum_over_norm_groups,
 )
+from domino.training.adamw import AdamW
 from domino.training.grad_sync import GradReducer
 
 SLOTS = ("exp_avg", "exp_avg_sq")
@@ -85,8 +86,8 @@ class DistributedAdamW:
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         # A rank whose chunks hold nothing (tiny models, many ranks) still takes part.
-        self.inner = torch.optim.AdamW(groups or [{"params": [torch.zeros(1)]}], lr=lr,
-                                       betas=betas, eps=eps)
+        self.inner = AdamW(groups or [{"params": [torch.zeros(1)]}], lr=lr, betas=betas,
+                           eps=eps)
         self.params = [p for b in reducer.buckets for p in b.params]
 
     def _group(self, bucket: int) -> CommGroup:
@@ -196,7 +197,7 @@ class DistributedAdamW:
 
     # -- checkpoints --------------------------------------------------------------------------
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Every parameter's full AdamW state, as ``torch.optim.AdamW.state`` holds it, on every
+        """Every parameter's full AdamW state, as :class:`~domino.training.adamw.AdamW` holds it, on every
         rank of the gradient groups (a collective: every rank calls it). Empty before the first
         step."""
         local = [self.inner.state.get(seg.view, {}) for seg in self.segments]

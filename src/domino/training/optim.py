@@ -12,10 +12,11 @@ from torch import nn
 
 from domino.tensor_parallel import CommGroup, placement_of
 from domino.tensor_parallel.placement import NamedGroups, counts_in_norm, sum_over_norm_groups
+from domino.training.adamw import AdamW
 from domino.training.arguments import TrainArgs
 
 
-def build_optimizer(model: nn.Module, args: TrainArgs) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, args: TrainArgs) -> AdamW:
     """AdamW; biases and norm weights (every 1-D parameter) get no weight decay (Megatron)."""
     decay, no_decay = [], []
     for p in model.parameters():
@@ -23,8 +24,8 @@ def build_optimizer(model: nn.Module, args: TrainArgs) -> torch.optim.AdamW:
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    return AdamW([g for g in groups if g["params"]], lr=args.lr,
+                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
 
 
 def learning_rate(step: int, args: TrainArgs) -> float:
@@ -44,7 +45,7 @@ def learning_rate(step: int, args: TrainArgs) -> float:
     return args.min_lr + coeff * (args.lr - args.min_lr)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: AdamW, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
