@@ -1,9 +1,85 @@
+import contextlib
+import fcntl
 import os
+import re
 import sys
+import tempfile
+import uuid
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/dist.py and helpers
 
 import pytest  # noqa: E402
+
+# ---- two workers (pytest-xdist: pyproject's addopts) ---------------------------------------------
+#
+# Each test file runs on one worker as a whole (its module fixtures are built once), except the
+# files that add checks to the session's shared tensor-parallel spawns (tp_helpers.register),
+# which all run on one worker so those spawns start once. A test marked `serial` runs while no
+# other test does: it reads host-wide state (/dev/shm, network namespaces, busy CPU) or compares
+# times that a test on the other core would disturb.
+
+_TESTS = Path(__file__).parent
+_REGISTERS = re.compile(r"^register\(", re.M)  # a module-level tp_helpers.register(...) call
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "serial: no other test runs at the same time under "
+                            "pytest-xdist (host-wide state or timing)")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # The controller names the run, so it can remove the workers' lock files at the end.
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    uid = getattr(config.option, "testrunuid", None)
+    if uid and not hasattr(config, "workerinput"):
+        for suffix in (".gate", ".lock"):
+            with contextlib.suppress(OSError):
+                os.unlink(_lock_base(uid) + suffix)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    shared = {f"{_TESTS.name}/{f.name}" for f in _TESTS.glob("test_*.py")
+              if _REGISTERS.search(f.read_text(encoding="utf-8"))}
+
+    class ByFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "tensor-parallel spawns" if file in shared else file
+
+    config.option.loadscopereorder = False  # collection order: the long files spread out
+    return ByFile(config, log)
+
+
+def _lock_base(uid: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"domino-tests-{uid}")
+
+
+@contextlib.contextmanager
+def _turn(uid: str, alone: bool):
+    """Hold the run's lock shared (or exclusive when ``alone``). A test waiting to run alone
+    holds the gate, so the other worker starts nothing new meanwhile."""
+    base = _lock_base(uid)
+    with open(base + ".gate", "a") as gate, open(base + ".lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:  # one process: nothing runs beside it
+        yield
+        return
+    with _turn(uid, item.get_closest_marker("serial") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

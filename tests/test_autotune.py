@@ -62,6 +62,7 @@ def _tiny_stack(state: ParallelState) -> DominoTransformer:
     return DominoTransformer(cfg, state, self_attn_mask_type=AttnMaskType.causal)
 
 
+@pytest.mark.serial
 def test_single_process_picks_fastest_and_restores_state() -> None:
     state = ParallelState.single()
     stack = _tiny_stack(state)
@@ -115,6 +116,7 @@ def _ranks_disagree(rank: int, world: int) -> tuple:
     return best, stack.plan, {str(p): t for p, t in times.items()}
 
 
+@pytest.mark.serial
 def test_ranks_agree_on_the_slowest_ranks_times() -> None:
     (b0, p0, t0), (b1, p1, t1) = run_distributed(_ranks_disagree, 2)
     assert b0 == b1 == p0 == p1 == M3

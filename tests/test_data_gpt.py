@@ -165,6 +165,7 @@ def test_build_train_valid_datasets(tmp_path) -> None:
         build_train_valid_datasets(tmp_path / "nometa", 4, 10, 0)
 
 
+@pytest.mark.serial
 def test_index_build_is_fast(tmp_path) -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 400, size=20_000)  # ~4M tokens

@@ -219,6 +219,7 @@ def test_teardown_on_sigterm(netns_ok: None) -> None:
     assert not names & _netns_names()
 
 
+@pytest.mark.serial
 def test_cleanup_stale(netns_ok: None) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

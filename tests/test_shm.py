@@ -148,10 +148,17 @@ def test_collectives_match_gloo(world: int) -> None:
             assert all(r[key] == results[0][key] for r in results), key
 
 
+def _made_here(before: set[str], pids: list[int]) -> list[str]:
+    """What appeared in /dev/shm since ``before`` that processes ``pids`` made (their set-up
+    folders are named after them): another test's ranks may come and go meanwhile."""
+    now = set(os.listdir("/dev/shm")) - before
+    return sorted(n for n in now if any(n.startswith(f"{shm.setup._PREFIX}{p}-") for p in pids))
+
+
 def _build(rank: int, world: int, shared: bool) -> dict:
     before = set(os.listdir("/dev/shm"))
     state = ParallelState.build(world, shared_memory=shared)
-    left = sorted(set(os.listdir("/dev/shm")) - before)
+    left = _made_here(before, CommGroup.world().all_gather_json(os.getpid()))
     names = state.transports()
     state.close()
 
@@ -167,6 +174,7 @@ def _build(rank: int, world: int, shared: bool) -> dict:
             "api_after": workers()}
 
 
+@pytest.mark.serial
 def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
     on = run_distributed(_build, 2, True)
     assert all(r["transports"] == {"tp": "shm", "dp": "-"} for r in on)
@@ -189,9 +197,11 @@ def _refused(rank: int, world: int, how: str) -> dict:
     before = set(os.listdir("/dev/shm"))
     t = shm.open_transport(CommGroup.world().group, rank, world, "test")
     CommGroup.world().barrier()
-    return {"none": t is None, "left": sorted(set(os.listdir("/dev/shm")) - before)}
+    return {"none": t is None,
+            "left": _made_here(before, CommGroup.world().all_gather_json(os.getpid()))}
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["host", "create", "open"])
 def test_every_rank_keeps_to_gloo_when_one_cannot_share(how: str) -> None:
     results = run_distributed(_refused, 2, how)
@@ -341,12 +351,13 @@ def test_a_failure_in_one_workers_reaches_the_others_at_once(tmp_path) -> None:
     assert "rank 1 of the group left a collective" in r0["msg"], r0
 
 
+@pytest.mark.serial
 def test_a_full_dev_shm_is_refused_at_set_up_not_mid_run() -> None:
     """The mapping's pages are reserved when it is made: a /dev/shm too small fails there (and
     removes what it made) instead of killing a rank with SIGBUS when a page is first touched."""
     before = set(os.listdir("/dev/shm"))
     assert shm.setup._create(2, 1 << 50) == ""  # 1 PiB
-    assert set(os.listdir("/dev/shm")) == before
+    assert _made_here(before, [os.getpid()]) == []
 
 
 def test_set_up_folders_of_dead_processes_are_removed(tmp_path) -> None:

@@ -58,6 +58,7 @@ def _grads(model: GPTModel) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.serial
 def test_tail_runs_late_work_under_the_last_backward_all_reduce() -> None:
     """On a slow link the last input-gradient all-reduce (block 0, last micro-batch) has the
     head's and the embedding's weight-gradient work under it, and the embedding's forward

@@ -1,0 +1,127 @@
+"""Model FLOPs and model-FLOPs utilisation (MFU).
+
+The count is the standard one (Megatron-LM's, PaLM's): the matrix multiplies a model needs, not
+what an implementation happens to run. Per token and layer, forward:
+
+* every linear layer's GEMM: 2 x in x out (QKV: hidden x (heads + 2 x kv groups) x head dim;
+  the attention output; the MLP: two GEMMs of hidden x ffn, three with a gated (SwiGLU) unit),
+* attention: 2 x 2 x seq x (heads x head dim) for the scores (Q K^T) and the context (P V), the
+  full seq x seq matrix even where a causal kernel skips about half of it,
+* and once per token the LM head: 2 x hidden x padded vocabulary (the logits GEMM).
+
+A training step costs 3x its forward (backward: an input gradient and a weight gradient per
+GEMM). Norms, activations, softmax and embedding look-ups are not counted; nor is activation
+recomputation (it repeats work the model does not need). For a plain GPT (4h MLP, no GQA) this is
+Megatron's ``72 B s L h^2 (1 + s / 6h + V / 12hL)``.
+
+MFU divides a rank's share of these FLOPs per second by a peak: on CUDA the device's dense peak
+for the dtype (:data:`CUDA_PEAK_TFLOPS`), on CPU the rate this machine reaches on the model's own
+GEMM shapes (:mod:`domino.gemm_rate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Dense (no sparsity) tensor-core peaks, TFLOP/s, of the SXM parts: (bf16, fp32). fp32 is the
+# non-tensor-core FP32 rate (TF32 is not fp32). Matched against torch.cuda.get_device_name.
+CUDA_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "B200": (2250.0, 80.0),
+    "H200": (989.0, 67.0),
+    "H100 PCIe": (756.0, 51.0),
+    "H100": (989.0, 67.0),
+    "A100": (312.0, 19.5),
+}
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``count`` GEMMs of [m, k] x [k, n] (2 m k n FLOPs each)."""
+
+    m: int
+    k: int
+    n: int
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.count
+
+
+def _layer_linears(config) -> list[tuple[int, int, str]]:
+    """(in, out, parallel) of one layer's linear layers; parallel is "column" (output sharded
+    over TP) or "row" (input sharded)."""
+    h, d = config.hidden_size, config.kv_channels
+    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
+    ffn = config.ffn_hidden_size
+    gated = config.activation == "swiglu"
+    return [(h, qkv, "column"), (config.num_attention_heads * d, h, "row"),
+            (h, ffn * (2 if gated else 1), "column"), (ffn, h, "row")]
+
+
+def forward_flops_per_token(config, *, head: bool = True, layers: int | None = None) -> float:
+    """Model FLOPs of one token's forward (``head``: with the LM head; ``layers``: this many
+    transformer layers, default the config's)."""
+    layers = config.num_layers if layers is None else layers
+    per_layer = sum(2.0 * i * o for i, o, _ in _layer_linears(config))
+    per_layer += 4.0 * config.seq_length * config.num_attention_heads * config.kv_channels
+    out = layers * per_layer
+    if head:
+        out += 2.0 * config.hidden_size * config.padded_vocab_size(1)
+    return out
+
+
+def train_flops_per_step(config, tokens: int, *, head: bool = True,
+                         layers: int | None = None) -> float:
+    """Model FLOPs of a training step over ``tokens`` tokens (all ranks together): 3x forward."""
+    return 3.0 * tokens * forward_flops_per_token(config, head=head, layers=layers)
+
+
+def rank_gemms(config, tokens: int, tp: int) -> list[Gemm]:
+    """The GEMMs one TP rank runs for one layer's forward and backward over ``tokens`` tokens:
+    the shapes a GEMM-rate measurement should time (their rate is what this rank can reach)."""
+    out = []
+    for i, o, parallel in _layer_linears(config):
+        if parallel == "column":
+            o //= tp
+        else:
+            i //= tp
+        out += [Gemm(tokens, i, o), Gemm(tokens, o, i), Gemm(o, tokens, i)]  # fwd, dgrad, wgrad
+    return out
+
+
+def cuda_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The dense peak FLOP/s of ``device`` for ``dtype`` from :data:`CUDA_PEAK_TFLOPS`, or None
+    for a device not in the table (give ``--peak-tflops``)."""
+    name = torch.cuda.get_device_name(device)
+    for key, (bf16, fp32) in CUDA_PEAK_TFLOPS.items():
+        if key in name:
+            if dtype in (torch.bfloat16, torch.float16):
+                return bf16 * 1e12
+            return fp32 * 1e12 if dtype == torch.float32 else None
+    return None
+
+
+@dataclass(frozen=True)
+class Utilisation:
+    """Model FLOP/s per rank and MFU against ``peak_flops`` (what ``peak_what`` names)."""
+
+    flops_per_s_per_rank: float
+    peak_flops: float | None
+    peak_what: str
+
+    @property
+    def mfu(self) -> float | None:
+        return None if not self.peak_flops else self.flops_per_s_per_rank / self.peak_flops
+
+    def describe(self) -> str:
+        rate = f"{self.flops_per_s_per_rank / 1e12:.3g} TFLOP/s/rank"
+        if self.mfu is None:
+            return f"{rate} (MFU: {self.peak_what})"
+        return f"{rate}, MFU {self.mfu * 100:.1f}% {self.peak_what}"
+
+    def as_dict(self) -> dict:
+        return {"model_flops_per_s_per_rank": self.flops_per_s_per_rank,
+                "peak_flops_per_s": self.peak_flops, "mfu": self.mfu, "mfu_of": self.peak_what}
