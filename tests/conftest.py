@@ -11,6 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/dist.py and helpers
 
 import pytest  # noqa: E402
 
+# The GEMM rates MFU is measured against (domino.gemm_rate) are cached per process of the suite
+# (its ranks inherit the variable), never in the user's ~/.cache.
+_CACHE = None
+if "DOMINO_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="domino-test-cache-")
+    os.environ["DOMINO_CACHE_DIR"] = _CACHE
+
 # ---- two workers (pytest-xdist: pyproject's addopts) ---------------------------------------------
 #
 # Each test file runs on one worker as a whole (its module fixtures are built once), except the
@@ -32,6 +39,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if _CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_CACHE, ignore_errors=True)
     uid = getattr(config.option, "testrunuid", None)
     if uid and not hasattr(config, "workerinput"):
         for suffix in (".gate", ".lock"):

@@ -15,8 +15,10 @@ import pytest
 from domino.bench import figures
 from domino.bench.execute import launch_ranks
 from domino.bench.modes import DEFAULT_MODES, parse_mode, parse_modes
+from domino.bench.spec import build_config
 from domino.cli import main
 from domino.commands import bench
+from domino.flops import train_flops_per_step
 from domino.transformer import Plan
 
 TINY = ["--hidden-size", "64", "--num-attention-heads", "4", "--num-layers", "2",
@@ -29,6 +31,7 @@ ROW_KEYS = {
     "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
     "chrome_trace", "allreduce_bytes_per_step", "comm_cpu_s_per_step", "sequence_parallel",
+    "model_flops_per_s_per_rank", "mfu",
 }
 
 
@@ -230,6 +233,15 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert len(r["step_times_s_per_rank"]) == 2
         assert len(r["peak_mem_bytes_per_rank"]) == 2 and r["peak_mem_bytes"] > 0
         assert r["comm_enabled"] == (not name.startswith("nocomm"))
+        # Model FLOPs per rank over the step time; MFU against the measured GEMM rate.
+        assert r["model_flops_per_s_per_rank"] * r["step_time_s"] * 2 == pytest.approx(
+            config["model_flops_per_step"], rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["model_flops_per_s_per_rank"]
+                                         / config["peak_flops_per_s"], rel=1e-9)
+    stack = build_config({**config, "vocab_size": 0})  # the stack: layers only, no LM head
+    assert config["model_flops_per_step"] == train_flops_per_step(stack, 4 * 32, head=False)
+    assert config["mfu_of"] == "of measured GEMM rate" and config["peak_flops_per_s"] > 0
+    assert "TFLOP/s/rank" in table and "MFU" in table
     for name in ("sync", "nocomm", "nocomm:m2:cross"):
         assert rows[name]["comm_hidden"] is None
     assert rows["sync"]["speedup_vs_sync"] == pytest.approx(1.0)

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from domino import netem
+from domino.bench.spec import build_config
 from domino.cli import main
 from domino.commands import bench
+from domino.flops import train_flops_per_step
 from domino.pipeline.schedules import theoretical_bubble
 
 TINY = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
@@ -42,6 +44,11 @@ def test_every_schedule_on_two_stages(tmp_path: Path, capsys) -> None:
         chunks = 2 if name == "interleaved" else 1
         assert r["theoretical_bubble"] == pytest.approx(theoretical_bubble(name, 2, 4, chunks))
         assert len(r["peak_mem_bytes_per_stage"]) == 2 and min(r["peak_mem_bytes_per_stage"]) > 0
+        # Model FLOPs of the whole GPT (LM head included) over the step, per rank; MFU.
+        assert r["model_flops_per_s_per_rank"] * r["step_time_s"] * 2 == pytest.approx(
+            report["config"]["model_flops_per_step"], rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["model_flops_per_s_per_rank"]
+                                         / report["config"]["peak_flops_per_s"], rel=1e-9)
         png = Path(r["timeline_png"])
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         events = json.loads((out_dir / f"trace_pp_{name}.json").read_text())["traceEvents"]
@@ -52,6 +59,11 @@ def test_every_schedule_on_two_stages(tmp_path: Path, capsys) -> None:
     assert rows["gpipe"]["held_micro_batches_per_stage"] == [4, 4]
     assert rows["1f1b"]["held_micro_batches_per_stage"] == [2, 1]
     assert rows["interleaved"]["layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    c = report["config"]
+    gpt = build_config({**c, "model": "gpt", "attention_dropout": 0.0})
+    assert c["model_flops_per_step"] == train_flops_per_step(
+        gpt, 4 * c["micro_batch_size"] * c["seq_length"])
+    assert c["mfu_of"] == "of measured GEMM rate" and "TFLOP/s/rank" in table
 
 
 def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:

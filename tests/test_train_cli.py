@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from domino.cli import main
+from domino.config import TransformerConfig
 from domino.data import ByteTokenizer, preprocess
 from domino.data.preprocess import stdlib_corpus_files
+from domino.flops import train_flops_per_step
 from domino.training import data
+from domino.training.arguments import tomllib
 
 SMALL = ["--train-iters", "6", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
          "--micro-batch-size", "4", "--log-interval", "2", "--eval-interval", "3",
@@ -44,6 +47,18 @@ def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                 "exposed_comm_s"} <= rec.keys()
     assert "val_ppl" in records[-1] and records[-1]["loss"] < records[0]["loss"]
+    # MFU: the model's FLOPs per step (domino.flops) over the time, per rank, against the GEMM
+    # rate the ranks measured on this machine.
+    settings = tomllib.loads((run / "config.toml").read_text())
+    config = TransformerConfig.from_dict(json.loads((run / "config.json").read_text()))
+    flops = train_flops_per_step(config, settings["global_batch_size"] * settings["seq_length"],
+                                 tp=2)
+    for rec in records:
+        assert rec["model_tflops_per_rank"] * 1e12 * 2 * rec["step_time_s"] == pytest.approx(
+            flops, rel=1e-9)
+        assert 0 < rec["mfu"] < 5  # (not above 1 for sure on a busy machine: never asserted)
+    assert "MFU of measured GEMM rate" in out and " TFLOP/s/rank MFU " in out
+    assert f"model FLOPs: {flops / 1e12:.4g} TFLOP per step" in out
     assert (run / "loss_curve.png").stat().st_size > 1000
     assert json.loads((run / "config.json").read_text())["num_layers"] == 2
     assert "hidden_size = 64" in (run / "config.toml").read_text()

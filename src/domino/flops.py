@@ -61,22 +61,23 @@ def _layer_linears(config) -> list[tuple[int, int, str]]:
             (h, ffn * (2 if gated else 1), "column"), (ffn, h, "row")]
 
 
-def forward_flops_per_token(config, *, head: bool = True, layers: int | None = None) -> float:
-    """Model FLOPs of one token's forward (``head``: with the LM head; ``layers``: this many
-    transformer layers, default the config's)."""
+def forward_flops_per_token(config, *, tp: int = 1, head: bool = True,
+                            layers: int | None = None) -> float:
+    """Model FLOPs of one token's forward (``head``: with the LM head over the vocabulary as
+    padded for ``tp`` ranks; ``layers``: this many transformer layers, default the config's)."""
     layers = config.num_layers if layers is None else layers
     per_layer = sum(2.0 * i * o for i, o, _ in _layer_linears(config))
     per_layer += 4.0 * config.seq_length * config.num_attention_heads * config.kv_channels
     out = layers * per_layer
     if head:
-        out += 2.0 * config.hidden_size * config.padded_vocab_size(1)
+        out += 2.0 * config.hidden_size * config.padded_vocab_size(tp)
     return out
 
 
-def train_flops_per_step(config, tokens: int, *, head: bool = True,
+def train_flops_per_step(config, tokens: int, *, tp: int = 1, head: bool = True,
                          layers: int | None = None) -> float:
     """Model FLOPs of a training step over ``tokens`` tokens (all ranks together): 3x forward."""
-    return 3.0 * tokens * forward_flops_per_token(config, head=head, layers=layers)
+    return 3.0 * tokens * forward_flops_per_token(config, tp=tp, head=head, layers=layers)
 
 
 def rank_gemms(config, tokens: int, tp: int) -> list[Gemm]:
@@ -102,26 +103,3 @@ def cuda_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
                 return bf16 * 1e12
             return fp32 * 1e12 if dtype == torch.float32 else None
     return None
-
-
-@dataclass(frozen=True)
-class Utilisation:
-    """Model FLOP/s per rank and MFU against ``peak_flops`` (what ``peak_what`` names)."""
-
-    flops_per_s_per_rank: float
-    peak_flops: float | None
-    peak_what: str
-
-    @property
-    def mfu(self) -> float | None:
-        return None if not self.peak_flops else self.flops_per_s_per_rank / self.peak_flops
-
-    def describe(self) -> str:
-        rate = f"{self.flops_per_s_per_rank / 1e12:.3g} TFLOP/s/rank"
-        if self.mfu is None:
-            return f"{rate} (MFU: {self.peak_what})"
-        return f"{rate}, MFU {self.mfu * 100:.1f}% {self.peak_what}"
-
-    def as_dict(self) -> dict:
-        return {"model_flops_per_s_per_rank": self.flops_per_s_per_rank,
-                "peak_flops_per_s": self.peak_flops, "mfu": self.mfu, "mfu_of": self.peak_what}

@@ -134,3 +134,9 @@ def removed_on_error(path: str | os.PathLike | None) -> Iterator[None]:
             shutil.rmtree(made, ignore_errors=True)
         raise
 
+
+def cache_root() -> Path:
+    """Where domino caches what it derives (the tokenized stdlib corpus, measured GEMM rates):
+    ``$DOMINO_CACHE_DIR`` or ``~/.cache/domino``."""
+    env = os.environ.get("DOMINO_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "domino"

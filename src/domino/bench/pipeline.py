@@ -18,6 +18,8 @@ from domino.bench.hooks import BenchHook
 from domino.bench.memory import quiet_fd2
 from domino.bench.spec import build_config, build_runtime, layouts
 from domino.bench.timeline import Timeline
+from domino.flops import rank_gemms, train_flops_per_step
+from domino.gemm_rate import peak_flops
 from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
@@ -111,6 +113,11 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device) -> dict[str, An
                                 spec["pipeline_model_parallel_size"], device=device,
                                 shared_memory=spec.get("shared_memory_comm", True))
     bench = PipelineBench(spec, state)
+    config = build_config({**spec, "model": "gpt"})
+    tokens = spec["micro_batch_size"] * spec["seq_length"]
+    state.world.barrier()  # the ranks time their GEMM shapes together, as they run (CPU)
+    peak, peak_what = peak_flops(device, config.params_dtype,
+                                 rank_gemms(config, tokens, state.tp.size), spec.get("peak_tflops"))
     names = list(bench.runners)
     rows = time_rotated(len(names), lambda i: bench.step(names[i]), spec["warmup"],
                         spec["steps"], state.world, device)
@@ -119,9 +126,15 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device) -> dict[str, An
         memory = {n: _peak_memory(bench, n) for n in names}
     traces = {n: bench.traced(n) for n in names} if spec["trace"] else {}
     mine = {"times": dict(zip(names, rows, strict=True)), "busy": busy, "memory": memory,
-            "held": bench.held, "traces": traces, "stage": state.pp.rank, "tp": state.tp.rank}
+            "held": bench.held, "traces": traces, "stage": state.pp.rank, "tp": state.tp.rank,
+            "peak": peak}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
+    peaks = [g["peak"] for g in gathered]
     return {"device": str(device), "ranks": gathered,
+            "model_flops_per_step": train_flops_per_step(
+                config, spec["pipeline_micro_batches"] * tokens, tp=state.tp.size),
+            "peak_flops_per_s": None if None in peaks else sum(peaks) / len(peaks),
+            "peak_what": peak_what,
             "layouts": {n: [list(b) for b in lay.bounds] for n, lay in bench.layouts.items()}}

@@ -20,6 +20,7 @@ def results(raw: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
     ranks = raw["ranks"]
     p, m = spec["pipeline_model_parallel_size"], spec["pipeline_micro_batches"]
     tokens = m * spec["micro_batch_size"] * spec["seq_length"]
+    flops, peak = raw.get("model_flops_per_step"), raw.get("peak_flops_per_s")
     out = []
     for name in spec["schedules"]:
         rounds = list(zip(*(r["times"][name] for r in ranks), strict=True))
@@ -34,6 +35,10 @@ def results(raw: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({
             "schedule": name, "step_time_s": statistics.median(step), "step_times_s": step,
             "tokens_per_s": tokens / statistics.median(step),
+            "model_flops_per_s_per_rank": (None if flops is None
+                                           else flops / len(ranks) / statistics.median(step)),
+            "mfu": (None if flops is None or not peak
+                    else flops / len(ranks) / statistics.median(step) / peak),
             "bubble": statistics.median(bubbles), "bubbles": bubbles,
             "theoretical_bubble": theoretical_bubble(name, p, m, chunks),
             "layers": layout, "chunks": chunks,
@@ -53,10 +58,18 @@ def format_table(report: dict[str, Any]) -> str:
              f"PP={c['pipeline_model_parallel_size']} x TP={c['tensor_model_parallel_size']} "
              f"(Domino plan {c['plan']} in each stage), {c['dtype']}, {c['device']}, link "
              f"{c['link']}, {c['steps']} steps after {c['warmup']} warm-up"]
-    head = ("schedule", "step ms", "tokens/s", "bubble", "theory", "held mb/stage",
-            "peak MiB/stage")
+    if c.get("model_flops_per_step"):
+        peak = c.get("peak_flops_per_s")
+        lines.append(f"model FLOPs {c['model_flops_per_step'] / 1e9:.1f} GFLOP per step "
+                     f"(all ranks); MFU {c.get('mfu_of')}"
+                     + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))
+    head = ("schedule", "step ms", "tokens/s", "TFLOP/s/rank", "MFU", "bubble", "theory",
+            "held mb/stage", "peak MiB/stage")
     body = [(r["schedule"] + (f" (x{r['chunks']} chunks)" if r["chunks"] > 1 else ""),
              f"{r['step_time_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
+             "-" if r.get("model_flops_per_s_per_rank") is None
+             else f"{r['model_flops_per_s_per_rank'] / 1e12:.3f}",
+             "-" if r.get("mfu") is None else f"{r['mfu'] * 100:.1f}%",
              f"{r['bubble'] * 100:.0f}%", f"{r['theoretical_bubble'] * 100:.0f}%",
              "/".join(map(str, r["held_micro_batches_per_stage"])),
              "/".join(f"{b / 2**20:.1f}" for b in r["peak_mem_bytes_per_stage"]))
@@ -76,7 +89,9 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any],
     link = spec.get("link", "loopback")
     config = {**{k: v for k, v in vars(args).items() if not k.startswith("_")},
               "schedules": spec["schedules"], "device": raw["device"], "link": link,
-              "layers_per_virtual_stage": spec["layers_per_virtual_stage"]}
+              "layers_per_virtual_stage": spec["layers_per_virtual_stage"],
+              "model_flops_per_step": raw.get("model_flops_per_step"),
+              "peak_flops_per_s": raw.get("peak_flops_per_s"), "mfu_of": raw.get("peak_what")}
     report = {"config": config, "results": rows}
     if args.out_dir is not None:
         _render(raw, rows, args.out_dir, link, spec)

@@ -41,6 +41,9 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "allreduce_8mib_s": raw["allreduce_8mib_s"],
         "allreduce_8mib_cpu_s": raw.get("allreduce_8mib_cpu_s"),
         "param_bytes_per_rank": raw["param_bytes"],
+        "model_flops_per_step": raw.get("model_flops_per_step"),
+        "peak_flops_per_s": raw.get("peak_flops_per_s"),
+        "mfu_of": raw.get("peak_what"),
         "tokens_per_step": args.micro_batch_size * args.seq_length,
         "timing_method": TIMING_METHOD,
         "memory_method": raw["memory_method"],
@@ -103,14 +106,21 @@ def format_table(report: dict[str, Any]) -> str:
         + (")" if ar is not None else "")
         + f", {c['steps']} steps after {c['warmup']} warm-up",
     ]
-    head = ("mode", "step ms", "min ms", "tokens/s", "exposed ms", "vs split ms", "hidden",
-            "speedup", "peak MiB")
+    if c.get("model_flops_per_step"):
+        peak = c.get("peak_flops_per_s")
+        lines.append(f"model FLOPs {c['model_flops_per_step'] / 1e9:.1f} GFLOP per step "
+                     f"(all ranks); MFU {c.get('mfu_of')}"
+                     + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))
+    head = ("mode", "step ms", "min ms", "tokens/s", "TFLOP/s/rank", "MFU", "exposed ms",
+            "vs split ms", "hidden", "speedup", "peak MiB")
     body = []
     for r in report["results"]:
         exposed = r["exposed_comm_s"] if r["comm_enabled"] else r["split_cost_s"]
         body.append((
             r["mode"], _fmt(r["step_time_s"], 1e3), _fmt(min(r["step_times_s"]), 1e3),
             _fmt(r["tokens_per_s"], 1.0, ".0f"),
+            _fmt(r.get("model_flops_per_s_per_rank"), 1e-12, ".3f"),
+            _fmt(r.get("mfu"), 100, ".1f", "%"),
             _fmt(exposed, 1e3) + ("" if r["comm_enabled"] or exposed is None else " (split)"),
             _fmt(r["exposed_comm_vs_split_nocomm_s"], 1e3), _fmt(r["comm_hidden"], 100, ".0f", "%"),
             _fmt(r["speedup_vs_sync"], 1.0, ".2f", "x"),

@@ -129,6 +129,9 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     if args.timeout <= 0:
         raise ValueError(f"--timeout={args.timeout} must be > 0")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops={args.peak_tflops} must be > 0 (TFLOP/s per rank); "
+                         "leave it out to use the device's peak or the measured GEMM rate")
     if args.model == "gpt" and args.vocab_size < 1:
         raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
     tp = args.tensor_model_parallel_size
@@ -137,7 +140,7 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
             "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
-            "attention_dropout", "shared_memory_comm")}
+            "attention_dropout", "shared_memory_comm", "peak_tflops")}
     build_config(spec).validate_parallel(tp)
     build_runtime(spec)  # (its checks)
     _check_modes(modes, args)
@@ -191,7 +194,7 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
             "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "pipeline_micro_batches", "steps", "warmup", "threads_per_rank", "dtype", "seed",
-            "timeout", "plan", "shared_memory_comm")}
+            "timeout", "plan", "shared_memory_comm", "peak_tflops")}
     counts = None
     if args.pipeline_stage_layers:
         try:

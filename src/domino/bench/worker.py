@@ -27,6 +27,8 @@ from domino.bench.spec import build_config, build_runtime
 from domino.bench.timeline import Timeline
 from domino.distributed import init_distributed, shutdown_distributed
 from domino.enums import AttnMaskType
+from domino.flops import rank_gemms, train_flops_per_step
+from domino.gemm_rate import peak_flops
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
@@ -180,6 +182,12 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
                                 shared_memory=spec.get("shared_memory_comm", True))
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state)
+    config = build_config(spec)
+    tokens = spec["micro_batch_size"] * spec["seq_length"]
+    state.world.barrier()  # the ranks time their GEMM shapes together, as they run (CPU)
+    peak, peak_what = peak_flops(device, config.params_dtype,
+                                 rank_gemms(config, tokens, state.tp.size),
+                                 spec.get("peak_tflops"))
     allreduce = probe_allreduce(state.tp)
     times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
     memory = _measure_memory(bench, modes)
@@ -188,13 +196,21 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
         for mode in modes:
             if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
                 traces[mode.name] = bench.traced_step(mode, state.world.rank)
-    mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes}
+    mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
+            "peak": peak}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
     names = [m.name for m in modes]
     return {
         "device": str(device),
+        # What a step's model FLOPs are (all TP ranks), and the per-rank peak MFU is taken
+        # against (the ranks' mean where each measured its own).
+        "model_flops_per_step": train_flops_per_step(config, tokens, tp=state.tp.size,
+                                                     head=spec["model"] == "gpt"),
+        "peak_flops_per_s": (None if any(g["peak"] is None for g in gathered)
+                             else sum(g["peak"] for g in gathered) / len(gathered)),
+        "peak_what": peak_what,
         "transports": state.transports(),
         "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],
         "allreduce_8mib_cpu_s": None if allreduce is None else allreduce["cpu_s"],

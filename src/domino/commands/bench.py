@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--warmup", type=int, default=2, help="unmeasured rounds first")
     a("--threads-per-rank", type=int, default=1, help="torch / OpenMP threads per rank")
     a("--dtype", choices=tuple(DTYPES), default="fp32")
+    a("--peak-tflops", type=float, default=None,
+      help="MFU's denominator, TFLOP/s per rank [default: CUDA: the device's dense peak for "
+           "--dtype; CPU: the rate this machine measures on the model's GEMM shapes, cached]")
     a("--recompute-granularity", choices=("full", "selective"), default=None,
       help="activation recomputation of every mode's model (memory for compute)")
     a("--attention-dropout", type=float, default=0.0,

@@ -138,6 +138,10 @@ class TrainArgs(ModelArgs):
     seed: int = _f(1234, "Seed for weights, data order, dropout and sampling.")
     bf16: bool = _f(False, "bf16 autocast with fp32 master weights (CPU or GPU).")
     fp16: bool = _f(False, "fp16 autocast with dynamic loss scaling (GPU only).")
+    peak_tflops: float | None = _f(
+        None, "MFU's denominator, TFLOP/s per rank [default: on CUDA the device's dense peak "
+              "for the dtype (A100, H100, H200, B200), on CPU the rate this machine measures on "
+              "the model's GEMM shapes (cached)].")
     initial_loss_scale: float = _f(2.0 ** 16, "fp16: initial dynamic loss scale.")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles.")
     # data

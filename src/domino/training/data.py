@@ -15,15 +15,9 @@ from domino.data.indexed_dataset import IndexedDataset, data_path, index_path
 from domino.data.preprocess import preprocess, stdlib_corpus_files
 from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
 from domino.training.arguments import TrainArgs
+from domino.utils import cache_root
 
 DEFAULT_BPE_VOCAB = 2048
-
-
-def cache_root() -> Path:
-    """Where derived data (the tokenized stdlib corpus) is cached: $DOMINO_CACHE_DIR or
-    ~/.cache/domino."""
-    env = os.environ.get("DOMINO_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "domino"
 
 
 def _writable_dir(preferred: Path, fallback: Path) -> Path:

@@ -111,6 +111,9 @@ def format_record(rec: dict[str, Any], total: int) -> str:
         parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
     if "step_time_s" in rec:
         parts.append(f"{rec['step_time_s'] * 1e3:.0f} ms/step")
+    if "model_tflops_per_rank" in rec:
+        parts.append(f"{rec['model_tflops_per_rank']:.3g} TFLOP/s/rank"
+                     + (f" MFU {rec['mfu'] * 100:.1f}%" if "mfu" in rec else ""))
     if "exposed_comm_s" in rec:
         parts.append(f"exposed comm {rec['exposed_comm_s'] * 1e3:.1f} ms")
     if "peak_mem_bytes" in rec:

@@ -20,6 +20,8 @@ import torch
 
 import domino
 from domino.checkpoint import Meta, load_model, load_optimizer, load_rng, save
+from domino.flops import rank_gemms, train_flops_per_step
+from domino.gemm_rate import peak_flops
 from domino.inference.sampling import generate
 from domino.memory import method as memory_method
 from domino.memory import peak_bytes
@@ -117,6 +119,17 @@ class Trainer:
             for p in self.params if not (pl := placement_of(p)).tied_copy))],
             device=self.state.device)
         pp.all_reduce(count, name="parameter count")
+        # MFU: the model FLOPs of a step (all ranks) over the peak one rank can reach; on CPU the
+        # ranks time their GEMM shapes together, as they will run (cached per machine).
+        self.flops_per_step = train_flops_per_step(
+            run.config, args.global_batch_size * args.seq_length, tp=tp.size)
+        compute = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
+                   else run.config.params_dtype)
+        self.state.world.barrier()
+        self.peak, self.peak_what = peak_flops(
+            self.state.device, compute,
+            rank_gemms(run.config, args.micro_batch_size * args.seq_length, tp.size),
+            args.peak_tflops)
         if self.rank0:
             for note in notes:
                 self.log.print(note)
@@ -140,6 +153,10 @@ class Trainer:
                 f"{self.state.device}" + "".join(
                     f" | {_GROUP_NAMES[k]} over {v}"
                     for k, v in self.state.transports().items() if v != "-"))
+            peak = "" if self.peak is None else f" ({self.peak / 1e12:.3g} TFLOP/s per rank)"
+            self.log.print(f"model FLOPs: {self.flops_per_step / 1e12:.4g} TFLOP per step "
+                           f"(6 x tokens x GEMM weights + attention + LM head, "
+                           f"docs/performance.md); MFU {self.peak_what}{peak}")
 
     @property
     def plan(self) -> Plan:
@@ -221,6 +238,10 @@ class Trainer:
                        "grad_norm": out.grad_norm, "tokens_per_s": g * s * n / window["time"],
                        "step_time_s": window["time"] / n, "exposed_comm_s": window["comm"] / n,
                        "skipped": result.skipped, **rec}
+                per_rank = self.flops_per_step / self.state.world.size / rec["step_time_s"]
+                rec["model_tflops_per_rank"] = per_rank / 1e12
+                if self.peak:
+                    rec["mfu"] = per_rank / self.peak
                 if self.scaler is not None:
                     rec["loss_scale"] = self.scaler.scale
                 if self.runner is not None:

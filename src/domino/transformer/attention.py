@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
@@ -41,18 +42,32 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     sq, b, n, d = q.shape
     sk = k.shape[0]
     qh, kh, vh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b,n,s,d]
+    # bf16 / fp16 on a CPU: PyTorch's batched matmuls and its fused (flash) SDPA kernel are
+    # several times slower there than its math SDPA backend, and than fp32 batched matmuls
+    # (scripts/attention_paths.py; docs/performance.md#attention).
+    low_cpu = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     if not training or p == 0.0:
-        if mask is None and causal and sq == sk:
-            ctx = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        else:
+        kwargs: dict = {"is_causal": True}
+        if not (mask is None and causal and sq == sk):
             merged = _merge_masks(mask, causal, sq, sk, q.device)
             bias = None
             if merged is not None:
                 bias = torch.zeros(merged.shape, dtype=q.dtype, device=q.device)
                 bias = bias.masked_fill(merged, torch.finfo(q.dtype).min)
-            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
+            kwargs = {"attn_mask": bias}
+        if low_cpu:
+            with sdpa_kernel(SDPBackend.MATH):
+                ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
+        else:
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    # Dropout: the masks come from our generator, so the softmax is explicit. On a CPU in low
+    # precision its two batched matmuls run in fp32 (the dropout mask is still drawn on the
+    # bf16/fp16 probabilities: the same draws).
+    def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x.float(), y.float()) if low_cpu else torch.matmul(x, y)
+
+    scores = mm(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     if softmax_fp32:
         scores = scores.float()
     merged = _merge_masks(mask, causal, sq, sk, q.device)
@@ -60,7 +75,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         scores = scores.masked_fill(merged, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     probs = dropout(probs, p, training, generator)
-    ctx = torch.matmul(probs, vh)  # [b, n, sq, d]
+    ctx = mm(probs, vh).to(v.dtype)  # [b, n, sq, d]
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
 

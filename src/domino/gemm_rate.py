@@ -1,0 +1,120 @@
+"""The rate this machine multiplies a model's own GEMM shapes at: the denominator of MFU on a CPU.
+
+A CPU has no datasheet peak that its GEMM kernels reach (AMX, AVX-512 and the thread count each
+change it several-fold), so MFU on CPU is measured against the machine itself: the GEMMs one
+rank runs for a layer (:func:`domino.flops.rank_gemms`: forward, input and weight gradients, at
+the rank's TP shard) are timed with ``torch.mm`` in the run's dtype and thread count, and their
+FLOPs over their time is the rate. Measured once per machine, torch version, dtype, thread count
+and shape set, and cached in ``$DOMINO_CACHE_DIR`` (default ``~/.cache/domino``) as JSON; a cache that cannot be read is measured again, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from domino.flops import Gemm
+from domino.utils import cache_root
+
+CACHE_FILE = "gemm_rates.json"
+MIN_TIME_S = 0.05  # per shape: repeat until this long (and at least twice) after one warm-up
+
+
+def machine() -> str:
+    """The CPU model (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(gemms: Sequence[Gemm], dtype: torch.dtype, threads: int) -> str:
+    shapes = ",".join(f"{g.m}x{g.k}x{g.n}" for g in sorted(set(gemms), key=lambda g: (g.m, g.k,
+                                                                                     g.n)))
+    return f"{machine()} | torch {torch.__version__} | {dtype} | {threads} threads | {shapes}"
+
+
+def time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds of one [m, k] x [k, n] ``torch.mm`` (median-free mean over a short loop)."""
+    a = torch.randn(gemm.m, gemm.k, device=device).to(dtype)
+    b = torch.randn(gemm.k, gemm.n, device=device).to(dtype)
+    out = torch.empty(gemm.m, gemm.n, dtype=dtype, device=device)
+    torch.mm(a, b, out=out)  # warm-up (kernel choice, pages)
+    reps, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b, out=out)
+        reps += 1
+        elapsed = time.perf_counter() - start
+        if reps >= 2 and elapsed >= MIN_TIME_S:
+            return elapsed / reps
+
+
+def measure(gemms: Sequence[Gemm], dtype: torch.dtype, device: str = "cpu") -> float:
+    """FLOP/s over ``gemms`` (each weighted by its count), timed now."""
+    flops = seconds = 0.0
+    for g in gemms:
+        t = time_gemm(Gemm(g.m, g.k, g.n), dtype, torch.device(device))
+        flops += g.flops
+        seconds += t * g.count
+    return flops / seconds
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def gemm_rate(gemms: Sequence[Gemm], dtype: torch.dtype, *, use_cache: bool = True) -> float:
+    """FLOP/s this machine reaches on ``gemms`` in ``dtype`` with the current thread count, from
+    the cache or measured (and then cached)."""
+    key = cache_key(gemms, dtype, torch.get_num_threads())
+    path = cache_root() / CACHE_FILE
+    if use_cache:
+        value = _read(path).get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    rate = measure(gemms, dtype)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = _read(path)
+            data[key] = rate
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gemm_rates-")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # ranks writing at once: one of them wins, whole
+        except OSError:
+            pass  # a read-only home: the rate is still right, only not kept
+    return rate
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, gemms: Sequence[Gemm],
+               override_tflops: float | None = None) -> tuple[float | None, str]:
+    """(the FLOP/s MFU is taken against, what it is): ``override_tflops`` if given; on CUDA the
+    device's dense peak for ``dtype`` (:data:`domino.flops.CUDA_PEAK_TFLOPS`); on CPU the
+    measured rate of ``gemms`` (:func:`gemm_rate`)."""
+    from domino.flops import cuda_peak_flops
+
+    if override_tflops is not None:
+        return override_tflops * 1e12, f"of {override_tflops:g} TFLOP/s (--peak-tflops)"
+    if device.type == "cuda":
+        peak = cuda_peak_flops(device, dtype)
+        name = torch.cuda.get_device_name(device)
+        if peak is None:
+            return None, f"n/a: no {dtype} peak known for {name}; give --peak-tflops"
+        return peak, f"of {name}'s dense {str(dtype).removeprefix('torch.')} peak"
+    return gemm_rate(gemms, dtype), "of measured GEMM rate"
