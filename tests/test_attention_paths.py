@@ -38,6 +38,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
 
 
+def _agree(out, qkv, ref, leaves) -> None:
+    """Output and input gradients within bf16 tolerance of the fp64 computation."""
+    assert _rel(out, ref) < 2e-2
+    dy = torch.randn(S, B, N * D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out.backward(dy.to(torch.bfloat16))
+    ref.backward(dy)
+    for mine, theirs in zip(qkv, leaves, strict=True):
+        assert _rel(mine.grad.permute(1, 2, 0, 3), theirs.grad) < 3e-2
+
+
 @pytest.mark.parametrize("case", ["causal", "padding"])
 def test_no_dropout_runs_sdpas_math_backend_and_matches_fp64(case, monkeypatch) -> None:
     used = []
@@ -52,12 +62,7 @@ def test_no_dropout_runs_sdpas_math_backend_and_matches_fp64(case, monkeypatch) 
     assert out.dtype == torch.bfloat16 and used == [attention.SDPBackend.MATH]
     causal = torch.ones(S, S, dtype=torch.bool).triu(1)
     ref, leaves = _reference(q, k, v, causal if pad is None else (pad | causal), None, 0.0)
-    assert _rel(out, ref) < 2e-2
-    dy = torch.randn(S, B, N * D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    out.backward(dy.to(torch.bfloat16))
-    ref.backward(dy)
-    for mine, theirs in zip((q, k, v), leaves, strict=True):
-        assert _rel(mine.grad.permute(1, 2, 0, 3), theirs.grad) < 3e-2
+    _agree(out, (q, k, v), ref, leaves)
 
 
 def test_fp32_keeps_pytorchs_own_choice(monkeypatch) -> None:
@@ -77,9 +82,4 @@ def test_dropout_in_bf16_draws_the_same_masks_and_computes_in_fp32() -> None:
     keep = torch.empty(B, N, S, S, dtype=torch.bfloat16).bernoulli_(
         1.0 - p, generator=torch.Generator().manual_seed(7))
     ref, leaves = _reference(q, k, v, torch.ones(S, S, dtype=torch.bool).triu(1), keep, p)
-    assert _rel(out, ref) < 2e-2
-    dy = torch.randn(S, B, N * D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    out.backward(dy.to(torch.bfloat16))
-    ref.backward(dy)
-    for mine, theirs in zip((q, k, v), leaves, strict=True):
-        assert _rel(mine.grad.permute(1, 2, 0, 3), theirs.grad) < 3e-2
+    _agree(out, (q, k, v), ref, leaves)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from domino.checkpoint.layout import open_checkpoint
 from domino.cli import main
 from domino.config import TransformerConfig
 from domino.data import ByteTokenizer, preprocess
@@ -50,7 +51,7 @@ def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
     # MFU: the model's FLOPs per step (domino.flops) over the time, per rank, against the GEMM
     # rate the ranks measured on this machine.
     settings = tomllib.loads((run / "config.toml").read_text())
-    config = TransformerConfig.from_dict(json.loads((run / "config.json").read_text()))
+    config = TransformerConfig.from_dict(open_checkpoint(run)[1].config)  # the trained model
     flops = train_flops_per_step(config, settings["global_batch_size"] * settings["seq_length"],
                                  tp=2)
     for rec in records:

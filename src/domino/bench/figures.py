@@ -130,3 +130,13 @@ def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | No
         "comm_hidden_ceiling": (max(0.0, 1.0 - floor / exposed)
                                 if exposed is not None and exposed > 0 else None),
     }
+
+
+def mfu_line(config: dict[str, Any]) -> str | None:
+    """The report line saying what a step's model FLOPs are and what MFU is taken against."""
+    if not config.get("model_flops_per_step"):
+        return None
+    peak = config.get("peak_flops_per_s")
+    return (f"model FLOPs {config['model_flops_per_step'] / 1e9:.1f} GFLOP per step (all "
+            f"ranks); MFU {config.get('mfu_of')}"
+            + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))

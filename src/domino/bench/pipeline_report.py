@@ -11,6 +11,7 @@ import os
 import statistics
 from typing import Any
 
+from domino.bench.figures import mfu_line
 from domino.bench.timeline import Timeline, render_png, to_chrome_trace
 from domino.pipeline.schedules import theoretical_bubble
 
@@ -58,11 +59,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"PP={c['pipeline_model_parallel_size']} x TP={c['tensor_model_parallel_size']} "
              f"(Domino plan {c['plan']} in each stage), {c['dtype']}, {c['device']}, link "
              f"{c['link']}, {c['steps']} steps after {c['warmup']} warm-up"]
-    if c.get("model_flops_per_step"):
-        peak = c.get("peak_flops_per_s")
-        lines.append(f"model FLOPs {c['model_flops_per_step'] / 1e9:.1f} GFLOP per step "
-                     f"(all ranks); MFU {c.get('mfu_of')}"
-                     + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))
+    if mfu_line(c) is not None:
+        lines.append(mfu_line(c))
     head = ("schedule", "step ms", "tokens/s", "TFLOP/s/rank", "MFU", "bubble", "theory",
             "held mb/stage", "peak MiB/stage")
     body = [(r["schedule"] + (f" (x{r['chunks']} chunks)" if r["chunks"] > 1 else ""),

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from domino.bench.figures import best_mode, comm_cpu_bound, compute_results, detect_regime
+from domino.bench.figures import (
+    best_mode,
+    comm_cpu_bound,
+    compute_results,
+    detect_regime,
+    mfu_line,
+)
 from domino.bench.modes import Mode
 from domino.netem import rate_bits_per_s
 
@@ -106,11 +112,8 @@ def format_table(report: dict[str, Any]) -> str:
         + (")" if ar is not None else "")
         + f", {c['steps']} steps after {c['warmup']} warm-up",
     ]
-    if c.get("model_flops_per_step"):
-        peak = c.get("peak_flops_per_s")
-        lines.append(f"model FLOPs {c['model_flops_per_step'] / 1e9:.1f} GFLOP per step "
-                     f"(all ranks); MFU {c.get('mfu_of')}"
-                     + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))
+    if mfu_line(c) is not None:
+        lines.append(mfu_line(c))
     head = ("mode", "step ms", "min ms", "tokens/s", "TFLOP/s/rank", "MFU", "exposed ms",
             "vs split ms", "hidden", "speedup", "peak MiB")
     body = []
