@@ -188,19 +188,12 @@ def ffn_size(hidden: int, multiple: int) -> int:
     return multiple * math.ceil(8 * hidden / 3 / multiple)
 
 
-def model_flops(params: int, shape: Shape) -> float:
-    """Model FLOPs of one forward+backward step (the Megatron / PaLM MFU convention):
+def model_flops(cfg, shape: Shape, head: bool) -> float:
+    """Model FLOPs of one forward+backward step: ``domino.flops`` (the Megatron / PaLM MFU
+    convention: GEMMs, the full s x s attention, the LM head with ``head``; no recomputation)."""
+    from domino.flops import train_flops_per_step
 
-        6 * N * tokens + 12 * layers * hidden * seq * tokens
-
-    6 * N * tokens: every weight does one multiply-add (2 FLOPs) per token in forward and two in
-    backward (input and weight gradient); N counts every parameter, a tied word table once (it
-    is the LM head's GEMM). 12 * layers * hidden * seq * tokens: attention scores (Q K^T) and
-    context (P V), 2 * 2 * seq * hidden FLOPs per token per layer in forward, x3 with backward;
-    it counts the full seq x seq matrix, as the convention does, though a causal kernel skips
-    about half of it. No activation recomputation is counted (none runs here)."""
-    tokens = shape.tokens
-    return 6.0 * params * tokens + 12.0 * shape.layers * shape.hidden * shape.seq * tokens
+    return train_flops_per_step(cfg, shape.tokens, head=head)
 
 
 def _config(shape: Shape, dtype: torch.dtype):
@@ -307,7 +300,7 @@ def _stack_size(shape: Shape, plans, device, precision: str, warmup: int, rounds
     stack = DominoTransformer(cfg, ParallelState.single(device),
                               self_attn_mask_type=AttnMaskType.causal, device=device)
     params = sum(p.numel() for p in stack.parameters())
-    flops = model_flops(params, shape)
+    flops = model_flops(cfg, shape, head=False)
     print(f"hidden {shape.hidden}: {shape.layers} layers, {shape.heads} heads, ffn {shape.ffn}, "
           f"seq {shape.seq}, batch {shape.batch}, {params / 1e6:.1f}M params, "
           f"{_flops_str(flops)}/step (model FLOPs)", flush=True)
@@ -346,7 +339,7 @@ def _gpt_model(shape: Shape, plans, device, precision: str, warmup: int, rounds:
     t0 = time.perf_counter()
     model = GPTModel(cfg, parallel_state=ParallelState.single(device))
     params = sum(p.numel() for p in model.parameters())
-    flops = model_flops(params, shape)
+    flops = model_flops(cfg, shape, head=True)
     print(f"GPT: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
           f"{shape.ffn}, vocab {shape.vocab}, seq {shape.seq}, batch {shape.batch}: "
           f"{params / 1e6:.1f}M params, {_flops_str(flops)}/step (model FLOPs) "
