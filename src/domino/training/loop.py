@@ -155,8 +155,8 @@ class Trainer:
                     for k, v in self.state.transports().items() if v != "-"))
             peak = "" if self.peak is None else f" ({self.peak / 1e12:.3g} TFLOP/s per rank)"
             self.log.print(f"model FLOPs: {self.flops_per_step / 1e12:.4g} TFLOP per step "
-                           f"(6 x tokens x GEMM weights + attention + LM head, "
-                           f"docs/performance.md); MFU {self.peak_what}{peak}")
+                           f"(3 x forward: GEMMs, attention, LM head; docs/performance.md); "
+                           f"MFU {self.peak_what}{peak}")
 
     @property
     def plan(self) -> Plan:
