@@ -4,6 +4,7 @@ MFU is taken against."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -102,8 +103,33 @@ def test_the_cpu_rate_is_measured_once_then_cached(tmp_path, monkeypatch) -> Non
 
 
 def test_measure_weights_each_shape_by_its_count(monkeypatch) -> None:
-    monkeypatch.setattr(gemm_rate, "time_gemm",
-                        lambda g, dtype, device: {(4, 4, 4): 1.0, (8, 8, 8): 2.0}[(g.m, g.k,
-                                                                                    g.n)])
-    rate = gemm_rate.measure([Gemm(4, 4, 4, count=3), Gemm(8, 8, 8)], torch.float32)
+    timed = []
+
+    def fake(g, dtype, device):
+        timed.append((g.m, g.k, g.n))
+        return {(4, 4, 4): 1.0, (8, 8, 8): 2.0}[(g.m, g.k, g.n)]
+
+    monkeypatch.setattr(gemm_rate, "time_gemm", fake)
+    rate = gemm_rate.measure([Gemm(4, 4, 4, count=2), Gemm(8, 8, 8), Gemm(4, 4, 4)],
+                             torch.float32)
     assert rate == pytest.approx((3 * 128 + 1024) / (3 * 1.0 + 2.0))
+    assert timed == [(4, 4, 4), (8, 8, 8)]  # a repeated shape is timed once
+
+
+def test_a_slow_gemm_is_timed_by_one_call(monkeypatch) -> None:
+    calls = []
+    real = torch.mm
+
+    def slow_mm(a, b, out=None):
+        calls.append(1)
+        time.sleep(gemm_rate.MIN_TIME_S)
+        return real(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", slow_mm)
+    assert gemm_rate.time_gemm(Gemm(4, 4, 4), torch.float32, torch.device("cpu")) >= \
+        gemm_rate.MIN_TIME_S
+    assert len(calls) == 1
+    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append(1) or real(a, b, out=out))
+    calls.clear()
+    gemm_rate.time_gemm(Gemm(4, 4, 4), torch.float32, torch.device("cpu"))
+    assert len(calls) >= 3  # a fast one: a warm-up, then at least two timed calls

@@ -46,11 +46,17 @@ def cache_key(gemms: Sequence[Gemm], dtype: torch.dtype, threads: int) -> str:
 
 
 def time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> float:
-    """Seconds of one [m, k] x [k, n] ``torch.mm`` (median-free mean over a short loop)."""
+    """Seconds of one [m, k] x [k, n] ``torch.mm``: the mean over a short loop after a warm-up
+    call, or that first call alone when it took ``MIN_TIME_S`` or more (a slow kernel, e.g.
+    bf16 on a CPU without bf16 instructions: its warm-up is noise, and more calls only cost)."""
     a = torch.randn(gemm.m, gemm.k, device=device).to(dtype)
     b = torch.randn(gemm.k, gemm.n, device=device).to(dtype)
     out = torch.empty(gemm.m, gemm.n, dtype=dtype, device=device)
+    start = time.perf_counter()
     torch.mm(a, b, out=out)  # warm-up (kernel choice, pages)
+    first = time.perf_counter() - start
+    if first >= MIN_TIME_S:
+        return first
     reps, start = 0, time.perf_counter()
     while True:
         torch.mm(a, b, out=out)
@@ -62,11 +68,13 @@ def time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> float:
 
 def measure(gemms: Sequence[Gemm], dtype: torch.dtype, device: str = "cpu") -> float:
     """FLOP/s over ``gemms`` (each weighted by its count), timed now."""
+    counts: dict[tuple[int, int, int], int] = {}
+    for g in gemms:  # each distinct shape timed once
+        counts[(g.m, g.k, g.n)] = counts.get((g.m, g.k, g.n), 0) + g.count
     flops = seconds = 0.0
-    for g in gemms:
-        t = time_gemm(Gemm(g.m, g.k, g.n), dtype, torch.device(device))
-        flops += g.flops
-        seconds += t * g.count
+    for (m, k, n), count in counts.items():
+        flops += Gemm(m, k, n, count).flops
+        seconds += time_gemm(Gemm(m, k, n), dtype, torch.device(device)) * count
     return flops / seconds
 
 
