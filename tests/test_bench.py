@@ -97,6 +97,7 @@ def test_parse_modes() -> None:
         (["--modes", "sync,bogus"], "unknown benchmark mode"),
         (["--num-attention-heads", "3"], "divisible"),
         (["--steps", "0"], "--steps"),
+        (["--peak-tflops", "0"], "--peak-tflops=0.0 must be > 0"),
         (["--emulate-link", "fast"], "gbit"),
         (["--emulate-link", "1gb"], "invalid link rate"),
         (["--link-mtu", "9000"], "add --emulate-link"),

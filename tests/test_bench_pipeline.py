@@ -86,6 +86,7 @@ def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:
     (["--pipeline-micro-batches", "3", "--schedules", "interleaved"], "not a multiple of 2"),
     (["--simulate-link", "1gbit"], "loopback or --emulate-link"),
     (["--plan", "m4:cross"], "larger than --micro-batch-size=2"),
+    (["--peak-tflops", "-1"], "--peak-tflops=-1.0 must be > 0"),
 ])
 def test_pipeline_bench_checks(extra: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -11,7 +11,14 @@ import torch
 
 from domino import gemm_rate
 from domino.config import TransformerConfig
-from domino.flops import Gemm, cuda_peak_flops, rank_gemms, train_flops_per_step
+from domino.flops import (
+    Gemm,
+    check_peak_tflops,
+    cuda_peak_flops,
+    rank_gemms,
+    train_flops_per_step,
+    utilisation,
+)
 
 
 def _gpt2_like() -> TransformerConfig:
@@ -133,3 +140,14 @@ def test_a_slow_gemm_is_timed_by_one_call(monkeypatch) -> None:
     calls.clear()
     gemm_rate.time_gemm(Gemm(4, 4, 4), torch.float32, torch.device("cpu"))
     assert len(calls) >= 3  # a fast one: a warm-up, then at least two timed calls
+
+
+def test_peak_tflops_rule_and_utilisation() -> None:
+    check_peak_tflops(None)
+    check_peak_tflops(0.5)
+    for bad in (0.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="--peak-tflops=.* must be > 0"):
+            check_peak_tflops(bad)
+    assert utilisation(8e12, 2, 2.0, 4e12) == (2e12, 0.5)
+    assert utilisation(8e12, 2, 2.0, None) == (2e12, None)
+    assert utilisation(None, 2, 2.0, 4e12) == (None, None)

@@ -103,3 +103,20 @@ def cuda_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
                 return bf16 * 1e12
             return fp32 * 1e12 if dtype == torch.float32 else None
     return None
+
+
+def check_peak_tflops(value: float | None) -> None:
+    """Raise ValueError unless ``--peak-tflops`` is left out or positive."""
+    if value is not None and not value > 0:
+        raise ValueError(f"--peak-tflops={value} must be > 0 (TFLOP/s per rank); leave it out "
+                         "to use the device's peak or the measured GEMM rate")
+
+
+def utilisation(flops_per_step: float | None, ranks: int, step_time_s: float,
+                peak_flops: float | None) -> tuple[float | None, float | None]:
+    """(model FLOP/s per rank, MFU) of a step of ``flops_per_step`` model FLOPs over ``ranks``
+    ranks taking ``step_time_s``; None where the count or the peak is unknown."""
+    if flops_per_step is None:
+        return None, None
+    per_rank = flops_per_step / ranks / step_time_s
+    return per_rank, (per_rank / peak_flops if peak_flops else None)

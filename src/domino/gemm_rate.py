@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from domino.flops import Gemm
+from domino.flops import Gemm, cuda_peak_flops
 from domino.utils import cache_root
 
 CACHE_FILE = "gemm_rates.json"
@@ -39,9 +39,16 @@ def machine() -> str:
     return platform.processor() or platform.machine()
 
 
+def shape_counts(gemms: Sequence[Gemm]) -> dict[tuple[int, int, int], int]:
+    """How many GEMMs of each distinct (m, k, n) ``gemms`` holds."""
+    counts: dict[tuple[int, int, int], int] = {}
+    for g in gemms:
+        counts[(g.m, g.k, g.n)] = counts.get((g.m, g.k, g.n), 0) + g.count
+    return counts
+
+
 def cache_key(gemms: Sequence[Gemm], dtype: torch.dtype, threads: int) -> str:
-    shapes = ",".join(f"{g.m}x{g.k}x{g.n}" for g in sorted(set(gemms), key=lambda g: (g.m, g.k,
-                                                                                     g.n)))
+    shapes = ",".join(f"{m}x{k}x{n}*{c}" for (m, k, n), c in sorted(shape_counts(gemms).items()))
     return f"{machine()} | torch {torch.__version__} | {dtype} | {threads} threads | {shapes}"
 
 
@@ -68,11 +75,8 @@ def time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> float:
 
 def measure(gemms: Sequence[Gemm], dtype: torch.dtype, device: str = "cpu") -> float:
     """FLOP/s over ``gemms`` (each weighted by its count), timed now."""
-    counts: dict[tuple[int, int, int], int] = {}
-    for g in gemms:  # each distinct shape timed once
-        counts[(g.m, g.k, g.n)] = counts.get((g.m, g.k, g.n), 0) + g.count
     flops = seconds = 0.0
-    for (m, k, n), count in counts.items():
+    for (m, k, n), count in shape_counts(gemms).items():  # each distinct shape timed once
         flops += Gemm(m, k, n, count).flops
         seconds += time_gemm(Gemm(m, k, n), dtype, torch.device(device)) * count
     return flops / seconds
@@ -86,27 +90,25 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def gemm_rate(gemms: Sequence[Gemm], dtype: torch.dtype, *, use_cache: bool = True) -> float:
+def gemm_rate(gemms: Sequence[Gemm], dtype: torch.dtype) -> float:
     """FLOP/s this machine reaches on ``gemms`` in ``dtype`` with the current thread count, from
     the cache or measured (and then cached)."""
     key = cache_key(gemms, dtype, torch.get_num_threads())
     path = cache_root() / CACHE_FILE
-    if use_cache:
-        value = _read(path).get(key)
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
+    value = _read(path).get(key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
     rate = measure(gemms, dtype)
-    if use_cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = _read(path)
-            data[key] = rate
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gemm_rates-")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)  # ranks writing at once: one of them wins, whole
-        except OSError:
-            pass  # a read-only home: the rate is still right, only not kept
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read(path)
+        data[key] = rate
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gemm_rates-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # ranks writing at once: one of them wins, whole
+    except OSError:
+        pass  # a read-only home: the rate is still right, only not kept
     return rate
 
 
@@ -115,8 +117,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype, gemms: Sequence[Gemm],
     """(the FLOP/s MFU is taken against, what it is): ``override_tflops`` if given; on CUDA the
     device's dense peak for ``dtype`` (:data:`domino.flops.CUDA_PEAK_TFLOPS`); on CPU the
     measured rate of ``gemms`` (:func:`gemm_rate`)."""
-    from domino.flops import cuda_peak_flops
-
     if override_tflops is not None:
         return override_tflops * 1e12, f"of {override_tflops:g} TFLOP/s (--peak-tflops)"
     if device.type == "cuda":

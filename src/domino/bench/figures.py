@@ -13,6 +13,7 @@ import statistics
 from typing import Any
 
 from domino.bench.modes import Mode
+from domino.flops import utilisation
 from domino.transformer.autotune import regime_of
 
 
@@ -31,10 +32,10 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
     t_sync, t_nocomm = med.get("sync"), med.get("nocomm")
     flops, peak = raw.get("model_flops_per_step"), raw.get("peak_flops_per_s")
-    ranks = len(raw["per_rank_step_times_s"][modes[0].name]) if modes else 1
     rows = []
     for mode in modes:
         t = med[mode.name]
+        per_rank, mfu = utilisation(flops, len(raw["per_rank_step_times_s"][mode.name]), t, peak)
         # Sequence-parallel modes against their own sync and nocomm when those ran.
         fam = mode.family
         f_sync, f_nocomm = med.get("sync" + fam, t_sync), med.get("nocomm" + fam, t_nocomm)
@@ -61,8 +62,8 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "step_times_s_per_rank": raw["per_rank_step_times_s"][mode.name],
             "tokens_per_s": tokens / t,
             # Model FLOPs (domino.flops) per second per rank, and over the peak (MFU).
-            "model_flops_per_s_per_rank": None if flops is None else flops / ranks / t,
-            "mfu": None if flops is None or not peak else flops / ranks / t / peak,
+            "model_flops_per_s_per_rank": per_rank,
+            "mfu": mfu,
             "exposed_comm_s": exposed,
             "exposed_comm_vs_split_nocomm_s": t - med[split.name] if split is not None else None,
             # For comm-free split runs: what splitting alone costs over unsplit compute.

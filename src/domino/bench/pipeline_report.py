@@ -13,6 +13,7 @@ from typing import Any
 
 from domino.bench.figures import mfu_line
 from domino.bench.timeline import Timeline, render_png, to_chrome_trace
+from domino.flops import utilisation
 from domino.pipeline.schedules import theoretical_bubble
 
 
@@ -33,13 +34,11 @@ def results(raw: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
         stage_ranks = {}
         for r in ranks:
             stage_ranks.setdefault(r["stage"], r)
+        per_rank, mfu = utilisation(flops, len(ranks), statistics.median(step), peak)
         out.append({
             "schedule": name, "step_time_s": statistics.median(step), "step_times_s": step,
             "tokens_per_s": tokens / statistics.median(step),
-            "model_flops_per_s_per_rank": (None if flops is None
-                                           else flops / len(ranks) / statistics.median(step)),
-            "mfu": (None if flops is None or not peak
-                    else flops / len(ranks) / statistics.median(step) / peak),
+            "model_flops_per_s_per_rank": per_rank, "mfu": mfu,
             "bubble": statistics.median(bubbles), "bubbles": bubbles,
             "theoretical_bubble": theoretical_bubble(name, p, m, chunks),
             "layers": layout, "chunks": chunks,

@@ -15,6 +15,7 @@ import torch
 
 from domino.bench.modes import DEFAULT_MODES, Mode, parse_modes
 from domino.config import TransformerConfig
+from domino.flops import check_peak_tflops
 from domino.netem import check_can_emulate, parse_rate
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
@@ -129,9 +130,7 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     if args.timeout <= 0:
         raise ValueError(f"--timeout={args.timeout} must be > 0")
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise ValueError(f"--peak-tflops={args.peak_tflops} must be > 0 (TFLOP/s per rank); "
-                         "leave it out to use the device's peak or the measured GEMM rate")
+    check_peak_tflops(args.peak_tflops)
     if args.model == "gpt" and args.vocab_size < 1:
         raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
     tp = args.tensor_model_parallel_size
@@ -169,6 +168,7 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--modes picks the Domino modes of a TP comparison; a pipeline "
                          "comparison (--pipeline-model-parallel-size > 1) compares --schedules "
                          "with one --plan inside each stage: drop --modes")
+    check_peak_tflops(args.peak_tflops)
     if args.pipeline_micro_batches is None:
         args.pipeline_micro_batches = PIPELINE_MICRO_BATCHES
     if args.plan is None:

@@ -20,7 +20,7 @@ import torch
 
 import domino
 from domino.checkpoint import Meta, load_model, load_optimizer, load_rng, save
-from domino.flops import rank_gemms, train_flops_per_step
+from domino.flops import rank_gemms, train_flops_per_step, utilisation
 from domino.gemm_rate import peak_flops
 from domino.inference.sampling import generate
 from domino.memory import method as memory_method
@@ -238,10 +238,11 @@ class Trainer:
                        "grad_norm": out.grad_norm, "tokens_per_s": g * s * n / window["time"],
                        "step_time_s": window["time"] / n, "exposed_comm_s": window["comm"] / n,
                        "skipped": result.skipped, **rec}
-                per_rank = self.flops_per_step / self.state.world.size / rec["step_time_s"]
+                per_rank, mfu = utilisation(self.flops_per_step, self.state.world.size,
+                                            rec["step_time_s"], self.peak)
                 rec["model_tflops_per_rank"] = per_rank / 1e12
-                if self.peak:
-                    rec["mfu"] = per_rank / self.peak
+                if mfu is not None:
+                    rec["mfu"] = mfu
                 if self.scaler is not None:
                     rec["loss_scale"] = self.scaler.scale
                 if self.runner is not None:

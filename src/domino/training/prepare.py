@@ -17,6 +17,7 @@ import torch
 from domino.config import TransformerConfig
 from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
 from domino.data.tokenizer import Tokenizer
+from domino.flops import check_peak_tflops
 from domino.parallel_state import check_sizes
 from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
@@ -115,9 +116,7 @@ def _check_device(args: TrainArgs, local_procs: int) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pick one.")
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise ValueError(f"--peak-tflops={args.peak_tflops} must be > 0 (TFLOP/s per rank); "
-                         "leave it out to use the device's peak or the measured GEMM rate")
+    check_peak_tflops(args.peak_tflops)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available; use --device cpu.")

@@ -10,6 +10,7 @@ so that a contiguous TP shard holds whole groups.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -55,10 +56,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                 bias = torch.zeros(merged.shape, dtype=q.dtype, device=q.device)
                 bias = bias.masked_fill(merged, torch.finfo(q.dtype).min)
             kwargs = {"attn_mask": bias}
-        if low_cpu:
-            with sdpa_kernel(SDPBackend.MATH):
-                ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
-        else:
+        with sdpa_kernel(SDPBackend.MATH) if low_cpu else contextlib.nullcontext():
             ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
     # Dropout: the masks come from our generator, so the softmax is explicit. On a CPU in low
