@@ -11,6 +11,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/dist.py and helpers
 
 import pytest  # noqa: E402
 
+# The README's set-up installs without compiling bytecode (pip --no-compile, uv): the first import
+# in this run writes it once, for the modules the suite really imports, instead of every one of the
+# suite's few hundred interpreters compiling torch again where PYTHONDONTWRITEBYTECODE is set.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # The GEMM rates MFU is measured against (domino.gemm_rate) are cached per process of the suite
 # (its ranks inherit the variable), never in the user's ~/.cache.
 _CACHE = None
