@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from dist import run_distributed
 
 from domino.checkpoint.hf import choose_architecture
@@ -28,6 +27,15 @@ from domino.inference.sampling import generate
 from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import placement_of
+
+
+def _hf():
+    """``transformers``, imported when a test first needs it: its import costs each xdist
+    worker seconds at collection, and only this file's worker runs these tests."""
+    import transformers
+
+    return transformers
+
 
 TEXT = "def forward(self, x):\n    return self.alpha * x + beta"
 
@@ -63,7 +71,7 @@ def _ours(tmp: Path, config: TransformerConfig, tokenizer, seed: int = 0):
 
 
 def _hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = _hf().AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return model.eval()(ids).logits
 
@@ -115,11 +123,11 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
     theirs = _hf_logits(out, ids)
     torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
     assert mine.abs().max() > 1.0  # informative logits, not near-zero noise
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf_tok = _hf().AutoTokenizer.from_pretrained(out)
     assert hf_tok.encode(TEXT, add_special_tokens=False) == bpe.encode(TEXT)
     assert hf_tok.decode(bpe.encode(TEXT)) == TEXT
     # Greedy generation: transformers.generate == ours with the KV cache == ours without.
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    hf_model = _hf().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     prompt = bpe.encode("def forward")
     hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                pad_token_id=bpe.eod)[0, len(prompt):].tolist()
@@ -147,13 +155,13 @@ def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.
     """A transformers model with random weights, saved the way the Hub holds models."""
     eod = bpe.eod
     if arch == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=32, n_embd=32,
+        cfg = _hf().GPT2Config(vocab_size=bpe.vocab_size, n_positions=32, n_embd=32,
                                       n_layer=2, n_head=4, activation_function="gelu_new",
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       bos_token_id=eod, eos_token_id=eod)
-        model = transformers.GPT2LMHeadModel(cfg)
+        model = _hf().GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(
+        cfg = _hf().LlamaConfig(
             vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -161,7 +169,7 @@ def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 16},
             bos_token_id=eod, eos_token_id=eod)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = _hf().LlamaForCausalLM(cfg)
     _perturb(model, 3)
     folder = tmp / f"hf-{arch}"
     model.save_pretrained(folder)
@@ -290,5 +298,5 @@ def test_fine_tune_an_imported_llama(tmp_path: Path, bpe: BPETokenizer, capfd) -
     step_dir, meta, _ = open_checkpoint(ft)
     assert meta.step == 2 and meta.has_optimizer
     assert export_hf(step_dir, meta, tmp_path / "again") == "llama"
-    raw = transformers.AutoConfig.from_pretrained(tmp_path / "again")
+    raw = _hf().AutoConfig.from_pretrained(tmp_path / "again")
     assert raw.head_dim == 16 and raw.num_key_value_heads == 2 and not raw.attention_bias

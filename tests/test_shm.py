@@ -174,7 +174,6 @@ def _build(rank: int, world: int, shared: bool) -> dict:
             "api_after": workers()}
 
 
-@pytest.mark.serial
 def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
     on = run_distributed(_build, 2, True)
     assert all(r["transports"] == {"tp": "shm", "dp": "-"} for r in on)
@@ -201,7 +200,6 @@ def _refused(rank: int, world: int, how: str) -> dict:
             "left": _made_here(before, CommGroup.world().all_gather_json(os.getpid()))}
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("how", ["host", "create", "open"])
 def test_every_rank_keeps_to_gloo_when_one_cannot_share(how: str) -> None:
     results = run_distributed(_refused, 2, how)
@@ -351,7 +349,6 @@ def test_a_failure_in_one_workers_reaches_the_others_at_once(tmp_path) -> None:
     assert "rank 1 of the group left a collective" in r0["msg"], r0
 
 
-@pytest.mark.serial
 def test_a_full_dev_shm_is_refused_at_set_up_not_mid_run() -> None:
     """The mapping's pages are reserved when it is made: a /dev/shm too small fails there (and
     removes what it made) instead of killing a rank with SIGBUS when a page is first touched."""
