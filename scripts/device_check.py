@@ -4,15 +4,18 @@ Two sections (``--section all``, the default, runs both, in this order):
 
 * ``tp2`` - correctness at TP=2: two processes on one device (gloo on the device's tensors, or
   NCCL with --nccl on a machine with two or more GPUs) check, for every schedule, that loss and
-  gathered gradients equal the sync-TP model's; then a bf16 autocast step and a sync vs Domino
+  gathered gradients equal the sync-TP model's; then a bf16 step (fp32 masters, bf16 compute
+  copies, as ``domino train --bf16`` runs) and a sync vs Domino
   step-time table. Prints "DEVICE CHECK OK" (or FAILED, and the script exits 1).
 * ``readiness`` - GPU readiness at TP=1 on ONE device, the Domino split forced
   (``set_plan(plan, force=True)``; a TP=1 stack otherwise runs unsplit): forward+backward step
   time of unsplit (m1:none) vs 2 and 4 micro-batches (m2:cross, m4:cross) on a GPT-style causal
   stack (RMSNorm, RoPE, SwiGLU with ffn ~8/3 hidden, no biases) at hidden 1024, 2048 and 4096
   (4, 4 and 2 layers, seq 2048, batch 8, heads = hidden / 128). Params are bf16
-  (``TransformerConfig(params_dtype=torch.bfloat16)``, no autocast; ``--precision autocast``:
-  fp32 params under bf16 autocast, as `domino train --bf16` runs). Times are CUDA-synchronised,
+  (``TransformerConfig(params_dtype=torch.bfloat16)``; ``--precision masters``: fp32 params
+  computed from bf16 copies cast once per step, as ``domino train --bf16`` runs;
+  ``--precision autocast``: fp32 params under bf16 autocast, for comparison). Times are
+  CUDA-synchronised,
   after warmup, medians of interleaved rounds; per size it prints each plan's step time, the
   split's cost in % vs unsplit, MFU and max_memory_allocated. Then a 1.3B-parameter GPT (24
   layers, hidden 2048, 16 heads, ffn 5632, seq 2048, batch 8, vocab 32000, tied head): unsplit
@@ -54,6 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from domino.runtime import RuntimeConfig
+
 PLANS = [(1, "none", 1), (2, "intra_layer", 1), (2, "cross_layer", 1), (3, "cross_layer", 2),
          (4, "cross_layer", 2)]
 SECTIONS = ("tp2", "readiness")
@@ -69,6 +74,7 @@ def _sync(device: torch.device) -> None:
 def _rank(rank: int, world: int, port: int, device_name: str, nccl: bool, steps: int) -> None:
     from domino import ParallelState, TransformerConfig
     from domino.gpt_model import GPTModel
+    from domino.precision import set_compute_dtype
     from domino.tensor_parallel import gather_full
     from domino.transformer import Plan
 
@@ -113,9 +119,10 @@ def _rank(rank: int, world: int, port: int, device_name: str, nccl: bool, steps:
         worst = max(worst, err)
         if rank == 0:
             print(f"plan {plan}: max relative error vs sync {err:.2e}", flush=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        stack.set_plan(Plan(2, "cross_layer", 1))
-        bf16_loss = step()
+    set_compute_dtype(model, torch.bfloat16)  # fp32 masters, bf16 compute copies
+    stack.set_plan(Plan(2, "cross_layer", 1))
+    bf16_loss = step()
+    set_compute_dtype(model, None)
     times: dict[tuple, list[float]] = {p: [] for p in PLANS}
     for _ in range(steps):
         for plan in PLANS:
@@ -127,7 +134,7 @@ def _rank(rank: int, world: int, port: int, device_name: str, nccl: bool, steps:
             _sync(device)
             times[plan].append(time.perf_counter() - t0)
     if rank == 0:
-        print(f"bf16 autocast loss {bf16_loss.item():.4f} (fp32 {ref_loss.item():.4f})")
+        print(f"bf16 loss {bf16_loss.item():.4f} (fp32 {ref_loss.item():.4f})")
         base = statistics.median(times[PLANS[0]])
         for plan in PLANS:
             med = statistics.median(times[plan])
@@ -294,20 +301,23 @@ def _stack_size(shape: Shape, plans, device, precision: str, warmup: int, rounds
     from domino.transformer import DominoTransformer
     from domino.transformer.rope import RotaryEmbedding
 
-    dtype = torch.float32 if precision in ("fp32", "autocast") else torch.bfloat16
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    runtime = RuntimeConfig(compute_dtype=torch.bfloat16 if precision == "masters" else None)
     cfg = _config(shape, dtype)
     torch.manual_seed(0)
     stack = DominoTransformer(cfg, ParallelState.single(device),
-                              self_attn_mask_type=AttnMaskType.causal, device=device)
+                              self_attn_mask_type=AttnMaskType.causal, device=device,
+                              runtime=runtime)
     params = sum(p.numel() for p in stack.parameters())
     flops = model_flops(cfg, shape, head=False)
     print(f"hidden {shape.hidden}: {shape.layers} layers, {shape.heads} heads, ffn {shape.ffn}, "
           f"seq {shape.seq}, batch {shape.batch}, {params / 1e6:.1f}M params, "
           f"{_flops_str(flops)}/step (model FLOPs)", flush=True)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen).to(device, dtype)
+    act = torch.bfloat16 if precision in ("bf16", "masters") else torch.float32
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen).to(device, act)
     x.requires_grad_(True)  # as an embedding's output: the first layer's input grad is computed
-    dy = torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen).to(device, dtype)
+    dy = torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen).to(device, act)
     rot = RotaryEmbedding(cfg.kv_channels, device=device)(
         torch.arange(shape.seq, device=device).unsqueeze(0))  # [s, 1, 1, d]: every sample
     amp = precision == "autocast"
@@ -333,11 +343,12 @@ def _gpt_model(shape: Shape, plans, device, precision: str, warmup: int, rounds:
     from domino import ParallelState
     from domino.gpt_model import GPTModel
 
-    dtype = torch.float32 if precision in ("fp32", "autocast") else torch.bfloat16
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    runtime = RuntimeConfig(compute_dtype=torch.bfloat16 if precision == "masters" else None)
     cfg = _config(shape, dtype)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = GPTModel(cfg, parallel_state=ParallelState.single(device))
+    model = GPTModel(cfg, parallel_state=ParallelState.single(device), runtime=runtime)
     params = sum(p.numel() for p in model.parameters())
     flops = model_flops(cfg, shape, head=True)
     print(f"GPT: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
@@ -396,8 +407,8 @@ def run_readiness(args: argparse.Namespace) -> bool:
     if peak is None and device.type == "cuda":
         peak = H200_BF16_DENSE_TFLOPS
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    what = {"bf16": "bf16 params, no autocast", "autocast": "fp32 params, bf16 autocast",
-            "fp32": "fp32 params"}[args.precision]
+    what = {"bf16": "bf16 params", "masters": "fp32 masters, bf16 compute copies",
+            "autocast": "fp32 params, bf16 autocast", "fp32": "fp32 params"}[args.precision]
     peak_s = "n/a (give --peak-tflops)" if peak is None else f"{peak:g} TFLOP/s"
     if args.peak_tflops is None and peak is not None:
         peak_s += " (H200 dense bf16 default; --peak-tflops to change)"
@@ -490,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="tp2: timed steps per schedule")
     parser.add_argument("--tiny", action="store_true",
                         help="readiness: tiny sizes (a smoke test; always so on a CPU)")
-    parser.add_argument("--precision", choices=("bf16", "autocast", "fp32"), default="bf16",
-                        help="readiness: bf16 params (default), fp32 params under bf16 "
-                             "autocast, or fp32")
+    parser.add_argument("--precision", choices=("bf16", "masters", "autocast", "fp32"),
+                        default="bf16",
+                        help="readiness: bf16 params (default); fp32 masters with bf16 compute "
+                             "copies (domino train --bf16); fp32 params under bf16 autocast; "
+                             "or fp32")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"readiness: peak FLOP/s for MFU (default {H200_BF16_DENSE_TFLOPS:g}"
                              " on CUDA, H200 dense bf16; none on a CPU)")

@@ -70,6 +70,18 @@ def test_a_loaded_state_continues_as_torch_adamw_does() -> None:
     assert float(ours.state[ours_p[0]]["step"]) == 3.0
 
 
+def test_a_plain_parameter_list_is_one_group() -> None:
+    ours_p, ref_p = _params(0), _params(0)
+    ours, ref = AdamW(ours_p, lr=1e-2), torch.optim.AdamW(ref_p, lr=1e-2)
+    assert len(ours.param_groups) == 1 and ours.param_groups[0]["params"] == ours_p
+    for opt, params in ((ours, ours_p), (ref, ref_p)):
+        for p, g in zip(params, _grads(0, params), strict=True):
+            p.grad = g
+        opt.step()
+    for a, b in zip(ours_p, ref_p, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_an_empty_group_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one parameter"):
         AdamW([{"params": []}], lr=1e-3)

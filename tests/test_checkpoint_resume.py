@@ -2,7 +2,11 @@
 
 * Exact resume: TP=2 with Domino and dropout, stopped at step 3 and resumed, gives bit-identical
   losses, gradient norms and validation for the 5 steps after the restart (and so does TP=1
-  with bf16 autocast).
+  in bf16 mixed precision).
+* bf16 mixed precision: its loss curve follows the fp32 run's (same seed, data and dropout)
+  within BF16_CURVE; its checkpoint holds fp32 master weights (not bf16-rounded values), which
+  load at TP=2 with the same logits and continue training there in bf16, and export to Hugging
+  Face as fp32.
 * A new DP size: a DP=1 run accumulating 2 micro-batches, resumed at DP=2 with the same
   micro-batches, is bit-identical (each gradient is the sum of the same two partial sums).
 * Resharding: a TP=2 checkpoint loaded at TP=1 and a TP=1 checkpoint loaded at TP=4 give the
@@ -17,11 +21,16 @@ import math
 import pytest
 import torch
 from dist import fit, run_distributed
+from safetensors.torch import load_file
 
+from domino.checkpoint.layout import open_checkpoint
+from domino.checkpoint.shards import ShardReader, TensorSpec
+from domino.cli import main
 from domino.training.arguments import TrainArgs
 
 STEPS, CUT = 8, 3  # exact-resume runs stop at CUT and resume to STEPS (5 steps after)
 HALF = 4  # reshard runs checkpoint at HALF and continue to STEPS
+BF16_CURVE = 2e-2  # bf16 vs fp32 losses, relative, per step (bf16 rounds to 2^-8)
 IDS = torch.randint(0, 257, (3, 32), generator=torch.Generator().manual_seed(5))
 
 
@@ -67,11 +76,13 @@ def _one_rank(rank: int, world: int, data: str, tmp: str) -> dict:
     _train(_args(data, exit_interval=HALF, **tp1), f"{tmp}/r1")
     out["r1_logits"] = _logits(f"{tmp}/r1", 1)
     out["r1_cont"] = _train(_args(data, load=f"{tmp}/r1", **tp1), f"{tmp}/r1_cont")
-    # Exact resume under bf16 autocast.
+    # Exact resume in bf16 mixed precision, and the same run in fp32.
     bf = dict(tensor_model_parallel_size=1, bf16=True, hidden_dropout=0.1)
     out["bf16_ref"] = _train(_args(data, **bf), f"{tmp}/bf_ref")
+    out["fp32_twin"] = _train(_args(data, **{**bf, "bf16": False}), f"{tmp}/fp32_twin")
     _train(_args(data, exit_interval=CUT, **bf), f"{tmp}/bf_cut")
-    out["bf16_resumed"] = _train(_args(data, load=f"{tmp}/bf_cut", **bf), f"{tmp}/bf_cut")
+    out["bf16_resumed"] = _train(_args(data, load=f"{tmp}/bf_cut", **bf), f"{tmp}/bf_resumed")
+    out["bf16_logits"] = _logits(f"{tmp}/bf_cut", 1)
     return out
 
 
@@ -87,6 +98,10 @@ def _two_ranks(rank: int, world: int, data: str, tmp: str) -> dict:
     out["r2_logits"] = _logits(f"{tmp}/r2", 2)
     out["r2_cont"] = _train(_args(data, load=f"{tmp}/r2", tensor_model_parallel_size=2),
                             f"{tmp}/r2_cont")
+    # The bf16 run's checkpoint at TP=2: its logits, and training continued there in bf16.
+    out["bf16_logits"] = _logits(f"{tmp}/bf_cut", 2)
+    out["bf16_at_tp2"] = _train(_args(data, load=f"{tmp}/bf_cut", tensor_model_parallel_size=2,
+                                      bf16=True), f"{tmp}/bf_at_tp2")
     # The TP=1 checkpoint resumed at DP=2 (same micro-batches, no accumulation).
     out["dp2_cont"] = _train(_args(data, load=f"{tmp}/r1", tensor_model_parallel_size=1,
                                    micro_batch_size=2), f"{tmp}/dp2_cont")
@@ -126,6 +141,33 @@ def test_resume_and_reshard(data: str, tmp_path) -> None:
     bf_ref, bf_res = single["bf16_ref"], single["bf16_resumed"]
     _same(bf_res, {"losses": bf_ref["losses"][CUT:], "norms": bf_ref["norms"][CUT:],
                    "val": [v for v in bf_ref["val"] if v[0] > CUT]})
+
+    # bf16 vs fp32: the same curve within bf16 rounding.
+    fp = single["fp32_twin"]
+    assert bf_ref["losses"] == pytest.approx(fp["losses"], rel=BF16_CURVE)
+    assert [v for _, v in bf_ref["val"]] == pytest.approx([v for _, v in fp["val"]],
+                                                          rel=BF16_CURVE)
+    assert bf_ref["losses"] != fp["losses"]  # it did run in bf16
+    # Its checkpoint: fp32 masters (some not representable in bf16), resharded to TP=2.
+    step_dir, meta, _ = open_checkpoint(tmp_path / "bf_cut", hashes=False)
+    reader = ShardReader(step_dir)
+    weights = {n: reader.full(n, TensorSpec.from_json(n, raw)) for n, raw in meta.tensors.items()
+               if not n.startswith("optimizer.")}
+    assert weights and all(w.dtype == torch.float32 for w in weights.values())
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())
+    for rank in pair:
+        torch.testing.assert_close(rank["bf16_logits"], single["bf16_logits"], rtol=1e-5,
+                                   atol=1e-5)
+        cont = rank["bf16_at_tp2"]["losses"]
+        assert len(cont) == STEPS - CUT and all(math.isfinite(x) for x in cont)
+        # Same weights and optimizer state as the TP=1 continuation (dropout masks differ).
+        assert cont[0] == pytest.approx(bf_res["losses"][0], rel=0.05)
+    # ... and exported to Hugging Face: the same fp32 values.
+    assert main(["export", "--format", "hf", str(tmp_path / "bf_cut"), str(tmp_path / "hf")]) == 0
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in hf.values())
+    table = weights["language_model.embedding.word_embeddings.weight"]
+    assert any(torch.equal(t[:257], table[:257]) for t in hf.values() if t.shape[0] >= 257)
 
     # A new DP size with the same micro-batches: bit-identical.
     for rank in pair:

@@ -115,6 +115,18 @@ def test_help_comes_from_config_metadata() -> None:
     assert vars(parser.parse_args(["--no-swiglu", "--lr", "0.1"])) == {"swiglu": False, "lr": 0.1}
 
 
+def test_precision_flags_make_the_runtime_and_the_reduction() -> None:
+    """--bf16 / --fp16 are the runtime's compute dtype (no autocast); --grad-reduce-in-bf16 the
+    DP reduction's dtype."""
+    import torch
+
+    assert TrainArgs().runtime().compute_dtype is None and TrainArgs().grad_reduce_dtype() is None
+    assert TrainArgs(bf16=True).runtime().compute_dtype == torch.bfloat16
+    assert TrainArgs(fp16=True).runtime().compute_dtype == torch.float16
+    assert TrainArgs(grad_reduce_in_bf16=True).grad_reduce_dtype() == torch.bfloat16
+    assert resolve_args({"grad_reduce_in_bf16": True, "bf16": True}).grad_reduce_in_bf16
+
+
 def test_lr_schedule() -> None:
     args = TrainArgs(lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
     assert learning_rate(5, args) == pytest.approx(0.5)

@@ -192,14 +192,21 @@ def _tp2_dp2(rank: int, world: int, data: str, tmp: str) -> dict:
                                          recompute_granularity="full"), f"{tmp}/spz"),
             "sp selective blocking": _train(_args(data, **common, sequence_parallel=True,
                                                   recompute_granularity="selective",
-                                                  overlap_grad_reduce=False), f"{tmp}/sps")}
+                                                  overlap_grad_reduce=False), f"{tmp}/sps"),
+            # bf16 mixed precision, its DP sums in bf16: all-reduced, and reduce-scattered
+            # under ZeRO-1.
+            "bf16": _train(_args(data, **common, bf16=True, grad_reduce_in_bf16=True),
+                           f"{tmp}/bf"),
+            "bf16 zero": _train(_args(data, **common, bf16=True, grad_reduce_in_bf16=True,
+                                      use_distributed_optimizer=True), f"{tmp}/bfz")}
 
 
 def test_overlapped_dp_reduction_equals_blocking_at_tp2_dp2(data, tmp_path) -> None:
     """TP=2 x DP=2 (4 ranks), Domino m2 with accumulation and dropout: the DP buckets launched
     during the backward give the blocking reduction's losses, norms and validation exactly
     (that path matches the single process: the test above); sequence parallelism, also with
-    ZeRO-1 and recomputation, gives them within fp32 rounding."""
+    ZeRO-1 and recomputation, gives them within fp32 rounding; bf16 with its DP sums in bf16
+    (with and without ZeRO-1) within bf16 rounding."""
     ranks = run_distributed(_tp2_dp2, 4, data, str(tmp_path))
     for res in ranks:
         assert res["overlap"] == res["blocking"]
@@ -210,6 +217,11 @@ def test_overlapped_dp_reduction_equals_blocking_at_tp2_dp2(data, tmp_path) -> N
             assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
             assert [v for _, v in run["val"]] == pytest.approx([v for _, v in ref["val"]],
                                                                rel=1e-5), name
+        for name in ("bf16", "bf16 zero"):
+            run = res[name]
+            assert run["losses"] == pytest.approx(ref["losses"], rel=2e-2), name
+            assert run["losses"] != ref["losses"], name
+        assert res["bf16 zero"]["losses"] == pytest.approx(res["bf16"]["losses"], rel=1e-2)
     assert all(res == ranks[0] for res in ranks)
 
 

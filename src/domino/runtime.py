@@ -2,8 +2,8 @@
 
 A :class:`~domino.config.TransformerConfig` is the architecture (what a checkpoint records). The
 choices that change how the same weights are computed - the Domino schedule (a
-:class:`~domino.plan.Plan`), sequence parallelism, activation recomputation (and, with the next
-capabilities, precision and compilation) - live in one frozen value passed to the model
+:class:`~domino.plan.Plan`), sequence parallelism, activation recomputation, the compute dtype
+of mixed precision (:mod:`domino.precision`) - live in one frozen value passed to the model
 constructors (``GPTModel(config, runtime=...)``, ``TransformerLanguageModel``,
 ``DominoTransformer``, ``PipelineModel``) and read where they act.
 
@@ -19,9 +19,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from domino.plan import Plan, check_fields
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+COMPUTE_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
 
 # The seed's constructor spelling of the run-time choices (TransformerConfig keywords and
@@ -63,7 +66,13 @@ class RuntimeConfig:
         default=False, metadata={"help": SEED_SPELLING["sequence_parallel"][1]})
     recompute_granularity: str | None = field(
         default=None, metadata={"help": SEED_SPELLING["recompute_granularity"][1]})
-    # Precision and compilation (bf16 compute weights, torch.compile per piece) belong here.
+    compute_dtype: Any = field(
+        default=None,
+        metadata={"help": "Mixed precision: compute in this dtype (torch.bfloat16 or "
+                          "torch.float16) from copies of the parameters, which stay the fp32 "
+                          "master weights (domino.precision); None computes in the parameters' "
+                          "own dtype."})
+    # torch.compile per piece belongs here too (the bf16 issue).
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -77,6 +86,10 @@ class RuntimeConfig:
             raise ValueError(
                 f"recompute_granularity={self.recompute_granularity!r} is not one of "
                 f"{', '.join(RECOMPUTE_GRANULARITIES)} (or None: keep every activation).")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of "
+                             "torch.bfloat16, torch.float16, torch.float32 (or None: the "
+                             "parameters' own dtype).")
 
     @classmethod
     def from_seed(cls, *, domino_micro_batches: int = DEFAULT_PLAN.micro_batches,

@@ -13,6 +13,7 @@ from domino.megatron_compat import resolve
 from domino.models.language_model import get_language_model, parallel_lm_logits
 from domino.parallel_state import ParallelState
 from domino.plan import Plan
+from domino.precision import set_compute_dtype
 from domino.runtime import RuntimeConfig
 from domino.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
@@ -62,6 +63,12 @@ class GPTModel(nn.Module):
                     config.params_dtype, state.device, valid_rows=config.vocab_size))
             place(self.word_embeddings, Placement("tp", 0, rows=config.vocab_size,
                                                   tied_copy=True))
+        set_compute_dtype(self, self.language_model.encoder.runtime.compute_dtype)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of its hidden states: the runtime's compute dtype, else the parameters'."""
+        return self.language_model.encoder.runtime.compute_dtype or self.config.params_dtype
 
     def checkpoint_tensors(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under the full model's names (a stage's layers by their global numbers;

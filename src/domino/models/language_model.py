@@ -11,6 +11,7 @@ Every constructor also takes an optional ``parallel_state`` (default: the curren
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
@@ -18,6 +19,7 @@ from domino.enums import AttnMaskType, LayerType
 from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
 from domino.plan import Plan
+from domino.precision import compute, compute_dtype_of, set_compute_dtype
 from domino.runtime import RuntimeConfig, resolve_runtime
 from domino.tensor_parallel import (
     ColumnParallelLinear,
@@ -76,7 +78,9 @@ class Pooler(nn.Module):
         if sequence_parallel_group is not None:
             hidden_states = gather_from_sequence_parallel_region(hidden_states,
                                                                  sequence_parallel_group)
-        return torch.tanh(self.dense(hidden_states[sequence_index]))
+        dense = self.dense
+        return torch.tanh(F.linear(hidden_states[sequence_index], compute(dense.weight),
+                                   compute(dense.bias)))
 
 
 class Embedding(nn.Module):
@@ -111,6 +115,11 @@ class Embedding(nn.Module):
         self.tokentype_embeddings = None
         if num_tokentypes > 0:
             self.add_tokentype_embeddings(num_tokentypes)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states it returns (the model's compute dtype)."""
+        return compute_dtype_of(self.word_embeddings.weight, self.config.params_dtype)
 
     def add_tokentype_embeddings(self, num_tokentypes: int) -> None:
         """Add (or replace) token-type embeddings, e.g. when fine-tuning a pretrained model."""
@@ -154,7 +163,7 @@ class Embedding(nn.Module):
         if self.training and self.dropout_p > 0.0:
             # The mask forward's dropout would draw for the whole [s, b, h] output.
             device = self.word_embeddings.weight.device
-            keep = torch.empty((s, b, self.hidden_size), dtype=self.config.params_dtype,
+            keep = torch.empty((s, b, self.hidden_size), dtype=self.activation_dtype,
                                device=device).bernoulli_(
                 1.0 - self.dropout_p, generator=self.state.rng.replicated(device))
         return EmbeddingPrologue(self, input_ids, position_ids if self.add_position_embedding
@@ -199,10 +208,12 @@ class EmbeddingPrologue:
             reduced = reduced.transpose(0, 1)  # [b_m, s/size, h], as the tables give
         emb = reduced
         if self.position_ids is not None:
-            emb = emb + self.emb.position_embeddings(self._rows(self.position_ids, mb)[:, cols])
+            table = compute(self.emb.position_embeddings.weight)
+            emb = emb + F.embedding(self._rows(self.position_ids, mb)[:, cols], table)
         if self.tokentype_ids is not None:
-            emb = emb + self.emb.tokentype_embeddings(self._rows(self.tokentype_ids, mb)[:, cols])
-        emb = emb.transpose(0, 1).contiguous().to(self.emb.config.params_dtype)  # [s, b_m, h]
+            table = compute(self.emb.tokentype_embeddings.weight)
+            emb = emb + F.embedding(self._rows(self.tokentype_ids, mb)[:, cols], table)
+        emb = emb.transpose(0, 1).contiguous().to(self.emb.activation_dtype)  # [s, b_m, h]
         if self.keep is None:
             return emb
         if seq_shard is not None and not self.keep_sharded:
@@ -282,6 +293,7 @@ class TransformerLanguageModel(nn.Module):
                     init_method=config.init_method, params_dtype=config.params_dtype,
                     device=state.device)
             place(self.output_layer.weight, Placement("tp", 0, rows=config.vocab_size))
+        set_compute_dtype(self, runtime.compute_dtype)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list | None) -> None:
         """Input of a pipeline stage built with ``pre_process=False``."""

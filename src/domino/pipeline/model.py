@@ -53,6 +53,11 @@ class PipelineModel(nn.Module):
         """This rank's scheduled blocks, chunk by chunk, each in forward order."""
         return [b for chunk in self.chunks for b in chunk.blocks()]
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of what crosses a stage boundary (the chunks' compute dtype)."""
+        return self.chunks[0].activation_dtype
+
     def sequence_parallel_active(self, inference_params=None) -> bool:
         """Do the chunks run sequence parallel (what crosses a stage boundary is then this
         rank's sequence shard [s/tp, b, h])?"""
@@ -90,7 +95,7 @@ class PipelineModel(nn.Module):
                 continue
             model = self.chunks[chunk]
             if k > 0:
-                x = torch.empty(s_stage, b, h, dtype=self.config.params_dtype,
+                x = torch.empty(s_stage, b, h, dtype=self.activation_dtype,
                                 device=self.state.device)
                 pp.irecv(x, (k - 1) % layout.stages, tag=k).wait()
                 model.set_input_tensor(x)

@@ -11,10 +11,7 @@ stage's Domino schedule as any batch would.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +59,7 @@ class PipelineRunner:
         if model.sequence_parallel_active():
             seq_length //= self.state.tp.size
         self.shape = (seq_length, micro_batch_size, model.config.hidden_size)
-        self.dtype = model.config.params_dtype
+        self.dtype = model.activation_dtype
         self.lookahead = lookahead
         self.record = record  # keep (action, start, end) spans of the last step
 
@@ -112,7 +109,6 @@ class PipelineRunner:
         return not self.zero_bubble
 
     def step(self, batches: list[dict[str, torch.Tensor]], loss_scale: float,
-             autocast: Callable[[], AbstractContextManager] | None = None,
              reducer=None) -> tuple[torch.Tensor, StepStats]:
         """Forward and backward of every pipeline micro-batch (``batches``, this DP rank's);
         gradients accumulate in ``.grad``, the loss being summed over tokens and multiplied by
@@ -154,10 +150,8 @@ class PipelineRunner:
                 else:
                     context = BackwardContext()
                 contexts[key] = context
-                with autocast() if autocast is not None else contextlib.nullcontext():
-                    out = chunk(batch["tokens"], batch["position_ids"],
-                                batch.get("attention_mask"),
-                                labels=batch["labels"] if is_last else None, context=context)
+                out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                            labels=batch["labels"] if is_last else None, context=context)
                 chunk.set_input_tensor(None)
                 if is_last:
                     lsum = (out.float() * batch["loss_mask"]).sum()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from domino.precision import compute, compute_copy
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -121,7 +122,9 @@ class _Linear(torch.autograd.Function):
     dL/dW is computed in row chunks only while the all-reduce is in flight; the remaining chunks
     go to ``late``, for the stack's backward to run under its own last all-reduces.
 
-    Computations use the dtype of the incoming gradient, so it composes with autocast.
+    The forward multiplies by the weight's compute copy (:mod:`domino.precision`); the weight
+    gradient is computed in the incoming gradient's dtype and accumulated in the weight's own
+    (fp32 master gradients under mixed precision).
     """
 
     @staticmethod
@@ -131,13 +134,15 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.stash, ctx.bias, ctx.rows, ctx.late = group, stash, bias, rows, late
         ctx.seq = seq
-        return F.linear(x, weight if rows is None else weight[rows], bias)
+        w = compute_copy(weight)  # the master's compute copy (precision.py); grads go to weight
+        return F.linear(x, w if rows is None else w[rows], compute_copy(bias))
 
     @staticmethod
     def backward(ctx, grad):
         none = (None,) * 7
         x, weight = ctx.saved_tensors
-        w = weight if ctx.rows is None else weight[ctx.rows]
+        w = compute_copy(weight)
+        w = w if ctx.rows is None else w[ctx.rows]
         grad_input = grad.matmul(w.to(grad.dtype))
         if ctx.stash is not None:
             ctx.stash.append((weight, ctx.bias, grad, x, ctx.rows))
@@ -226,7 +231,7 @@ def linear_reduce_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              late, seq)
     if seq:
         x = group.all_gather_seq(x, name="fwd all_gather (head)")[0]
-    return F.linear(x, weight, bias)
+    return F.linear(x, compute(weight), compute(bias))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -264,7 +269,7 @@ class ColumnParallelLinear(nn.Module):
         elif reduce_input_grad:
             out = linear_reduce_input_grad(x, self.weight, bias, self.group)
         else:
-            out = F.linear(x, self.weight, bias)
+            out = F.linear(x, compute(self.weight), compute(bias))
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.group)
             if self.stride > 1 and self.group.size > 1:
@@ -311,14 +316,14 @@ class RowParallelLinear(nn.Module):
         With ``wgrad_stash`` the weight-gradient GEMM is deferred to it (see :class:`_Linear`)."""
         if wgrad_stash is not None and torch.is_grad_enabled():
             return _Linear.apply(x, self.weight, None, None, wgrad_stash, columns)
-        weight = self.weight if columns is None else self.weight[columns]
-        return F.linear(x, weight)
+        weight = compute(self.weight)
+        return F.linear(x, weight if columns is None else weight[columns])
 
     def forward(self, x: torch.Tensor):
         out = reduce_from_tensor_model_parallel_region(self.partial(x), self.group)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
-        return out + self.bias, None
+        return out + compute(self.bias), None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -347,10 +352,10 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's lookups (zero for ids outside its vocabulary range): summed over the TP
         group they are the embeddings (a schedule launches that all-reduce itself)."""
         if self.group.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, compute(self.weight))
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return F.embedding(local, compute(self.weight)).masked_fill(outside.unsqueeze(-1), 0.0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return reduce_from_tensor_model_parallel_region(self.partial(ids), self.group)

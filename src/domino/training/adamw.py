@@ -19,11 +19,16 @@ from torch.optim.adam import adam
 
 
 class AdamW:
-    """AdamW over ``groups`` (dicts with ``params`` and optionally ``weight_decay``)."""
+    """AdamW over ``groups``: dicts with ``params`` and optionally ``weight_decay`` (or, as
+    ``torch.optim.AdamW`` takes, the parameters themselves: one group)."""
 
-    def __init__(self, groups: Iterable[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+    def __init__(self, groups: Iterable[dict] | Iterable[torch.Tensor], lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
         self.param_groups: list[dict] = []
+        groups = list(groups)
+        if groups and isinstance(groups[0], torch.Tensor):
+            groups = [{"params": groups}]
         for group in groups:
             params = list(group["params"])
             if not params:

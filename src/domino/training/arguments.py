@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from domino.config import TransformerConfig
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import SCHEDULES
@@ -89,6 +91,10 @@ class TrainArgs(ModelArgs):
         True, "With DP > 1: sum gradients over DP in buckets launched during the backward, as "
         "soon as their layers' gradients are final (off: one blocking reduction after it).",
         "parallel")
+    grad_reduce_in_bf16: bool = _f(
+        False, "With DP > 1: sum the gradient buckets over DP in bf16 (half the bytes, bf16 "
+        "rounding of every rank's part); off (Megatron's default): in fp32, the dtype the "
+        "gradients accumulate in.", "parallel")
     overlap_param_gather: bool = _f(
         True, "With --use-distributed-optimizer: the updated parameters' all-gathers run under "
         "the next forward, each bucket waited for just before its first layer (off: waited at "
@@ -136,8 +142,9 @@ class TrainArgs(ModelArgs):
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 = off).")
     seed: int = _f(1234, "Seed for weights, data order, dropout and sampling.")
-    bf16: bool = _f(False, "bf16 autocast with fp32 master weights (CPU or GPU).")
-    fp16: bool = _f(False, "fp16 autocast with dynamic loss scaling (GPU only).")
+    bf16: bool = _f(False, "Mixed precision: compute in bf16 from fp32 master weights, each "
+                           "cast once per step; fp32 gradients and optimizer (CPU or GPU).")
+    fp16: bool = _f(False, "Mixed precision in fp16 with dynamic loss scaling (GPU only).")
     peak_tflops: float | None = _f(
         None, "MFU's denominator, TFLOP/s per rank [default: on CUDA the device's dense peak "
               "for the dtype (A100, H100, H200, B200), on CPU the rate this machine measures on "
@@ -234,10 +241,19 @@ class TrainArgs(ModelArgs):
         return Plan(self.domino_micro_batches, self.domino_overlap, self.domino_column_chunks)
 
     def runtime(self) -> RuntimeConfig:
-        """How the model runs: the plan (before any autotuning), sequence parallelism and
-        recomputation."""
+        """How the model runs: the plan (before any autotuning), sequence parallelism,
+        recomputation and the compute dtype (``--bf16`` / ``--fp16``)."""
         return RuntimeConfig(plan=self.plan(), sequence_parallel=self.sequence_parallel,
-                             recompute_granularity=self.recompute_granularity)
+                             recompute_granularity=self.recompute_granularity,
+                             compute_dtype=self.compute_dtype())
+
+    def grad_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype DP gradient sums run in (None: the gradients' own, fp32)."""
+        return torch.bfloat16 if self.grad_reduce_in_bf16 else None
+
+    def compute_dtype(self) -> torch.dtype | None:
+        """The mixed-precision compute dtype (None: fp32 throughout)."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,8 +10,9 @@ asynchronously, first layers first, each bucket waited for only where the next f
 uses one of its parameters (:meth:`DistributedAdamW.attach`). The global gradient norm is summed
 from the chunks (each element counted once over its gradient group, then each parameter where
 its placement counts it, e.g. TP-replicated ones once over TP), so clipping is the unsharded
-optimizer's. Parameters stay fp32 (bf16 runs under autocast), so they
-are their own master weights; the chunk buffers are refreshed from them before every update.
+optimizer's. Parameters stay fp32 under ``--bf16`` (the model computes from bf16 copies made
+once per step, :mod:`domino.precision`), so they are their own master weights; the fp32 chunk
+buffers are refreshed from them before every update.
 
 Checkpoints hold the full moments per parameter, exactly as the unsharded optimizer writes them
 (:meth:`DistributedAdamW.full_state` gathers them over DP), so a checkpoint loads at any DP size,

@@ -76,12 +76,15 @@ class GradReducer:
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups,
                  bucket_numel: int | None = None, shard: bool = False,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, reduce_dtype: torch.dtype | None = None) -> None:
         """``state``: the parallel state (its groups by name). ``shard`` (a distributed
         optimizer): reduce-scatter each bucket instead, every rank of its group keeping its
         chunk of the sums (:attr:`_Bucket.shard`); ``.grad`` is left unreduced. ``overlap``:
-        the caller gives :meth:`context` to the backward (the training step reads it)."""
+        the caller gives :meth:`context` to the backward (the training step reads it).
+        ``reduce_dtype``: the dtype the sums run in (``--grad-reduce-in-bf16``); default the
+        gradients' own (fp32 main gradients). The sums come back in the gradients' dtype."""
         self.state, self.shard, self.overlap = state, shard, overlap
+        self.reduce_dtype = reduce_dtype
         if bucket_numel is None:
             # Overlapped: at least ~4 buckets, or the last one would wait for the whole
             # backward; few enough that launches stay cheap. Blocking: the largest.
@@ -154,7 +157,7 @@ class GradReducer:
         bucket.grads = grads
         group = self.state.group(bucket.group)
         if not self.shard:
-            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            bucket.flat = self._wire(torch.cat([g.reshape(-1) for g in grads]))
             bucket.handle = group.all_reduce(bucket.flat, async_op=True, name="dp grads")
             return
         size = group.size
@@ -162,10 +165,14 @@ class GradReducer:
         parts = [g.reshape(-1) for g in grads]
         if pad:
             parts.append(grads[0].new_zeros(pad))
-        bucket.flat = torch.cat(parts)
+        bucket.flat = self._wire(torch.cat(parts))
         bucket.shard = bucket.flat.new_empty(bucket.flat.numel() // size)
         bucket.handle = group.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
                                              name="dp grads (reduce-scatter)")
+
+    def _wire(self, flat: torch.Tensor) -> torch.Tensor:
+        dtype = self.reduce_dtype
+        return flat if dtype is None or dtype == flat.dtype else flat.to(dtype)
 
     def finish(self) -> None:
         """Launch what is left (in bucket order), wait for every bucket and write the sums back
@@ -181,6 +188,9 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.handle.wait()
             offset = 0
+            wanted = bucket.params[0].dtype  # the sums in the gradients' dtype again
+            if self.shard and bucket.shard.dtype != wanted:
+                bucket.shard = bucket.shard.to(wanted)
             if not self.shard:
                 for g in bucket.grads:
                     g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
@@ -190,13 +200,15 @@ class GradReducer:
 
 def make_reducer(model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups, *,
                  distributed_optimizer: bool = False, overlap: bool = True, runner=None,
-                 bucket_numel: int | None = None) -> GradReducer | None:
+                 bucket_numel: int | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> GradReducer | None:
     """The run's gradient reduction, decided here once: None when every gradient group has one
     rank (nothing to reduce); sharded for the distributed optimizer (ZeRO-1); overlapped with
     the backward when ``overlap`` (``--overlap-grad-reduce``) or ZeRO-1 asks for it and the
-    schedule allows it (``runner``, a pipeline's: not under zero-bubble)."""
+    schedule allows it (``runner``, a pipeline's: not under zero-bubble); ``reduce_dtype``:
+    the dtype the sums run in (default the gradients')."""
     if all(state.group(name).size == 1 for name in GRAD_GROUPS):
         return None
     overlapped = (overlap or distributed_optimizer) and (runner is None or runner.overlaps_dp)
     return GradReducer(model, params, state, bucket_numel, shard=distributed_optimizer,
-                       overlap=overlapped)
+                       overlap=overlapped, reduce_dtype=reduce_dtype)

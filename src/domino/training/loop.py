@@ -95,7 +95,8 @@ class Trainer:
         # The gradient reduction, overlapped or not (make_reducer decides); ZeRO-1 with DP > 1.
         self.reducer = make_reducer(self.model, self.params, self.state,
                                     distributed_optimizer=args.use_distributed_optimizer,
-                                    overlap=args.overlap_grad_reduce, runner=self.runner)
+                                    overlap=args.overlap_grad_reduce, runner=self.runner,
+                                    reduce_dtype=args.grad_reduce_dtype())
         zero = self.reducer is not None and self.reducer.shard
         self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
                                                                    args.adam_beta2),

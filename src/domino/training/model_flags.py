@@ -79,7 +79,7 @@ SET_BY_RUN: dict[str, str] = {
     "apply_residual_connection_post_layernorm":
         "TransformerConfig.apply_residual_connection_post_layernorm",  # pre-LN
     "final_layernorm": "TransformerConfig.final_layernorm",
-    "params_dtype": "TransformerConfig.params_dtype",  # fp32 master weights (--bf16 autocasts)
+    "params_dtype": "TransformerConfig.params_dtype",  # fp32 masters (--bf16: bf16 compute)
     "init_method": "TransformerConfig.init_method",  # from --init-method-std
     "output_layer_init_method": "TransformerConfig.output_layer_init_method",
     "attention_softmax_in_fp32": "TransformerConfig.attention_softmax_in_fp32",

@@ -124,7 +124,7 @@ def _check_device(args: TrainArgs, local_procs: int) -> None:
             raise ValueError(f"{local_procs} local processes but only "
                              f"{torch.cuda.device_count()} CUDA devices; lower --nproc.")
     elif args.fp16:
-        raise ValueError("--fp16 needs a CUDA device (fp16 autocast with dynamic loss scaling is "
+        raise ValueError("--fp16 needs a CUDA device (fp16 compute with dynamic loss scaling is "
                          "GPU only); use --bf16 on CPU.")
 
 

@@ -48,20 +48,13 @@ class StepOutcome:
     exposed_dp_s: float = 0.0  # this rank's time blocked on the DP gradient reduction
 
 
-def autocast(args: TrainArgs, device: torch.device):
-    if args.bf16 or args.fp16:
-        dtype = torch.bfloat16 if args.bf16 else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
-    return contextlib.nullcontext()
-
-
 def forward_loss(model, batch, args, device, context=None) -> torch.Tensor:
     """Sum of the masked per-token losses of one micro-batch (fp32). ``context``: the
     backward context for this forward's backward (a ``GradReducer``'s, to overlap it)."""
     extra = {} if context is None else {"context": context}
-    with autocast(args, device):
-        per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                          labels=batch["labels"], **extra)  # [b, s]
+    # --bf16 / --fp16: the model computes in that dtype itself (RuntimeConfig.compute_dtype).
+    per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                      labels=batch["labels"], **extra)  # [b, s]
     return (per_token.float() * batch["loss_mask"]).sum()
 
 
@@ -131,8 +124,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     else:
         if overlap:
             reducer.begin()  # each chunk's last backward launches its blocks' buckets
-        loss_sum, stats = runner.step(batches, loss_scale(), lambda: autocast(args, device),
-                                      reducer=reducer if overlap else None)
+        loss_sum, stats = runner.step(batches, loss_scale(), reducer=reducer if overlap else None)
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
     grads = grads_of(params)

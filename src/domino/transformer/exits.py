@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup, Handle
 from domino.tensor_parallel.layers import RowParallelLinear, WgradStash, column_chunks
 
@@ -192,7 +193,7 @@ class RowParallelExit(PartialSums):
 
     def finish(self, received: torch.Tensor) -> torch.Tensor:
         bias = self.dense.bias
-        return received if bias is None else received + bias
+        return received if bias is None else received + compute(bias)
 
     def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(parts) == 1:

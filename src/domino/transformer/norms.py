@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
+from domino.precision import compute
 
 
 class RMSNorm(nn.Module):
@@ -20,12 +22,21 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.weight
+        return out.to(x.dtype) * compute(self.weight)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state-dict names) computed with the compute copies
+    of its weight and bias (``domino.precision``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, compute(self.weight), compute(self.bias),
+                            self.eps)
 
 
 def build_norm(config: TransformerConfig, device: torch.device | None = None) -> nn.Module:
     """The norm named by ``config.normalization``."""
     if config.normalization == "RMSNorm":
         return RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
+    return LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                         dtype=config.params_dtype, device=device)

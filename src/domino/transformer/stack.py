@@ -19,6 +19,7 @@ from domino.enums import AttnMaskType, LayerType
 from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
 from domino.plan import SYNC, Plan
+from domino.precision import set_compute_dtype
 from domino.runtime import RuntimeConfig, resolve_runtime
 from domino.transformer.backward import BackwardPass
 from domino.transformer.context import BackwardContext
@@ -101,6 +102,7 @@ class DominoTransformer(nn.Module):
                                 if post_process and config.final_layernorm else None)
         self._runtime, self._force = runtime, False
         self.set_plan(runtime.plan)  # its checks
+        set_compute_dtype(self, runtime.compute_dtype)
         self.input_tensor: torch.Tensor | None = None
 
     @property

@@ -1,0 +1,85 @@
+"""Mixed precision: fp32 master weights, computed in bf16 (or fp16).
+
+A model's parameters keep their own dtype (fp32): they are the master weights the optimizer
+updates and checkpoints hold, and their ``.grad`` is the fp32 main gradient every micro-batch's
+and piece's weight gradient is added into. Modules multiply by the parameter's *compute copy*
+instead (:func:`compute`, or :func:`compute_copy` inside a custom autograd function): the
+parameter cast to the model's compute dtype once after each change - an optimizer step, a
+checkpoint load, ZeRO's all-gather - and reused by every micro-batch and piece of the step, where
+autocast would cast every weight again at every use. Gradients flowing back through a compute
+copy are cast to the parameter's dtype where they are accumulated.
+
+The compute dtype is a run-time choice (``RuntimeConfig.compute_dtype``); the model constructors
+mark their parameters with it (:func:`set_compute_dtype`). A parameter without a mark, or whose
+dtype already is the compute dtype (a model built in bf16), is used as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_MARK = "domino_compute_dtype"
+_COPY = "_domino_compute_copy"
+
+
+def set_compute_dtype(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Mark every parameter of ``module`` to be computed in ``dtype`` (None: its own dtype)."""
+    for p in module.parameters():
+        if dtype is None or dtype == p.dtype:
+            if hasattr(p, _MARK):
+                delattr(p, _MARK)
+        else:
+            setattr(p, _MARK, dtype)
+        if hasattr(p, _COPY):
+            delattr(p, _COPY)
+
+
+def compute_dtype_of(p: torch.Tensor, default: torch.dtype | None = None) -> torch.dtype:
+    """The dtype ``p`` is computed in: its mark, else ``default`` (else its own dtype)."""
+    return getattr(p, _MARK, p.dtype if default is None else default)
+
+
+def compute_copy(p: torch.Tensor | None) -> torch.Tensor | None:
+    """``p`` in its compute dtype, without a gradient path (``p`` itself when unmarked). The cast
+    is made again only when ``p`` changed since the last one (its version counter or storage)."""
+    if p is None:
+        return None
+    dtype = getattr(p, _MARK, None)
+    if dtype is None:
+        return p
+    key = (p._version, p.data_ptr(), p.device)
+    cached = getattr(p, _COPY, None)
+    if cached is None or cached[0] != key:
+        cached = (key, _cast(p, dtype))
+        setattr(p, _COPY, cached)
+    return cached[1]
+
+
+def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        return p.detach().to(dtype)
+
+
+class _Cast(torch.autograd.Function):
+    """The compute copy in the forward; the gradient, cast back to the master's dtype, in the
+    backward (autograd adds it into the master's fp32 ``.grad``)."""
+
+    @staticmethod
+    def forward(ctx, master, copy):
+        ctx.dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def compute(p: torch.Tensor | None) -> torch.Tensor | None:
+    """``p`` in its compute dtype, with its gradient going to ``p`` (see the module doc)."""
+    copy = compute_copy(p)
+    if copy is p or copy is None:
+        return copy
+    if torch.is_grad_enabled() and p.requires_grad:
+        return _Cast.apply(p, copy)
+    return copy
