@@ -5,7 +5,11 @@ dtype, the paths interleaved per round and compared by medians; the gradients of
 checked against an fp64 reference first.
 
     python scripts/attention_paths.py [--batch 8] [--heads 4] [--head-dim 64] [--seqs 256,512,1024]
-        [--mask causal|bias] [--threads 1]
+        [--mask causal|bias] [--threads 1] [--kv-heads G]
+
+``--kv-heads G`` (fewer than ``--heads``: grouped-query attention) adds SDPA's own GQA
+(``enable_gqa=True``, on its default and its math backend) against repeating K and V to every
+query head first (``repeat_interleave``, what the other paths get).
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 MASK = {"kind": "causal"}  # or "bias": the causal rule as an additive mask (the masked path)
 
 
+def _expand(q, k, v):
+    """K and V repeated to every query head (query head i reads K/V head i // (n / g))."""
+    rep = q.shape[1] // k.shape[1]
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 def _kw(q):
     if MASK["kind"] == "causal":
         return {"is_causal": True}
@@ -32,15 +44,25 @@ def _kw(q):
 
 
 def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, **_kw(q))
+    return F.scaled_dot_product_attention(q, *_expand(q, k, v), **_kw(q))
 
 
 def sdpa_math(q, k, v):
     with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(q, k, v, **_kw(q))
+        return F.scaled_dot_product_attention(q, *_expand(q, k, v), **_kw(q))
+
+
+def sdpa_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **_kw(q))
+
+
+def sdpa_math_gqa(q, k, v):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **_kw(q))
 
 
 def explicit(q, k, v):
+    k, v = _expand(q, k, v)
     s = q.shape[-2]
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
@@ -49,11 +71,15 @@ def explicit(q, k, v):
 
 
 PATHS = {"sdpa": sdpa, "sdpa math": sdpa_math, "explicit": explicit}
+GQA_PATHS = {"sdpa gqa": sdpa_gqa, "sdpa math gqa": sdpa_math_gqa}
+KV = {"heads": None}  # K/V heads (None: as many as query heads)
 
 
 def _inputs(b, n, s, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, n, s, d, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+    kv = KV["heads"] or n
+    return [torch.randn(b, heads, s, d, generator=g).to(dtype).requires_grad_()
+            for heads in (n, kv, kv)]
 
 
 def _step(fn, qkv, dy):
@@ -66,7 +92,8 @@ def check(b, n, s, d, dtype) -> dict[str, float]:
     """Each path's worst relative gradient error against the fp64 math."""
     ref = _inputs(b, n, s, d, torch.float64)
     dy = torch.randn(b, n, s, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    _step(explicit, ref, dy)
+    ref_fn = explicit
+    _step(ref_fn, ref, dy)
     out = {}
     for name, fn in PATHS.items():
         qkv = [t.detach().to(dtype).requires_grad_() for t in ref]
@@ -101,14 +128,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--mask", choices=("causal", "bias"), default="causal",
                    help="causal: SDPA's is_causal; bias: the same rule as an additive mask")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="K/V heads per rank (grouped-query attention; must divide --heads)")
     a = p.parse_args()
     MASK["kind"] = a.mask
+    if a.kv_heads is not None and a.kv_heads != a.heads:
+        if a.kv_heads < 1 or a.heads % a.kv_heads:
+            p.error(f"--kv-heads={a.kv_heads} must divide --heads={a.heads}")
+        KV["heads"] = a.kv_heads
+        PATHS.update(GQA_PATHS)
     torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, {a.threads} thread(s), batch {a.batch}, {a.heads} heads of "
-          f"{a.head_dim}, {a.mask} mask, forward + backward, median of {a.rounds} rotated rounds")
+    kv = f" ({KV['heads']} K/V heads)" if KV["heads"] else ""
+    print(f"torch {torch.__version__}, {a.threads} thread(s), batch {a.batch}, {a.heads} heads"
+          f"{kv} of {a.head_dim}, {a.mask} mask, forward + backward, median of {a.rounds} "
+          "rotated rounds")
     for dtype in (torch.float32, torch.bfloat16):
         for s in map(int, a.seqs.split(",")):
-            errs = check(2, 2, min(s, 128), a.head_dim, dtype)
+            errs = check(2, a.heads, min(s, 128), a.head_dim, dtype)
             t = timed(a.batch, a.heads, s, a.head_dim, dtype, a.rounds)
             best = min(t, key=t.get)
             print(f"{str(dtype).removeprefix('torch.'):8s} seq {s:5d}: " + ", ".join(

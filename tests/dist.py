@@ -81,11 +81,18 @@ def run_distributed(fn: Callable, world: int, *args) -> list:
 
 def fit(args, run_dir: str):
     """``domino.training.loop.train`` of ``args`` into ``run_dir`` on this rank, without drawing
-    loss_curve.png: half a second of matplotlib per run, and the tests that train many runs in
-    a spawn compare numbers (test_train_cli checks the figure)."""
+    loss_curve.png (half a second of matplotlib per run) and, unless ``args`` give a peak, with
+    ``peak_tflops=1`` instead of timing the model's GEMM shapes (a second per shape set): the
+    tests that train many runs in a spawn compare numbers; test_train_cli checks the figure and
+    the measured MFU."""
+    import dataclasses
+
     from domino.training import logging as train_logging
     from domino.training.loop import train
     from domino.training.prepare import build_run
+
+    if args.peak_tflops is None:
+        args = dataclasses.replace(args, peak_tflops=1.0)
 
     draw = train_logging.plot_loss_curve
     train_logging.plot_loss_curve = lambda path, train, val: None

@@ -165,7 +165,6 @@ def test_build_train_valid_datasets(tmp_path) -> None:
         build_train_valid_datasets(tmp_path / "nometa", 4, 10, 0)
 
 
-@pytest.mark.serial
 def test_index_build_is_fast(tmp_path) -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 400, size=20_000)  # ~4M tokens
@@ -176,9 +175,11 @@ def test_index_build_is_fast(tmp_path) -> None:
 
     write_index(str(tmp_path / "big.idx"), np.uint16, lengths, np.arange(len(lengths) + 1))
     ds = IndexedDataset(tmp_path / "big")
-    t0 = time.perf_counter()
+    # CPU time, not wall time: another test's ranks on the same cores do not count (a loop in
+    # Python over the 60k documents would take seconds of it).
+    t0 = time.process_time()
     g = GPTDataset(ds, 1024, epochs=3, eod_token=EOD)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     assert len(g) > 10_000 and len(g[len(g) - 1]["tokens"]) == 1024
 
 
