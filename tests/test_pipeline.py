@@ -220,11 +220,15 @@ def _pp_runs(rank: int, world: int, data: str, tmp: str) -> dict:
     nodrop = dict(pp, hidden_dropout=0.0)
     _fit(_run_args(data, exit_interval=3, **nodrop), f"{tmp}/half")
     out["cont"] = _fit(_run_args(data, load=f"{tmp}/half", **nodrop), f"{tmp}/half_cont")
+    # bf16 mixed precision: bf16 activations and gradients cross the stage boundary.
+    out["bf16"] = _fit(_run_args(data, bf16=True, **nodrop), f"{tmp}/bf16")
     return out
 
 
 def _at_pp1(rank: int, world: int, data: str, tmp: str) -> dict:
-    return _fit(_run_args(data, load=f"{tmp}/half", hidden_dropout=0.0), f"{tmp}/half_at_pp1")
+    return {"cont": _fit(_run_args(data, load=f"{tmp}/half", hidden_dropout=0.0),
+                         f"{tmp}/half_at_pp1"),
+            "bf16": _fit(_run_args(data, bf16=True, hidden_dropout=0.0), f"{tmp}/bf16_pp1")}
 
 
 def test_pipeline_checkpoints_resume_and_reshard(data: str, tmp_path) -> None:
@@ -238,8 +242,13 @@ def test_pipeline_checkpoints_resume_and_reshard(data: str, tmp_path) -> None:
         assert ref["sample"] and len(ref["sample"]) > 3  # the final sample went through stages
     # PP=2 -> PP=1: the continued training matches within fp32 tolerance.
     cont = ranks[0]["cont"]
+    bf16, bf16_pp1 = ranks[0]["bf16"], at_pp1["bf16"]
+    at_pp1 = at_pp1["cont"]
     assert at_pp1["losses"] == pytest.approx(cont["losses"], rel=1e-5)
     assert [v for _, v in at_pp1["val"]] == pytest.approx([v for _, v in cont["val"]], rel=1e-5)
+    # bf16 through two stages: the one-stage bf16 run's curve within bf16 rounding.
+    assert bf16["losses"] == pytest.approx(bf16_pp1["losses"], rel=2e-2)
+    assert all(math.isfinite(x) for x in bf16["norms"])
     names = {p.name for p in (tmp_path / "half" / "checkpoints" / "step_0000003").iterdir()}
     assert {"model-tp00-pp00.safetensors", "model-tp00-pp01.safetensors"} <= names
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,8 +53,19 @@ def _val_loss(out: str) -> float:
 
 
 def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, byte_dataset,
-                                               capfd) -> None:
+                                               capfd, monkeypatch) -> None:
     run = saved_run  # only read here
+    # One local rank runs in this process (no interpreter started), leaving the environment
+    # and thread count as they were; two start processes.
+    import torch
+
+    from domino.inference import session
+
+    started = []
+    launch = session.run_ranks
+    monkeypatch.setattr(session, "run_ranks", lambda cmds, *a, **k: started.append(len(cmds))
+                        or launch(cmds, *a, **k))
+    env, threads = dict(os.environ), torch.get_num_threads()
     logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if "val_loss" in r][-1]["val_loss"]
     for tp in ("1", "4"):
@@ -80,6 +92,7 @@ def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, 
     # Eval reads what training's validation read (the run's settings) and gets its number.
     assert main(["eval", str(run), *data[:2], "--eval-iters", "1"]) == 0
     assert _val_loss(capfd.readouterr().out) == pytest.approx(logged, rel=1e-5)
+    assert started == [2, 2] and dict(os.environ) == env and torch.get_num_threads() == threads
     # The whole split (the default), of a smaller dataset (same byte tokenizer).
     assert main(["eval", str(tmp_path / "tp4"), "--data-path", byte_dataset(40_000),
                  "--tensor-model-parallel-size", "2", "--nproc", "2"]) == 0

@@ -1,5 +1,6 @@
-"""Running a saved model: the shared launch of ``domino generate`` / ``domino eval`` (local ranks
-or torchrun); each rank runs :func:`domino.inference.worker.run_rank`."""
+"""Running a saved model: the shared launch of ``domino generate`` / ``domino eval`` (local ranks,
+one of them in this process, or torchrun); each rank runs
+:func:`domino.inference.worker.run_rank`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from domino.checkpoint.layout import open_checkpoint
 from domino.config import TransformerConfig
@@ -34,9 +36,29 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _run_here(spec: dict[str, Any]) -> int:
+    """One local rank: run it in this process, as under torchrun, rather than start an
+    interpreter for it (seconds of imports); the environment and thread count are restored."""
+    from domino.inference.worker import run_rank
+
+    env = local_env(0, 1, free_port())
+    saved = {k: os.environ.get(k) for k in env}
+    threads = torch.get_num_threads()
+    os.environ.update(env)
+    try:
+        return run_rank(spec)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(threads)
+
+
 def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
     """Check the checkpoint, then run ``domino.inference.worker`` on every rank (here, under
-    torchrun; else as ``--nproc`` local processes)."""
+    torchrun or for one local rank; else as ``--nproc`` local processes)."""
     tp = ns.tensor_model_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
@@ -55,6 +77,8 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
     if nproc % tp:
         raise ValueError(f"--nproc {nproc} is not a multiple of --tensor-model-parallel-size "
                          f"{tp}")
+    if nproc == 1 and not dist.is_initialized():
+        return _run_here(spec)
     with tempfile.TemporaryDirectory(prefix=f"domino-{command}-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
