@@ -24,13 +24,13 @@ if "DOMINO_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="domino-test-cache-")
     os.environ["DOMINO_CACHE_DIR"] = _CACHE
 
-# ---- two workers (pytest-xdist: pyproject's addopts) ---------------------------------------------
+# ---- three workers (pytest-xdist: pyproject's addopts) -------------------------------------------
 #
 # Each test file runs on one worker as a whole (its module fixtures are built once), except the
 # files that add checks to the session's shared tensor-parallel spawns (tp_helpers.register),
 # which all run on one worker so those spawns start once. A test marked `serial` runs while no
-# other test does: it reads host-wide state (/dev/shm, network namespaces, busy CPU) or compares
-# times that a test on the other core would disturb.
+# other test does: it reads host-wide state (network namespaces, busy CPU) or compares times
+# that a test on another worker would disturb.
 
 _TESTS = Path(__file__).parent
 _REGISTERS = re.compile(r"^register\(", re.M)  # a module-level tp_helpers.register(...) call

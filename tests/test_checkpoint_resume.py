@@ -6,7 +6,7 @@
 * bf16 mixed precision: its loss curve follows the fp32 run's (same seed, data and dropout)
   within BF16_CURVE; its checkpoint holds fp32 master weights (not bf16-rounded values), which
   load at TP=2 with the same logits and continue training there in bf16, and export to Hugging
-  Face as fp32.
+  Face as fp32; `domino eval` computes in the run's precision, reproducing its logged validation.
 * A new DP size: a DP=1 run accumulating 2 micro-batches, resumed at DP=2 with the same
   micro-batches, is bit-identical (each gradient is the sum of the same two partial sums).
 * Resharding: a TP=2 checkpoint loaded at TP=1 and a TP=1 checkpoint loaded at TP=4 give the
@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -125,7 +126,7 @@ def _close(a: dict, b: dict) -> None:
     assert [v for _, v in a["val"]] == pytest.approx([v for _, v in b["val"]], rel=1e-5)
 
 
-def test_resume_and_reshard(data: str, tmp_path) -> None:
+def test_resume_and_reshard(data: str, tmp_path, capfd) -> None:
     (single,) = run_distributed(_one_rank, 1, data, str(tmp_path))
     pair = run_distributed(_two_ranks, 2, data, str(tmp_path))
     to1 = run_distributed(_resharded, 1, data, str(tmp_path), "r2", 1)[0]
@@ -162,6 +163,25 @@ def test_resume_and_reshard(data: str, tmp_path) -> None:
         assert len(cont) == STEPS - CUT and all(math.isfinite(x) for x in cont)
         # Same weights and optimizer state as the TP=1 continuation (dropout masks differ).
         assert cont[0] == pytest.approx(bf_res["losses"][0], rel=0.05)
+    # `domino eval` computes in the run's precision by default, so it reproduces the bf16
+    # validation the run logged; --precision fp32 computes the same weights in fp32.
+    logged = [json.loads(line) for line in
+              (tmp_path / "bf_ref" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["val_loss"] for r in logged if "val_loss" in r][-1]
+    capfd.readouterr()
+    evals = {}
+    for precision in (None, "fp32"):
+        extra = [] if precision is None else ["--precision", precision]
+        assert main(["eval", str(tmp_path / "bf_ref"), "--data-path", data, "--eval-iters", "1",
+                     *extra]) == 0
+        out = capfd.readouterr().out
+        evals[precision] = float(out.split(" loss ")[1].split(",")[0])
+        assert f"DP=1, {precision or 'bf16'})" in out
+    assert evals[None] == pytest.approx(logged, rel=1e-4)
+    assert evals["fp32"] == pytest.approx(logged, rel=BF16_CURVE)  # (printed to 4 decimals)
+    assert main(["eval", str(tmp_path / "bf_ref"), "--data-path", data, "--precision",
+                 "fp16"]) == 2
+    assert "--precision fp16 needs a CUDA device" in capfd.readouterr().err
     # ... and exported to Hugging Face: the same fp32 values.
     assert main(["export", "--format", "hf", str(tmp_path / "bf_cut"), str(tmp_path / "hf")]) == 0
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -19,6 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The precisions a command names (``--precision``) -> the compute dtype (None: the parameters').
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}
+
 _MARK = "domino_compute_dtype"
 _COPY = "_domino_compute_copy"
 

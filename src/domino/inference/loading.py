@@ -15,8 +15,10 @@ from domino.plan import Plan
 from domino.runtime import RuntimeConfig
 
 
-def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
-    """(model, config, tokenizer, meta): the checkpoint's GPT on this rank, in eval mode."""
+def load_saved_model(step_dir: Path, state, plan: Plan | None = None,
+                     compute_dtype: torch.dtype | None = None):
+    """(model, config, tokenizer, meta): the checkpoint's GPT on this rank, in eval mode;
+    ``compute_dtype``: computed from copies in that dtype (``domino.precision``)."""
     meta = Meta.from_json(layout.read_json(step_dir / layout.META, "checkpoint record"),
                           step_dir / layout.META)
     config = TransformerConfig.from_dict(meta.config)
@@ -25,6 +27,7 @@ def load_saved_model(step_dir: Path, state, plan: Plan | None = None):
     # Sequence parallelism is a training-memory layout of the same weights; inference feeds
     # sequences of any length (and KV-cache steps of one token), so it runs without it.
     runtime = RuntimeConfig(plan=plan) if plan is not None else RuntimeConfig()
+    runtime = runtime.replace(compute_dtype=compute_dtype)
     torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
     model = GPTModel(config, parallel_state=state, runtime=runtime)
     load_model(step_dir, meta, model, state)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from domino.checkpoint.layout import open_checkpoint
 from domino.config import TransformerConfig
+from domino.precision import PRECISIONS
 from domino.supervisor import RankFailed, local_env, run_ranks
 from domino.utils import free_port
 
@@ -30,6 +31,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local processes when not under torchrun [default: the TP size]")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when available")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
+                        help="compute dtype (bf16 / fp16: from copies of the fp32 weights) "
+                             "[default: the run's: bf16 after --bf16, fp16 after --fp16, else "
+                             "fp32]")
+
+
+
+def run_precision(args: dict[str, Any] | None) -> str:
+    """The precision a run trained in, from its saved settings (fp32 when there are none)."""
+    args = args or {}
+    return "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
 
 
 def _under_torchrun() -> bool:
@@ -67,8 +79,13 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
+    precision = ns.precision or run_precision(meta.args)
+    if precision == "fp16" and device != "cuda":
+        how = "" if ns.precision else " (the run trained in fp16)"
+        raise ValueError(f"--precision fp16{how} needs a CUDA device; on a CPU pass "
+                         "--precision bf16 or --precision fp32.")
     spec = {**spec, "command": command, "step_dir": str(step_dir.resolve()), "tp": tp,
-            "device": device}
+            "device": device, "precision": precision}
     if _under_torchrun():
         from domino.inference.worker import run_rank  # (the rank's side, run here)
 

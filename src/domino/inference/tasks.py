@@ -12,10 +12,16 @@ import torch
 from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
 from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
+from domino.precision import PRECISIONS
+
+
+def _load(spec: dict[str, Any], state):
+    dtype = PRECISIONS[spec.get("precision", "fp32")]
+    return load_saved_model(Path(spec["step_dir"]), state, compute_dtype=dtype)
 
 
 def generate_rank(spec: dict[str, Any], state) -> None:
-    model, config, tokenizer, _ = load_saved_model(Path(spec["step_dir"]), state)
+    model, config, tokenizer, _ = _load(spec, state)
     prompt = tokenizer.encode(spec["prompt"]) or [tokenizer.eod]
     learned = config.position_embedding_type == "learned_absolute"
     context = config.max_position_embeddings if learned else max(config.max_position_embeddings,
@@ -36,7 +42,7 @@ def generate_rank(spec: dict[str, Any], state) -> None:
 def eval_rank(spec: dict[str, Any], state) -> None:
     from domino.data.gpt_dataset import GPTDataset, split_documents
 
-    model, config, tokenizer, meta = load_saved_model(Path(spec["step_dir"]), state)
+    model, config, tokenizer, meta = _load(spec, state)
     saved = meta.args or {}
 
     def pick(key: str, default: Any) -> Any:
@@ -86,7 +92,7 @@ def eval_rank(spec: dict[str, Any], state) -> None:
         print(f"domino eval: {spec['split_name']} split of {spec['data_path']}: loss "
               f"{mean:.4f}, perplexity {math.exp(min(mean, 50.0)):.3f} over {int(total[1]):,} "
               f"tokens ({len(samples):,} samples of {seq}; checkpoint step {meta.step}, TP="
-              f"{state.tp.size} x DP={dp.size})", flush=True)
+              f"{state.tp.size} x DP={dp.size}, {spec.get('precision', 'fp32')})", flush=True)
 
 
 def _slice(n: int, dp_size: int, dp_rank: int, global_batch: int) -> list[int]:
