@@ -182,6 +182,10 @@ def test_resume_and_reshard(data: str, tmp_path, capfd) -> None:
     assert main(["eval", str(tmp_path / "bf_ref"), "--data-path", data, "--precision",
                  "fp16"]) == 2
     assert "--precision fp16 needs a CUDA device" in capfd.readouterr().err
+    # Generation in the run's bf16, through the KV cache (its cache is kept in bf16).
+    assert main(["generate", str(tmp_path / "bf_ref"), "--prompt", "def ", "--greedy", "--ids",
+                 "--max-new-tokens", "6", "--no-stop-at-eod"]) == 0
+    assert len(capfd.readouterr().out.split()) == 6
     # ... and exported to Hugging Face: the same fp32 values.
     assert main(["export", "--format", "hf", str(tmp_path / "bf_cut"), str(tmp_path / "hf")]) == 0
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
