@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import torch
 
 from domino.plan import Plan, check_fields
+from domino.precision import PRECISIONS
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
-COMPUTE_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32)
+COMPUTE_DTYPES = (*PRECISIONS.values(), torch.float32)  # None: the parameters' own
 DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
 
 # The seed's constructor spelling of the run-time choices (TransformerConfig keywords and
@@ -66,7 +67,7 @@ class RuntimeConfig:
         default=False, metadata={"help": SEED_SPELLING["sequence_parallel"][1]})
     recompute_granularity: str | None = field(
         default=None, metadata={"help": SEED_SPELLING["recompute_granularity"][1]})
-    compute_dtype: Any = field(
+    compute_dtype: torch.dtype | None = field(
         default=None,
         metadata={"help": "Mixed precision: compute in this dtype (torch.bfloat16 or "
                           "torch.float16) from copies of the parameters, which stay the fp32 "

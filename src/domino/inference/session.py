@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from domino.checkpoint.layout import open_checkpoint
 from domino.config import TransformerConfig
-from domino.precision import PRECISIONS
+from domino.precision import PRECISIONS, precision_of
 from domino.supervisor import RankFailed, local_env, run_ranks
 from domino.utils import free_port
 
@@ -37,11 +37,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "fp32]")
 
 
-
 def run_precision(args: dict[str, Any] | None) -> str:
     """The precision a run trained in, from its saved settings (fp32 when there are none)."""
     args = args or {}
-    return "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
+    return precision_of(bool(args.get("bf16")), bool(args.get("fp16")))
 
 
 def _under_torchrun() -> bool:

@@ -25,6 +25,7 @@ from domino.config import TransformerConfig
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
+from domino.precision import PRECISIONS, precision_of
 from domino.runtime import RECOMPUTE_GRANULARITIES, SEED_SPELLING, RuntimeConfig
 from domino.training import model_flags
 
@@ -253,7 +254,7 @@ class TrainArgs(ModelArgs):
 
     def compute_dtype(self) -> torch.dtype | None:
         """The mixed-precision compute dtype (None: fp32 throughout)."""
-        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
+        return PRECISIONS[precision_of(self.bf16, self.fp16)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -124,8 +124,7 @@ class Trainer:
         # ranks time their GEMM shapes together, as they will run (cached per machine).
         self.flops_per_step = train_flops_per_step(
             run.config, args.global_batch_size * args.seq_length, tp=tp.size)
-        compute = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
-                   else run.config.params_dtype)
+        compute = args.compute_dtype() or run.config.params_dtype
         self.state.world.barrier()
         self.peak, self.peak_what = peak_flops(
             self.state.device, compute,
@@ -348,7 +347,7 @@ class Trainer:
                              state.device)[0]
 
         def fwd_bwd() -> None:
-            forward_loss(self.model, batch, args, state.device).backward()
+            forward_loss(self.model, batch).backward()
 
         best, times = autotune(self.model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
         medians = {str(p): statistics.median(t) for p, t in times.items()}

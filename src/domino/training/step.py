@@ -48,7 +48,7 @@ class StepOutcome:
     exposed_dp_s: float = 0.0  # this rank's time blocked on the DP gradient reduction
 
 
-def forward_loss(model, batch, args, device, context=None) -> torch.Tensor:
+def forward_loss(model, batch, context=None) -> torch.Tensor:
     """Sum of the masked per-token losses of one micro-batch (fp32). ``context``: the
     backward context for this forward's backward (a ``GradReducer``'s, to overlap it)."""
     extra = {} if context is None else {"context": context}
@@ -70,7 +70,7 @@ def evaluate(model, dataset, args: TrainArgs, state: ParallelState,
     for k in range(args.eval_iters if iters is None else iters):
         for batch in rank_batches(dataset, k * g, g, state.dp.size, state.dp.rank,
                                   args.micro_batch_size, state.device):
-            total[0] += forward_loss(model, batch, args, state.device).double()
+            total[0] += forward_loss(model, batch).double()
             total[1] += batch["loss_mask"].sum().double()
     state.dp.all_reduce(total, name="eval loss")
     model.train(was_training)
@@ -118,7 +118,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
             last = i == len(batches) - 1
             with reducer.armed() if overlap and last else contextlib.nullcontext() as context:
-                lsum = forward_loss(model, batch, args, device, context)
+                lsum = forward_loss(model, batch, context)
                 (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:

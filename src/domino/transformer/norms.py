@@ -39,4 +39,4 @@ def build_norm(config: TransformerConfig, device: torch.device | None = None) ->
     if config.normalization == "RMSNorm":
         return RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
     return LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                        dtype=config.params_dtype, device=device)
+                     dtype=config.params_dtype, device=device)
