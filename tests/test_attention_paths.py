@@ -9,8 +9,14 @@ import math
 import pytest
 import torch
 
-from domino.transformer import attention
-from domino.transformer.attention import core_attention
+from domino.transformer import kernels as attention
+from domino.transformer.kernels import attention_keep
+
+
+def core_attention(q, k, v, mask, causal, p, training, gen, softmax_fp32):
+    """The attention kernel with its dropout mask drawn as the attention module draws it."""
+    keep = attention_keep(q, k.shape[0], p, training, gen, v.dtype)
+    return attention.attention(q, k, v, mask, causal, keep, p, softmax_fp32)
 
 S, B, N, D = 24, 2, 3, 16
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ ROW_KEYS = {
     "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
     "chrome_trace", "allreduce_bytes_per_step", "comm_cpu_s_per_step", "sequence_parallel",
-    "model_flops_per_s_per_rank", "mfu",
+    "model_flops_per_s_per_rank", "mfu", "compiled",
 }
 
 
@@ -58,12 +59,16 @@ def _args(argv: list[str]) -> argparse.Namespace:
         ("nocomm:sp", "nocomm:sp", Plan(1, "none", 1), False),
         ("domino:m2:cross_layer:sp", "domino:m2:cross:sp", Plan(2, "cross_layer", 1), True),
         ("nocomm:m4:cross:c2:sp", "nocomm:m4:cross:c2:sp", Plan(4, "cross_layer", 2), False),
+        ("sync:Compiled", "sync:compiled", Plan(1, "none", 1), True),
+        ("domino:m2:cross:sp:compiled", "domino:m2:cross:sp:compiled", Plan(2, "cross_layer", 1),
+         True),
     ],
 )
 def test_parse_mode(text: str, name: str, plan: Plan, comm: bool) -> None:
     mode = parse_mode(text)
     assert (mode.name, mode.plan, mode.comm) == (name, plan, comm)
-    assert mode.sequence_parallel == name.endswith(":sp")
+    assert mode.sequence_parallel == name.removesuffix(":compiled").endswith(":sp")
+    assert mode.compiled == name.endswith(":compiled")
     assert mode.is_domino == name.startswith("domino:")
     assert parse_mode(mode.name) == mode  # canonical names parse back to themselves
 
@@ -72,7 +77,7 @@ def test_parse_mode(text: str, name: str, plan: Plan, comm: bool) -> None:
     "bad",
     ["", "fast", "domino", "domino:m2", "domino:m0:cross", "domino:m2:sideways",
      "domino:m2:cross:c0", "domino:m2:cross:x3", "sync:m2:cross", "domino:2:cross", "sp",
-     "sync:sp:sp", "domino:sp:m2:cross"],
+     "sync:sp:sp", "domino:sp:m2:cross", "sync:compiled:sp", "nocomm:compiled:compiled"],
 )
 def test_parse_mode_rejects(bad: str) -> None:
     with pytest.raises(ValueError, match=r"domino:m<N>:<none\|intra\|cross>"):
@@ -212,11 +217,16 @@ def test_cpu_probe_takes_the_median_window() -> None:
 
 def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_dir = tmp_path / "bench.json", tmp_path / "traces"
-    modes = "sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross,domino:m2:cross:sp"
-    argv = TINY + ["--modes", modes, "--json", str(out_json), "--out-dir", str(out_dir)]
+    modes = ("sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross,domino:m2:cross:sp,"
+             "nocomm:compiled,domino:m2:cross:compiled")
+    argv = TINY + ["--modes", modes, "--json", str(out_json), "--out-dir", str(out_dir),
+                   "--compile-backend", "aot_eager"]
     assert main(["bench", *argv]) == 0
     table = capsys.readouterr().out
     assert "best Domino mode: domino:m2:" in table
+    # The :compiled modes ran a compiled twin, compiled in the warm-up only.
+    assert re.search(r"compiled pieces \(aot_eager\): \d+ graphs in [\d.]+ s, all in the "
+                     r"warm-up steps", table)
 
     report = json.loads(out_json.read_text())
     config = report["config"]
@@ -233,6 +243,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert len(r["step_times_s_per_rank"]) == 2
         assert len(r["peak_mem_bytes_per_rank"]) == 2 and r["peak_mem_bytes"] > 0
         assert r["comm_enabled"] == (not name.startswith("nocomm"))
+        assert r["compiled"] == name.endswith(":compiled")
         # Model FLOPs per rank over the step time; MFU against the measured GEMM rate.
         assert r["model_flops_per_s_per_rank"] * r["step_time_s"] * 2 == pytest.approx(
             config["model_flops_per_step"], rel=1e-9)

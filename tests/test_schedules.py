@@ -182,21 +182,21 @@ def _too_many_micro_batches(state: ParallelState) -> dict:
 
 
 def _dropout_masks(state: ParallelState) -> dict:
-    """Record every dropout mask the model draws (by wrapping the modules' dropout helper)."""
+    """Record every dropout mask the model draws (by wrapping the modules' mask helpers)."""
     recorded: dict[str, list[torch.Tensor]] = {"attention": [], "hidden": []}
     cfg_over = dict(_GPT.over, hidden_dropout=0.2, attention_dropout=0.2)
 
     def recorder(kind, original):
-        def wrapped(x, p, training, generator):
-            out = original(x, p, training, generator)
-            if training and p > 0:
-                recorded[kind].append((out != 0).detach().clone())
-            return out
+        def wrapped(*args):
+            keep = original(*args)
+            if keep is not None:
+                recorded[kind].append((keep != 0).detach().clone())
+            return keep
         return wrapped
 
-    orig_attn, orig_layer = attention_module.dropout, layer_module.dropout
-    attention_module.dropout = recorder("attention", orig_attn)
-    layer_module.dropout = recorder("hidden", orig_layer)
+    orig_attn, orig_layer = attention_module.attention_keep, layer_module.dropout_mask
+    attention_module.attention_keep = recorder("attention", orig_attn)
+    layer_module.dropout_mask = recorder("hidden", orig_layer)
     res = {}
     try:
         torch.manual_seed(0)
@@ -226,7 +226,7 @@ def _dropout_masks(state: ParallelState) -> dict:
                 res[name]["eval_logits"] = model(ids, None, None)
                 model.train()
     finally:
-        attention_module.dropout, layer_module.dropout = orig_attn, orig_layer
+        attention_module.attention_keep, layer_module.dropout_mask = orig_attn, orig_layer
     return res
 
 

@@ -231,11 +231,18 @@ def test_sequence_parallel_shards_activations() -> None:
     stack = DominoTransformer(cfg, state, self_attn_mask_type=AttnMaskType.causal,
                               plan=Plan(2, "cross_layer", 1))
     seen = []
-    for layer in stack.layers:
-        layer.input_layernorm.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    local = stack.kernels.local
+
+    def spy(*args):  # every local piece: its norm output and the residual stream
+        ln, res = local(*args)
+        seen.append((tuple(ln.shape), tuple(res.shape)))
+        return ln, res
+
+    object.__setattr__(stack.kernels, "local", spy)
     y = stack(torch.randn(8, 4, 32, requires_grad=True), None)
     assert y.shape == (8, 4, 32)
-    assert seen == [(8, 2, 32)] * 4  # two layers x two micro-batches, each [s/2, b/2, h]
+    # Four blocks and the final norm x two micro-batches, each [s/2, b/2, h].
+    assert seen == [((8, 2, 32), (8, 2, 32))] * 10
     y.sum().backward()
 
 

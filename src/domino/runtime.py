@@ -16,6 +16,9 @@ domino_overlap=..., domino_column_chunks=..., sequence_parallel=..., recompute_g
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +29,7 @@ from domino.precision import PRECISIONS
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 COMPUTE_DTYPES = (*PRECISIONS.values(), torch.float32)  # None: the parameters' own
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # eager: dynamo's tracing only
 DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
 
 # The seed's constructor spelling of the run-time choices (TransformerConfig keywords and
@@ -73,7 +77,16 @@ class RuntimeConfig:
                           "torch.float16) from copies of the parameters, which stay the fp32 "
                           "master weights (domino.precision); None computes in the parameters' "
                           "own dtype."})
-    # torch.compile per piece belongs here too (the bf16 issue).
+    compile: bool = field(
+        default=False,
+        metadata={"help": "Compile each piece's work between its GEMMs and collectives (norms, "
+                          "dropout, residuals, RoPE, attention, activations) with torch.compile, "
+                          "never across a collective (domino.transformer.kernels)."})
+    compile_backend: str = field(
+        default="inductor",
+        metadata={"help": "The torch.compile backend of compile=True: inductor generates fused "
+                          "code (a C++ compiler on CPU, Triton on CUDA); aot_eager traces and "
+                          "differentiates the same graphs without generating code."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -87,6 +100,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"recompute_granularity={self.recompute_granularity!r} is not one of "
                 f"{', '.join(RECOMPUTE_GRANULARITIES)} (or None: keep every activation).")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True or False.")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend={self.compile_backend!r} is not one of "
+                             f"{', '.join(COMPILE_BACKENDS)}.")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of "
                              "torch.bfloat16, torch.float16, torch.float32 (or None: the "
@@ -125,6 +143,25 @@ class RuntimeConfig:
                 f"sequence_parallel needs seq_length divisible by tensor_model_parallel_size: "
                 f"seq_length={config.seq_length} is not divisible by {tp_size}; choose a sequence "
                 f"length that is a multiple of {tp_size} (or turn sequence_parallel off).")
+
+
+def check_compile(compile: bool, backend: str, device_type: str, flag: str = "compile") -> None:
+    """Raise ValueError unless ``torch.compile`` with ``backend`` can generate code for
+    ``device_type`` here (inductor needs a C++ compiler on CPU and Triton on CUDA); ``flag``
+    names the setting in the message."""
+    if not compile or backend != "inductor":
+        return
+    others = (f"pass {'--compile-backend' if flag.startswith('--') else 'compile_backend='}"
+              "aot_eager (same graphs, no generated code), or drop " + flag)
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX") or "g++"
+        if shutil.which(cxx) is None:
+            raise ValueError(f"{flag} with the inductor backend compiles C++ on a CPU, but the "
+                             f"compiler {cxx!r} is not on PATH: install one (e.g. apt install "
+                             f"g++, or set CXX), {others}.")
+    elif device_type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{flag} with the inductor backend generates Triton kernels on CUDA, "
+                         f"but triton is not installed: pip install triton, {others}.")
 
 
 def resolve_runtime(config: Any, runtime: RuntimeConfig | None,

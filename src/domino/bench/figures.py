@@ -20,7 +20,7 @@ from domino.transformer.autotune import regime_of
 def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
     """The comm-free run with the same split (same overlap preferred; it is moot without comm)."""
     same = [m for m in modes if not m.comm and m.split == mode.split
-            and m.sequence_parallel == mode.sequence_parallel]
+            and m.sequence_parallel == mode.sequence_parallel and m.compiled == mode.compiled]
     exact = [m for m in same if m.plan == mode.plan]
     return (exact or same or [None])[0]
 
@@ -36,7 +36,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     for mode in modes:
         t = med[mode.name]
         per_rank, mfu = utilisation(flops, len(raw["per_rank_step_times_s"][mode.name]), t, peak)
-        # Sequence-parallel modes against their own sync and nocomm when those ran.
+        # Sequence-parallel and compiled modes against their own sync and nocomm when those ran.
         fam = mode.family
         f_sync, f_nocomm = med.get("sync" + fam, t_sync), med.get("nocomm" + fam, t_nocomm)
         f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
@@ -57,6 +57,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "overlap": mode.plan.overlap,
             "column_chunks": mode.plan.column_chunks,
             "sequence_parallel": mode.sequence_parallel,
+            "compiled": mode.compiled,
             "step_time_s": t,
             "step_times_s": raw["step_times_s"][mode.name],
             "step_times_s_per_rank": raw["per_rank_step_times_s"][mode.name],

@@ -10,7 +10,10 @@ text form (``Plan.parse`` / ``str(plan)``)::
 
 Any mode may end in ``:sp``: the same with sequence parallelism (each all-reduce becomes a
 reduce-scatter and an all-gather; e.g. sync:sp, nocomm:sp, domino:m2:cross:sp). Its exposed
-and hidden figures are taken against sync:sp and nocomm:sp when they run.
+and hidden figures are taken against sync:sp and nocomm:sp when they run. Any mode may end in
+``:compiled`` (after ``:sp``): the same on a twin of the model with compiled pieces
+(``RuntimeConfig.compile``), measured against sync:compiled and nocomm:compiled, so eager and
+compiled run side by side, interleaved, in one run.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ __all__ = ["DEFAULT_MODES", "GRAMMAR", "Mode", "parse_mode", "parse_modes"]
 
 GRAMMAR = (
     f"sync | nocomm | domino:{PLAN_GRAMMAR} | nocomm:{PLAN_GRAMMAR}, each optionally ending in"
-    " :sp (sequence parallel) (N micro-batches >= 1, K column chunks >= 1; e.g."
-    " domino:m4:cross:c2, domino:m2:cross:sp)"
+    " :sp (sequence parallel) and then :compiled (compiled pieces) (N micro-batches >= 1, K"
+    " column chunks >= 1; e.g. domino:m4:cross:c2, domino:m2:cross:sp, sync:compiled)"
 )
 
 DEFAULT_MODES = (
@@ -42,6 +45,7 @@ class Mode:
     plan: Plan
     comm: bool
     sequence_parallel: bool = False
+    compiled: bool = False
 
     @property
     def is_domino(self) -> bool:
@@ -56,17 +60,30 @@ class Mode:
 
     @property
     def family(self) -> str:
-        """The name suffix of its baselines: '' or ':sp' (sync:sp and nocomm:sp)."""
-        return ":sp" if self.sequence_parallel else ""
+        """The name suffix of its baselines: '', ':sp', ':compiled' or ':sp:compiled' (e.g.
+        sync:sp and nocomm:sp)."""
+        return (":sp" if self.sequence_parallel else "") + (":compiled" if self.compiled else "")
+
+    def with_compiled(self) -> Mode:
+        """The same mode on the compiled model."""
+        return self if self.compiled else Mode(self.name + ":compiled", self.plan, self.comm,
+                                               self.sequence_parallel, True)
 
 
 def parse_mode(text: str) -> Mode:
     """Parse one mode; raise ValueError naming the grammar when it does not match."""
     norm = text.strip().lower()
+    if norm.endswith(":compiled"):
+        base = parse_mode(norm.removesuffix(":compiled"))
+        if base.compiled:
+            raise ValueError(f"unknown benchmark mode {text!r} (':compiled' twice); expected "
+                             f"{GRAMMAR}")
+        return base.with_compiled()
     if norm.endswith(":sp"):
         base = parse_mode(norm.removesuffix(":sp"))
-        if base.sequence_parallel:
-            raise ValueError(f"unknown benchmark mode {text!r} (':sp' twice); expected {GRAMMAR}")
+        if base.sequence_parallel or base.compiled:
+            raise ValueError(f"unknown benchmark mode {text!r} (':sp' twice, or after "
+                             f"':compiled'); expected {GRAMMAR}")
         return Mode(base.name + ":sp", base.plan, base.comm, True)
     if norm in ("sync", "nocomm"):
         return Mode(norm, SYNC, norm == "sync")

@@ -50,6 +50,8 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "model_flops_per_step": raw.get("model_flops_per_step"),
         "peak_flops_per_s": raw.get("peak_flops_per_s"),
         "mfu_of": raw.get("peak_what"),
+        "compile_graphs": raw.get("compile_graphs"),
+        "compile_s": raw.get("compile_s"),
         "tokens_per_step": args.micro_batch_size * args.seq_length,
         "timing_method": TIMING_METHOD,
         "memory_method": raw["memory_method"],
@@ -114,6 +116,9 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if mfu_line(c) is not None:
         lines.append(mfu_line(c))
+    if c.get("compile_graphs"):
+        lines.append(f"compiled pieces ({c['compile_backend']}): {c.get('compile_graphs')} graphs "
+                     f"in {_fmt(c.get('compile_s'), 1.0, '.1f')} s, all in the warm-up steps")
     head = ("mode", "step ms", "min ms", "tokens/s", "TFLOP/s/rank", "MFU", "exposed ms",
             "vs split ms", "hidden", "speedup", "peak MiB")
     body = []

@@ -20,7 +20,7 @@ from domino.netem import check_can_emulate, parse_rate
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
 from domino.plan import Plan
-from domino.runtime import DEFAULT_PLAN, RuntimeConfig
+from domino.runtime import DEFAULT_PLAN, RuntimeConfig, check_compile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
@@ -50,7 +50,14 @@ def build_config(spec: dict[str, Any]) -> TransformerConfig:
 
 def build_runtime(spec: dict[str, Any], plan: Plan = DEFAULT_PLAN) -> RuntimeConfig:
     """How the spec's model runs (the modes then swap the plan and sequence parallelism)."""
-    return RuntimeConfig(plan=plan, recompute_granularity=spec.get("recompute_granularity"))
+    return RuntimeConfig(plan=plan, recompute_granularity=spec.get("recompute_granularity"),
+                         compile=bool(spec.get("compile")),
+                         compile_backend=spec.get("compile_backend", "inductor"))
+
+
+def compiled_runtime(spec: dict[str, Any]) -> RuntimeConfig:
+    """The runtime of the compiled twin that ``:compiled`` modes run."""
+    return build_runtime(spec).replace(compile=True)
 
 
 def layouts(spec: dict[str, Any]) -> dict[str, Layout]:
@@ -125,6 +132,8 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
                          "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
                          "modes to compare are chosen with --modes)")
     modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
+    if args.compile:  # every mode on the compiled model
+        modes = list({m.name: m for m in (m.with_compiled() for m in modes)}.values())
     _check_at_least_one(args, ("steps", "threads_per_rank", "tensor_model_parallel_size"))
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
@@ -139,12 +148,15 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
             "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
-            "attention_dropout", "shared_memory_comm", "peak_tflops")}
+            "attention_dropout", "shared_memory_comm", "peak_tflops", "compile",
+            "compile_backend")}
     build_config(spec).validate_parallel(tp)
     build_runtime(spec)  # (its checks)
     _check_modes(modes, args)
     spec["modes"] = [m.name for m in modes]
     spec["device"] = resolve_device(args.device, tp)
+    _check_compile(args, spec["device"], modes)
+    spec["compile"] = False  # the eager model; :compiled modes run a compiled twin
     spec["trace"] = args.out_dir is not None
     if args.simulate_link is not None:
         if args.emulate_link is not None:
@@ -159,6 +171,17 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
         if not os.path.isdir(parent):
             raise ValueError(f"--json {args.json}: directory {parent} does not exist")
     return spec, modes
+
+
+def _check_compile(args: argparse.Namespace, device: str,
+                   modes: list[Mode] | None = None) -> None:
+    what = "--compile" if args.compile or not modes else "a :compiled mode"
+    wanted = args.compile or any(m.compiled for m in modes or [])
+    check_compile(wanted, args.compile_backend, device, what)
+    if wanted and args.warmup < 1:
+        raise ValueError(f"{what} with --warmup={args.warmup}: the first step of each mode "
+                         "compiles (seconds), which would land in the measured steps; give "
+                         "--warmup 1 or more")
 
 
 def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +217,8 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
             "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "pipeline_micro_batches", "steps", "warmup", "threads_per_rank", "dtype", "seed",
-            "timeout", "plan", "shared_memory_comm", "peak_tflops")}
+            "timeout", "plan", "shared_memory_comm", "peak_tflops", "compile",
+            "compile_backend")}
     counts = None
     if args.pipeline_stage_layers:
         try:
@@ -211,5 +235,6 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
                     batch_name="--micro-batch-size")
     layouts(spec)  # every schedule fits the layers and pipeline micro-batches
     spec["device"] = resolve_device(args.device, p * tp)
+    _check_compile(args, spec["device"])
     check_link(args, spec, hosts=p)
     return spec

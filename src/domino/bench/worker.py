@@ -23,7 +23,7 @@ from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
 from domino.bench.probe import probe_allreduce
-from domino.bench.spec import build_config, build_runtime
+from domino.bench.spec import build_config, build_runtime, compiled_runtime
 from domino.bench.timeline import Timeline
 from domino.distributed import init_distributed, shutdown_distributed
 from domino.enums import AttnMaskType
@@ -32,7 +32,7 @@ from domino.gemm_rate import peak_flops
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
-from domino.transformer.stack import using_plan, using_sequence_parallel
+from domino.transformer.stack import stacks_of, using_plan, using_sequence_parallel
 
 __all__ = ["main", "measure"]
 
@@ -50,14 +50,32 @@ CUDA_MEMORY_METHOD = (
 
 
 class _Bench:
-    """The model, its fixed inputs and a one-step function that runs any mode."""
+    """The model (and, for ``:compiled`` modes, its compiled twin with the same weights), its
+    fixed inputs and a one-step function that runs any mode."""
 
-    def __init__(self, spec: dict[str, Any], state: ParallelState) -> None:
+    def __init__(self, spec: dict[str, Any], state: ParallelState,
+                 compiled: bool = False) -> None:
+        self.spec, self.state = spec, state
+        self.models: dict[bool, torch.nn.Module] = {}
+        self._losses: dict[bool, Callable[[], torch.Tensor]] = {}
+        for twin in (False, True) if compiled else (False,):
+            self.models[twin], self._losses[twin] = self._build(
+                compiled_runtime(spec) if twin else build_runtime(spec))
+        self.model = self.models[False]
+        self.link: SimulatedLink | None = None
+        if spec.get("simulate_link"):
+            from domino.netem import rate_bits_per_s
+
+            self.link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
+        state.tp.hook = BenchHook(link=self.link) if self.link is not None else None
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _build(self, runtime) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+        spec, state = self.spec, self.state
         config = build_config(spec)
-        self.state = state
         s, b, h = spec["seq_length"], spec["micro_batch_size"], spec["hidden_size"]
         device, dtype = state.device, config.params_dtype
-        torch.manual_seed(spec["seed"])
+        torch.manual_seed(spec["seed"])  # the same weights for every model built
         state.rng.seed(spec["seed"])
         # Inputs come from their own generator so every rank draws identical (replicated) data.
         gen = torch.Generator().manual_seed(spec["seed"] + 1)
@@ -65,8 +83,7 @@ class _Bench:
             from domino.transformer import DominoTransformer
 
             stack = DominoTransformer(config, state, self_attn_mask_type=AttnMaskType.causal,
-                                      runtime=build_runtime(spec))
-            self.model: torch.nn.Module = stack
+                                      runtime=runtime)
             x = torch.randn(s, b, h, generator=gen).to(device, dtype)  # [s, b, h]
             w = torch.randn(s, b, h, generator=gen).to(device, dtype)
 
@@ -76,33 +93,28 @@ class _Bench:
                             * state.tp.seq_shard(w)).float().sum()
                 return (stack(x, None) * w).float().sum()
 
-            self._loss: Callable[[], torch.Tensor] = loss
-        else:
-            from domino.models.gpt import GPTModel
+            return stack, loss
+        from domino.models.gpt import GPTModel
 
-            gpt = GPTModel(config, parallel_state=state, runtime=build_runtime(spec))
-            self.model = gpt
-            ids = torch.randint(0, spec["vocab_size"], (b, s + 1), generator=gen).to(device)
-            tokens, labels = ids[:, :-1], ids[:, 1:]  # [b, s]
-            pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
-            self._loss = lambda: gpt(tokens, pos, None, labels=labels).float().mean()
-        self.link: SimulatedLink | None = None
-        if spec.get("simulate_link"):
-            from domino.netem import rate_bits_per_s
+        gpt = GPTModel(config, parallel_state=state, runtime=runtime)
+        ids = torch.randint(0, spec["vocab_size"], (b, s + 1), generator=gen).to(device)
+        tokens, labels = ids[:, :-1], ids[:, 1:]  # [b, s]
+        pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+        return gpt, lambda: gpt(tokens, pos, None, labels=labels).float().mean()
 
-            self.link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
-        state.tp.hook = BenchHook(link=self.link) if self.link is not None else None
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+    def model_for(self, mode: Mode) -> torch.nn.Module:
+        return self.models[mode.compiled]
 
     def step(self, mode: Mode) -> None:
         """Zero grads, forward, backward under ``mode``."""
         if self.link is not None:
             self.link.free_at = 0.0  # each step starts on an idle link
         comm = contextlib.nullcontext() if mode.comm else self.state.tp.disabled()
-        with using_plan(self.model, mode.plan), comm, \
-                using_sequence_parallel(self.model, mode.sequence_parallel):
-            self.model.zero_grad(set_to_none=True)
-            self._loss().backward()
+        model = self.models[mode.compiled]
+        with using_plan(model, mode.plan), comm, \
+                using_sequence_parallel(model, mode.sequence_parallel):
+            model.zero_grad(set_to_none=True)
+            self._losses[mode.compiled]().backward()
 
     def traced_step(self, mode: Mode, rank: int) -> dict[str, Any]:
         """One step of ``mode`` recorded on a timeline (as a dict)."""
@@ -130,7 +142,7 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
     out: dict[str, dict[str, int | None]] = {}
     if device.type == "cuda":
         for mode in modes:
-            bench.model.zero_grad(set_to_none=True)
+            bench.model_for(mode).zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -151,7 +163,7 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
         for mode in modes:
             # Free the gradients outside the range: frees of memory allocated before a range
             # would otherwise offset its allocations.
-            bench.model.zero_grad(set_to_none=True)
+            bench.model_for(mode).zero_grad(set_to_none=True)
             gc.collect()
             hwm_ok = reset_peak(torch.device("cpu"))
             bench.state.tp.stats.reset()
@@ -181,7 +193,7 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
     state = ParallelState.build(spec["tensor_model_parallel_size"], device=device,
                                 shared_memory=spec.get("shared_memory_comm", True))
     modes = [parse_mode(name) for name in spec["modes"]]
-    bench = _Bench(spec, state)
+    bench = _Bench(spec, state, compiled=any(m.compiled for m in modes))
     config = build_config(spec)
     tokens = spec["micro_batch_size"] * spec["seq_length"]
     state.world.barrier()  # the ranks time their GEMM shapes together, as they run (CPU)
@@ -196,8 +208,11 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
         for mode in modes:
             if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
                 traces[mode.name] = bench.traced_step(mode, state.world.rank)
+    compiled = [stack.kernels.log for model in bench.models.values()
+                for stack in stacks_of(model)]
     mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
-            "peak": peak}
+            "peak": peak, "compile": [sum(c.graphs for c in compiled),
+                                      sum(c.seconds for c in compiled)]}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
@@ -211,6 +226,9 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
         "peak_flops_per_s": (None if any(g["peak"] is None for g in gathered)
                              else sum(g["peak"] for g in gathered) / len(gathered)),
         "peak_what": peak_what,
+        # --compile: graphs compiled and seconds spent (the slowest rank), all in the warm-up
+        "compile_graphs": max(g["compile"][0] for g in gathered),
+        "compile_s": max(g["compile"][1] for g in gathered),
         "transports": state.transports(),
         "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],
         "allreduce_8mib_cpu_s": None if allreduce is None else allreduce["cpu_s"],

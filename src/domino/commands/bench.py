@@ -25,6 +25,7 @@ from domino.bench.spec import (
     pipeline_spec,
     tp_spec,
 )
+from domino.runtime import COMPILE_BACKENDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--peak-tflops", type=float, default=None,
       help="MFU's denominator, TFLOP/s per rank [default: CUDA: the device's dense peak for "
            "--dtype; CPU: the rate this machine measures on the model's GEMM shapes, cached]")
+    a("--compile", action="store_true",
+      help="torch.compile each piece's work between its GEMMs and collectives in every mode "
+           "(compiled in the warm-up steps; the compile time is reported)")
+    a("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
+      help="torch.compile backend of --compile (aot_eager: the same graphs, no generated code)")
     a("--recompute-granularity", choices=("full", "selective"), default=None,
       help="activation recomputation of every mode's model (memory for compute)")
     a("--attention-dropout", type=float, default=0.0,

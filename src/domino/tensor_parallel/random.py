@@ -86,24 +86,28 @@ class RNGTracker:
             self._get(kind, target).set_state(value)
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator) -> torch.Tensor:
-    """Inverted dropout whose mask comes from ``generator`` (a stream of an RNGTracker)."""
-    if not training or p == 0.0:
-        return x
-    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
-    return x * keep * (1.0 / (1.0 - p))
+def dropout_mask(x: torch.Tensor, p: float, training: bool, generator: torch.Generator,
+                 seq_shard: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """The keep mask of inverted dropout on ``x`` drawn from ``generator`` (a stream of an
+    RNGTracker), to multiply with ``x`` and 1 / (1 - p); None when no dropout runs.
 
-
-def dropout_seq_shard(x: torch.Tensor, p: float, training: bool, generator: torch.Generator,
-                      rank: int, size: int) -> torch.Tensor:
-    """:func:`dropout` of rank ``rank``'s sequence shard x [s / size, ...] of a tensor whose
-    mask is drawn for the whole sequence (from a stream every rank shares): the shard's rows
-    of the mask unsharded dropout would draw, so sequence parallelism changes no mask and the
-    masks do not depend on the TP size."""
+    ``seq_shard`` = (rank, size): ``x`` [s / size, ...] is rank ``rank``'s sequence shard of a
+    tensor whose mask is drawn for the whole sequence (from a stream every rank shares): the
+    mask is the shard's rows of the one unsharded dropout would draw, so sequence parallelism
+    changes no mask and the masks do not depend on the TP size."""
     if not training or p == 0.0:
-        return x
+        return None
+    if seq_shard is None:
+        return torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
+    rank, size = seq_shard
     full = (x.shape[0] * size, *x.shape[1:])
     keep = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p,
                                                                           generator=generator)
     # A copy of the rows, not a view: backward keeps the mask, and a view would keep all of it.
-    return x * keep.chunk(size)[rank].clone() * (1.0 / (1.0 - p))
+    return keep.chunk(size)[rank].clone()
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator) -> torch.Tensor:
+    """Inverted dropout whose mask comes from ``generator`` (see :func:`dropout_mask`)."""
+    keep = dropout_mask(x, p, training, generator)
+    return x if keep is None else x * keep * (1.0 / (1.0 - p))

@@ -26,7 +26,12 @@ from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
 from domino.precision import PRECISIONS, precision_of
-from domino.runtime import RECOMPUTE_GRANULARITIES, SEED_SPELLING, RuntimeConfig
+from domino.runtime import (
+    COMPILE_BACKENDS,
+    RECOMPUTE_GRANULARITIES,
+    SEED_SPELLING,
+    RuntimeConfig,
+)
 from domino.training import model_flags
 
 if sys.version_info >= (3, 11):
@@ -64,6 +69,15 @@ class TrainArgs(ModelArgs):
     domino_micro_batches: int = _f(SEED_SPELLING["domino_micro_batches"][0], group="model")
     domino_overlap: str = _f(SEED_SPELLING["domino_overlap"][0], group="model")
     domino_column_chunks: int = _f(SEED_SPELLING["domino_column_chunks"][0], group="model")
+    compile: bool = _f(
+        False, "torch.compile each piece's work between its GEMMs and collectives (norms, "
+        "dropout, residuals, RoPE, attention, activations; never across a collective, so the "
+        "Domino overlap stays). Compiling costs tens of seconds at start (reported once); "
+        "docs/compile.md says when it pays.", "model")
+    compile_backend: str = _f(
+        "inductor", "torch.compile backend of --compile: inductor (fused generated code; a C++ "
+        "compiler on CPU, Triton on CUDA) or aot_eager (the same graphs, no generated code).",
+        "model", COMPILE_BACKENDS)
     domino_autotune: bool = _f(
         False, "Before training, time sync TP and cross-layer Domino with 2-4 micro-batches x 1-2 "
         "column chunks on the first batch and train with the fastest (all ranks agree; replaces "
@@ -243,10 +257,11 @@ class TrainArgs(ModelArgs):
 
     def runtime(self) -> RuntimeConfig:
         """How the model runs: the plan (before any autotuning), sequence parallelism,
-        recomputation and the compute dtype (``--bf16`` / ``--fp16``)."""
+        recomputation, the compute dtype (``--bf16`` / ``--fp16``) and ``--compile``."""
         return RuntimeConfig(plan=self.plan(), sequence_parallel=self.sequence_parallel,
                              recompute_granularity=self.recompute_granularity,
-                             compute_dtype=self.compute_dtype())
+                             compute_dtype=self.compute_dtype(), compile=self.compile,
+                             compile_backend=self.compile_backend)
 
     def grad_reduce_dtype(self) -> torch.dtype | None:
         """The dtype DP gradient sums run in (None: the gradients' own, fp32)."""

@@ -21,7 +21,7 @@ from domino.flops import check_peak_tflops
 from domino.parallel_state import check_sizes
 from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
-from domino.runtime import RuntimeConfig
+from domino.runtime import RuntimeConfig, check_compile
 from domino.training import model_flags
 from domino.training.arguments import TrainArgs, field_types
 from domino.training.data import build_datasets, make_tokenizer, prepare_default_corpus
@@ -123,7 +123,8 @@ def _check_device(args: TrainArgs, local_procs: int) -> None:
         if local_procs > torch.cuda.device_count():
             raise ValueError(f"{local_procs} local processes but only "
                              f"{torch.cuda.device_count()} CUDA devices; lower --nproc.")
-    elif args.fp16:
+    check_compile(args.compile, args.compile_backend, args.device, "--compile")
+    if args.device != "cuda" and args.fp16:
         raise ValueError("--fp16 needs a CUDA device (fp16 compute with dynamic loss scaling is "
                          "GPU only); use --bf16 on CPU.")
 

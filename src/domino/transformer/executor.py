@@ -62,6 +62,7 @@ from domino.plan import Plan
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.exits import InFlight, PartialSums
+from domino.transformer.kernels import Kernels
 from domino.transformer.layer import Block
 from domino.transformer.microbatch import MicroBatch, Prologue
 
@@ -100,7 +101,7 @@ class Executor:
 
     def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None,
                  group: CommGroup, plan: Plan, recompute: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, kernels: Kernels | None = None) -> None:
         """``recompute``: full activation recomputation - training forwards keep only each
         piece's inputs (the leaves between pieces) and dropout stream states, and the backward
         reruns every piece's forward just before its backward (the all-reduced sums are kept,
@@ -110,8 +111,11 @@ class Executor:
         [s / tp, b, h]; each TP region is entered by an all-gather of its input and left by a
         reduce-scatter of its partial sums (the backward mirrors both), and the gradients of
         the replicated parameters the shards touch (norms, the row-parallel biases, the
-        prologue's position tables) are summed over the TP group."""
+        prologue's position tables) are summed over the TP group.
+
+        ``kernels``: the local pieces' function (eager, or compiled; see ``kernels.py``)."""
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
+        self.kernels = kernels if kernels is not None else Kernels()
         self.recompute = recompute and bool(blocks)
         self.sp = sequence_parallel and group.size > 1
         # Each op's collectives for this run; a prologue's result is a sum of partial sums.
@@ -123,16 +127,21 @@ class Executor:
                      reduced: torch.Tensor | None, prologue: Prologue | None):
         """local(j, m): exit(j - 1) (or the prologue's finish) then enter(j) -> (ln, residual),
         or for j = B the final norm -> the stack output. ``reduced``: what the collective
-        of the piece before delivered."""
-        h = residual
+        of the piece before delivered. The element-wise work is one kernel
+        (``kernels.local``); the dropout mask is drawn before it, eagerly."""
+        out = bias = keep = None
+        scale = 1.0
         if j == 0 and prologue is not None:
-            h = prologue.finish(reduced, mb, self._seq_shard())
+            residual = prologue.finish(reduced, mb, self._seq_shard())
         elif j > 0:
-            out = self.exits[j - 1].finish(reduced)
-            h = self.blocks[j - 1].exit(out, h, self._seq_shard())
+            out, bias = reduced, self.exits[j - 1].bias()
+            keep, scale = self.blocks[j - 1].dropout_keep(reduced, self._seq_shard())
         if j == len(self.blocks):
-            return self.final_norm(h) if self.final_norm is not None else h
-        return self.blocks[j].enter(h)
+            norm = self.final_norm() if self.final_norm is not None else None
+            return self.kernels.local(out, bias, keep, scale, residual, norm, False)[0]
+        block = self.blocks[j]
+        return self.kernels.local(out, bias, keep, scale, residual, block.norm_args(),
+                                  block.residual_post_norm)
 
     def _snapshot(self, rec: Record, key: tuple, device: torch.device) -> None:
         rec.rng[key] = self.blocks[0].rng.snapshot(device)

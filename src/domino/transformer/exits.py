@@ -128,8 +128,10 @@ class Exit(Protocol):
         """Forward: send each part as it is produced (``release``: the parts' data may be freed
         once sent; their autograd nodes stay)."""
 
-    def finish(self, received: torch.Tensor) -> torch.Tensor:
-        """The op's output on the replicated stream from what :meth:`launch` delivered."""
+    def bias(self) -> torch.Tensor | None:
+        """The replicated bias the receiving local piece adds to what :meth:`launch`
+        delivered, fused with its dropout and residual (None: the delivery is the op's
+        output as it is)."""
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
         """Backward: from the gradient of what was delivered, what the parts' gradients are
@@ -139,7 +141,7 @@ class Exit(Protocol):
         """Each part's gradient from what :meth:`launch_grad` delivered."""
 
     def replicated_parameters(self) -> list[torch.Tensor]:
-        """Replicated parameters :meth:`finish` applies (under sequence parallelism each rank
+        """Replicated parameters the receiving side applies (:meth:`bias`; under sequence parallelism each rank
         sees only its shard, so their gradients are summed over the group)."""
 
 
@@ -191,9 +193,8 @@ class RowParallelExit(PartialSums):
         for cols in column_chunks(self.dense.output_size, chunks):
             yield self.dense.partial(core, cols, wgrad_stash=stash)
 
-    def finish(self, received: torch.Tensor) -> torch.Tensor:
-        bias = self.dense.bias
-        return received if bias is None else received + compute(bias)
+    def bias(self) -> torch.Tensor | None:
+        return compute(self.dense.bias)
 
     def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(parts) == 1:

@@ -5,9 +5,13 @@ A block is one residual branch::
     enter:    h -> norm -> (ln, residual)                  local, replicated on TP ranks
     op.entry: ln -> the region's input                     collective (op's business)
     op.core:  -> column-parallel ... (attention, act)      TP region
-    op.exit:  parts -> collective -> finish                e.g. row-parallel partial sums,
+    op.exit:  parts -> collective (+ its bias)             e.g. row-parallel partial sums,
                                                            one per column chunk, summed
     exit:     (out, residual) -> residual + dropout(out)   local
+
+A block's exit and the next block's enter run as one local piece
+(:func:`domino.transformer.kernels.local`, compiled with ``RuntimeConfig.compile``); the
+block gives it its norm (:meth:`Block.norm_args`) and dropout mask (:meth:`Block.dropout_keep`).
 
 The layer itself holds the modules under Megatron's names; :meth:`TransformerLayer.blocks`
 returns its branches in order (self attention, [cross attention], MLP).
@@ -25,11 +29,11 @@ from torch import nn
 from domino.config import TransformerConfig
 from domino.enums import LayerType
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel import dropout
 from domino.tensor_parallel.layers import WgradStash
-from domino.tensor_parallel.random import RNGTracker, dropout_seq_shard
+from domino.tensor_parallel.random import RNGTracker, dropout_mask
 from domino.transformer.attention import CrossAttention, SelfAttention
 from domino.transformer.exits import Entry, Exit
+from domino.transformer.kernels import Kernels, NormArgs
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.mlp import MLP
 from domino.transformer.norms import build_norm
@@ -80,46 +84,47 @@ class Block:
         it runs before any of the block's parameters is used."""
         return self.norm
 
-    def enter(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ln = self.norm(h)
-        return ln, (ln if self.residual_post_norm else h)
+    def norm_args(self) -> NormArgs:
+        """The entry norm as :func:`~domino.transformer.kernels.local` reads it (a call of the
+        norm module: see ``norms.py``)."""
+        return self.norm()
 
-    def exit(self, out: torch.Tensor, residual: torch.Tensor,
-             seq_shard: tuple[int, int] | None = None) -> torch.Tensor:
-        """``out``: the op's output (what its exit's ``finish`` made of the result).
-        ``seq_shard`` = (rank, size): the tensors are this rank's sequence shard (sequence
-        parallelism); the dropout mask is then the shard's rows of the whole sequence's."""
+    def dropout_keep(self, out: torch.Tensor,
+                     seq_shard: tuple[int, int] | None = None) -> tuple[torch.Tensor | None, float]:
+        """The hidden dropout's mask of the op's output ``out`` (the delivered sum, plus its
+        exit's bias; None when no dropout runs) and its scale. ``seq_shard`` =
+        (rank, size): ``out`` is this rank's sequence shard (sequence parallelism); the mask is
+        then the shard's rows of the whole sequence's."""
         # All TP ranks hold the same output (or shards of one): the mask must match ->
         # replicated stream.
-        gen = self.rng.replicated(out.device)
-        if seq_shard is None:
-            out = dropout(out, self.hidden_dropout, self.op.training, gen)
-        else:
-            out = dropout_seq_shard(out, self.hidden_dropout, self.op.training, gen, *seq_shard)
-        return residual + out
+        keep = dropout_mask(out, self.hidden_dropout, self.op.training,
+                            self.rng.replicated(out.device), seq_shard)
+        return keep, (1.0 / (1.0 - self.hidden_dropout) if keep is not None else 1.0)
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: self attention, cross attention (decoder), MLP.
     ``recompute_attention``: selective recomputation of the core attention (a run-time choice,
-    ``RuntimeConfig.recompute_granularity == "selective"``)."""
+    ``RuntimeConfig.recompute_granularity == "selective"``); ``kernels``: the piece functions
+    its ops run (eager, or compiled: ``RuntimeConfig.compile``)."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
                  layer_type: LayerType = LayerType.encoder,
                  device: torch.device | None = None, *,
-                 recompute_attention: bool = False) -> None:
+                 recompute_attention: bool = False, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.layer_number, self.layer_type = layer_number, layer_type
         self.config, self.rng = config, state.rng
         self.input_layernorm = build_norm(config, device)
         self.self_attention = SelfAttention(config, state, layer_number, device,
-                                            recompute=recompute_attention)
+                                            recompute=recompute_attention, kernels=kernels)
         self.post_attention_layernorm = build_norm(config, device)
         if layer_type == LayerType.decoder:
             self.inter_attention = CrossAttention(config, state, layer_number, device,
-                                                  recompute=recompute_attention)
+                                                  recompute=recompute_attention,
+                                                  kernels=kernels)
             self.post_inter_attention_layernorm = build_norm(config, device)
-        self.mlp = MLP(config, state, device)
+        self.mlp = MLP(config, state, device, kernels)
 
     def blocks(self) -> list[Block]:
         cfg = self.config

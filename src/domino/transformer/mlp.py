@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
@@ -11,6 +10,7 @@ from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
+from domino.transformer.kernels import Kernels
 from domino.transformer.microbatch import MicroBatch
 
 
@@ -19,8 +19,9 @@ class MLP(nn.Module):
     so every rank gets the gate and up rows of the same ffn channels."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, kernels: Kernels | None = None) -> None:
         super().__init__()
+        self.kernels = kernels if kernels is not None else Kernels()
         self.swiglu = config.activation == "swiglu"
         self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         width = config.ffn_hidden_size * (2 if self.swiglu else 1)
@@ -53,7 +54,4 @@ class MLP(nn.Module):
         h, _ = self.dense_h_to_4h(x, reduce_input_grad=False, wgrad_stash=stash)
         if poll is not None:  # a schedule's work between the GEMM and the activation
             poll()
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate=self.gelu_approximate)
+        return self.kernels.activation(h, self.swiglu, self.gelu_approximate)

@@ -1,13 +1,21 @@
-"""LayerNorm and RMSNorm (replicated on every TP rank)."""
+"""LayerNorm and RMSNorm (replicated on every TP rank).
+
+Called on a tensor, a norm normalises it. Called without one, it returns what the norm kernel
+reads (:data:`~domino.transformer.kernels.NormArgs`: its weights' compute copies and eps) for a
+local piece that fuses the norm with the residual work before it
+(:func:`~domino.transformer.kernels.local`). Either way it is a module call, so forward
+pre-hooks on the norm still run before its parameters are used (ZeRO's parameter gather waits
+there: ``Block.first_module``).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
 from domino.precision import compute
+from domino.transformer.kernels import NormArgs, norm
 
 
 class RMSNorm(nn.Module):
@@ -19,19 +27,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * compute(self.weight)
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
+        args = (compute(self.weight), None, self.eps, True)
+        return args if x is None else norm(x, args)
 
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state-dict names) computed with the compute copies
     of its weight and bias (``domino.precision``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, compute(self.weight), compute(self.bias),
-                            self.eps)
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
+        args = (compute(self.weight), compute(self.bias), self.eps, False)
+        return args if x is None else norm(x, args)
 
 
 def build_norm(config: TransformerConfig, device: torch.device | None = None) -> nn.Module:

@@ -20,10 +20,11 @@ from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
 from domino.plan import SYNC, Plan
 from domino.precision import set_compute_dtype
-from domino.runtime import RuntimeConfig, resolve_runtime
+from domino.runtime import RuntimeConfig, check_compile, resolve_runtime
 from domino.transformer.backward import BackwardPass
 from domino.transformer.context import BackwardContext
 from domino.transformer.executor import Executor
+from domino.transformer.kernels import Kernels
 from domino.transformer.layer import Block, TransformerLayer
 from domino.transformer.microbatch import InferenceParams, MicroBatch, Prologue, split_batch
 from domino.transformer.norms import build_norm
@@ -83,6 +84,7 @@ class DominoTransformer(nn.Module):
         config.validate_parallel(state.tp.size)
         runtime.check(config, state.tp.size)
         device = torch.device(device) if device is not None else state.device
+        check_compile(runtime.compile, runtime.compile_backend, device.type)
         self.config, self.state = config, state
         self.layer_type, self.self_attn_mask_type = layer_type, self_attn_mask_type
         self.pre_process, self.post_process = pre_process, post_process
@@ -91,12 +93,15 @@ class DominoTransformer(nn.Module):
         # A pipeline stage holds layers layer_offset .. layer_offset + n - 1 of the model: their
         # numbers (KV-cache keys) and their weights are the full model's.
         self.layer_offset = layer_offset
+        # One set of piece functions for every layer: compiled, they share their graphs.
+        self.kernels = Kernels.of(runtime.compile, runtime.compile_backend)
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with init_scope(f"{layer_type.name}.layer{i}"):
                 layers.append(TransformerLayer(
                     config, state, i + 1, layer_type, device,
-                    recompute_attention=runtime.recompute_granularity == "selective"))
+                    recompute_attention=runtime.recompute_granularity == "selective",
+                    kernels=self.kernels))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (build_norm(config, device)
                                 if post_process and config.final_layernorm else None)
@@ -231,7 +236,7 @@ class DominoTransformer(nn.Module):
         executor = Executor(self.blocks(), self.final_layernorm, self.state.tp,
                             self.effective_plan(),
                             recompute=self._runtime.recompute_granularity == "full",
-                            sequence_parallel=sp)
+                            sequence_parallel=sp, kernels=self.kernels)
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
         return _ScheduledStack.apply(context if context is not None else BackwardContext(),

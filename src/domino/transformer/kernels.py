@@ -1,0 +1,251 @@
+"""The work of each piece between its GEMMs and collectives, as pure functions of tensors that
+``torch.compile`` can fuse (``RuntimeConfig.compile``).
+
+A piece (``executor``) is GEMMs, whose weight gradients a schedule defers; collectives, which it
+launches and waits; dropout draws from the TP-aware generators; and between them element-wise
+and small work - a local piece's bias + dropout + residual + norm, the attention's RoPE and
+core attention, the MLP's activation. Only that last kind is compiled, and each function is
+compiled whole (``fullgraph=True``: a graph break is an error, not a silent fallback), so a
+collective never lands inside a compiled region and the schedule keeps its overlap. The
+GEMMs stay eager: compiling one GEMM gains nothing (it calls the same library kernel), and
+their deferred weight gradients are side effects a graph cannot hold. Dropout masks are drawn
+eagerly from the same generators and passed in, so compiled and eager runs draw the same masks.
+
+Parameters come in as arguments (their compute copies), never as attributes, so every layer
+runs the same compiled graph. Shapes are static (``dynamic=False``): each micro-batch size
+compiles once - a step's split has at most two, so the first step compiles everything a run
+needs - and the generated code is specialised to it. Dynamic shapes would not save those
+compiles here: dynamo still specialises the first micro-batch, whose slices start at storage
+offset 0, apart from the others. :class:`Kernels` holds the functions a model runs - eager ones, or
+compiled ones with a :class:`CompileLog` of what compiling cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from domino.transformer.rope import apply_rotary
+
+# A norm as a kernel reads it: (weight, bias or None, eps, rms).
+NormArgs = tuple[torch.Tensor, torch.Tensor | None, float, bool]
+
+
+def norm(x: torch.Tensor, args: NormArgs) -> torch.Tensor:
+    """LayerNorm, or RMSNorm (computed in fp32) when ``args[3]``."""
+    weight, bias, eps, rms = args
+    if rms:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return out.to(x.dtype) * weight
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def local(out: torch.Tensor | None, bias: torch.Tensor | None, keep: torch.Tensor | None,
+          scale: float, residual: torch.Tensor, norm_args: NormArgs | None,
+          post_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A local piece: the previous block's exit (``out`` + ``bias``, dropout by ``keep`` x
+    ``scale``, + ``residual``; with ``out`` None, ``residual`` is the stream already) and the
+    next block's entry norm -> (norm output, the residual it carries: the norm output itself
+    when ``post_norm``). Without a norm both are the stream."""
+    h = residual
+    if out is not None:
+        if bias is not None:
+            out = out + bias
+        if keep is not None:
+            out = out * keep * scale
+        h = residual + out
+    if norm_args is None:
+        return h, h
+    ln = norm(h, norm_args)
+    return ln, (ln if post_norm else h)
+
+
+def split_qkv(qkv: torch.Tensor, rotary: torch.Tensor | None, groups: int, q_per_group: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV GEMM's output [s, b, groups * (q_per_group + 2) * d] -> q [s, b, heads, d]
+    and k, v [s, b, groups, d], q and k rotated by ``rotary`` (RoPE angles) when given."""
+    sq, b = qkv.shape[0], qkv.shape[1]
+    qkv = qkv.view(sq, b, groups, q_per_group + 2, head_dim)
+    q = qkv[:, :, :, :q_per_group].reshape(sq, b, groups * q_per_group, head_dim)
+    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    if rotary is not None:
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+    return q, k, v
+
+
+def causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """[sq, sk] bool, True where key j lies after query i (queries are the last sq positions)."""
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    return torch.arange(sk, device=device).unsqueeze(0) > q_pos
+
+
+def merge_masks(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
+                device: torch.device) -> torch.Tensor | None:
+    if not causal:
+        return mask
+    c = causal_mask(sq, sk, device)
+    return c if mask is None else (mask | c)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool, keep: torch.Tensor | None, p: float,
+              softmax_fp32: bool, q_per_group: int = 1) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n / q_per_group, d]
+    -> [sq, b, n*d]; ``keep`` [b, n, sq, sk] (with ``p``): the dropout mask of the
+    probabilities (see :func:`attention_keep`), None without dropout.
+
+    ``mask`` is bool (True = masked out); ``causal`` adds the causal rule. Masked scores take the
+    dtype's minimum rather than -inf: a row whose keys are all masked (e.g. a padding query) stays
+    finite instead of turning into NaN. Without dropout this runs PyTorch's fused
+    scaled_dot_product_attention (no s x s tensor kept for backward); with dropout the masks come
+    from our TP-aware generator, so the softmax is explicit.
+    """
+    if q_per_group > 1:  # grouped-query attention: each K/V head serves q_per_group queries
+        k, v = k.repeat_interleave(q_per_group, dim=2), v.repeat_interleave(q_per_group, dim=2)
+    sq, b, n, d = q.shape
+    sk = k.shape[0]
+    qh, kh, vh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b,n,s,d]
+    # bf16 / fp16 on a CPU: PyTorch's batched matmuls and its fused (flash) SDPA kernel are
+    # several times slower there than its math SDPA backend, and than fp32 batched matmuls
+    # (scripts/attention_paths.py; docs/performance.md#attention).
+    low_cpu = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+    if keep is None:
+        kwargs: dict = {"is_causal": True}
+        if not (mask is None and causal and sq == sk):
+            merged = merge_masks(mask, causal, sq, sk, q.device)
+            bias = None
+            if merged is not None:
+                bias = torch.zeros(merged.shape, dtype=q.dtype, device=q.device)
+                bias = bias.masked_fill(merged, torch.finfo(q.dtype).min)
+            kwargs = {"attn_mask": bias}
+        with sdpa_kernel(SDPBackend.MATH) if low_cpu else contextlib.nullcontext():
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+    # On a CPU in low precision the two batched matmuls run in fp32 (the dropout mask is still
+    # drawn on the bf16/fp16 probabilities: the same draws).
+    def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x.float(), y.float()) if low_cpu else torch.matmul(x, y)
+
+    scores = mm(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    if softmax_fp32:
+        scores = scores.float()
+    merged = merge_masks(mask, causal, sq, sk, q.device)
+    if merged is not None:
+        scores = scores.masked_fill(merged, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = probs * keep * (1.0 / (1.0 - p))
+    ctx = mm(probs, vh).to(v.dtype)  # [b, n, sq, d]
+    return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+
+
+def attention_keep(q: torch.Tensor, sk: int, p: float, training: bool,
+                   generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor | None:
+    """The dropout mask of :func:`attention`'s probabilities [b, n, sq, sk] for q
+    [sq, b, n, d] (None when no dropout runs): drawn from ``generator`` as the explicit
+    dropout of probabilities of ``dtype`` (v's) draws it."""
+    if not training or p == 0.0:
+        return None
+    sq, b, n, _ = q.shape
+    return torch.empty((b, n, sq, sk), dtype=dtype, device=q.device).bernoulli_(
+        1.0 - p, generator=generator)
+
+
+def activation(h: torch.Tensor, swiglu: bool, approximate: str) -> torch.Tensor:
+    """The MLP's activation of fc1's output: SwiGLU of its [gate; up] halves, or GELU."""
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate=approximate)
+
+
+@dataclass
+class CompileLog:
+    """What compiling has cost so far: graphs compiled and the wall time of the calls that
+    compiled them (tracing, and the backend's code generation)."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+    reported: bool = False
+
+    def take_report(self) -> str | None:
+        """A one-line report the first time anything was compiled, then None."""
+        if self.reported or not self.graphs:
+            return None
+        self.reported = True
+        return f"compiled {self.graphs} graphs in {self.seconds:.1f} s"
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+KERNELS = ("local", "split_qkv", "attention", "activation")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The piece functions a model runs: eager (``backend`` None) or compiled by
+    ``torch.compile`` with ``backend`` (``inductor`` generates fused code; ``aot_eager``
+    traces and differentiates the same graphs without generating code, which tests use)."""
+
+    backend: str | None = None
+    log: CompileLog = field(default_factory=CompileLog, compare=False)
+    local: Callable = field(init=False, compare=False)
+    split_qkv: Callable = field(init=False, compare=False)
+    attention: Callable = field(init=False, compare=False)
+    activation: Callable = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in KERNELS:
+            fn = globals()[name]
+            if self.backend is not None:
+                fn = _Compiled(torch.compile(fn, fullgraph=True, dynamic=False,
+                                             backend=self.backend), self.log)
+            object.__setattr__(self, name, fn)
+
+    @classmethod
+    def of(cls, compile: bool, backend: str) -> Kernels:
+        """The kernels a runtime asks for (``RuntimeConfig.compile`` / ``compile_backend``)."""
+        return cls(backend if compile else None)
+
+
+# Graphs one kernel may hold. Each is one kernel's variant: grad or no-grad (training,
+# evaluation, a recomputed piece's first run), with or without dropout, bias or norm, dtype,
+# micro-batch size (at most two per step: a split's sizes differ by one); a process that builds
+# several models (tests, a bench of several modes) adds more. dynamo's default of 8 per
+# function would then stop compiling it.
+RECOMPILE_LIMIT = 64
+
+
+class _Compiled:
+    """A compiled function whose compiling calls are timed into a :class:`CompileLog`."""
+
+    def __init__(self, fn: Callable, log: CompileLog) -> None:
+        self.fn, self.log = fn, log
+
+    def __call__(self, *args):
+        import torch._dynamo
+
+        before = _graphs_compiled()
+        start = time.perf_counter()
+        # Set and restored around the call (config.patch costs 10x more per call).
+        config = torch._dynamo.config
+        limit, config.recompile_limit = config.recompile_limit, RECOMPILE_LIMIT
+        try:
+            out = self.fn(*args)
+        finally:
+            config.recompile_limit = limit
+        done = _graphs_compiled() - before
+        if done:
+            self.log.graphs += done
+            self.log.seconds += time.perf_counter() - start
+        return out
