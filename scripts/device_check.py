@@ -23,7 +23,9 @@ Two sections (``--section all``, the default, runs both, in this order):
   bf16 MFU") are printed with whether they were met, as information: missing them does not
   change the exit status (an error other than OOM does; an OOM at a size prints "OOM at hidden
   N" and the next size runs). Ends with "READINESS DONE". On a CPU it runs tiny sizes (hidden
-  64/128, seq 32: a smoke test, what the test suite does).
+  64/128, seq 32: a smoke test, what the test suite does). ``--compile both`` times every
+  size eager and then with compiled pieces (``RuntimeConfig.compile``; the compile time
+  printed once per size), the 1B model too; ``--compile on`` compiled only.
 
 On the GPU machine, from the repo root (PYTHONPATH=src unless the package is installed):
 
@@ -31,6 +33,7 @@ On the GPU machine, from the repo root (PYTHONPATH=src unless the package is ins
     python scripts/device_check.py --section tp2 [--steps 10] [--nccl]
     python scripts/device_check.py --section readiness   # ~1 min on an H200
     python scripts/device_check.py --section readiness --peak-tflops 989 --rounds 10
+    python scripts/device_check.py --section readiness --compile both   # eager vs compiled
 
 On this CPU-only machine (smoke test, seconds):
 
@@ -57,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from domino.runtime import RuntimeConfig
+from domino.runtime import COMPILE_BACKENDS, RuntimeConfig
 
 PLANS = [(1, "none", 1), (2, "intra_layer", 1), (2, "cross_layer", 1), (3, "cross_layer", 2),
          (4, "cross_layer", 2)]
@@ -294,15 +297,22 @@ def _print_rows(tag: str, results: dict, flops: float, peak_tflops: float | None
     return out
 
 
+def _runtime(precision: str, compile: bool, backend: str) -> RuntimeConfig:
+    return RuntimeConfig(compute_dtype=torch.bfloat16 if precision == "masters" else None,
+                         compile=compile, compile_backend=backend)
+
+
 def _stack_size(shape: Shape, plans, device, precision: str, warmup: int, rounds: int,
-                peak_tflops: float | None) -> dict:
-    """Time one size of the causal stack alone (no embedding, no head)."""
+                peak_tflops: float | None, compile: bool = False,
+                backend: str = "inductor") -> dict:
+    """Time one size of the causal stack alone (no embedding, no head); ``compile``: with
+    compiled pieces (the first warm-up step compiles)."""
     from domino import AttnMaskType, ParallelState
     from domino.transformer import DominoTransformer
     from domino.transformer.rope import RotaryEmbedding
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    runtime = RuntimeConfig(compute_dtype=torch.bfloat16 if precision == "masters" else None)
+    runtime = _runtime(precision, compile, backend)
     cfg = _config(shape, dtype)
     torch.manual_seed(0)
     stack = DominoTransformer(cfg, ParallelState.single(device),
@@ -329,8 +339,14 @@ def _stack_size(shape: Shape, plans, device, precision: str, warmup: int, rounds
             y = stack(x, None, rotary_pos_emb=rot)
         y.backward(dy)
 
+    t0 = time.perf_counter()
     results = _time_plans(stack, plans, step, device, warmup, rounds)
-    rows = _print_rows(f"h{shape.hidden}", results, flops, peak_tflops)
+    tag = f"h{shape.hidden}" + (" compiled" if compile else "")
+    if compile:
+        log = stack.kernels.log
+        print(f"  {tag}: compiled {log.graphs} graphs in {log.seconds:.1f} s (of "
+              f"{time.perf_counter() - t0:.1f} s timing)", flush=True)
+    rows = _print_rows(tag, results, flops, peak_tflops)
     if device.type == "cuda":
         print(f"  h{shape.hidden} max_memory_allocated {_gib(_max_mem(results, device))}",
               flush=True)
@@ -338,13 +354,14 @@ def _stack_size(shape: Shape, plans, device, precision: str, warmup: int, rounds
 
 
 def _gpt_model(shape: Shape, plans, device, precision: str, warmup: int, rounds: int,
-               peak_tflops: float | None) -> dict:
+               peak_tflops: float | None, compile: bool = False,
+               backend: str = "inductor") -> dict:
     """Time the GPT model (embedding, stack, tied LM head, cross entropy)."""
     from domino import ParallelState
     from domino.gpt_model import GPTModel
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    runtime = RuntimeConfig(compute_dtype=torch.bfloat16 if precision == "masters" else None)
+    runtime = _runtime(precision, compile, backend)
     cfg = _config(shape, dtype)
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -367,7 +384,7 @@ def _gpt_model(shape: Shape, plans, device, precision: str, warmup: int, rounds:
         loss.backward()
 
     results = _time_plans(model, plans, step, device, warmup, rounds)
-    rows = _print_rows("gpt", results, flops, peak_tflops)
+    rows = _print_rows("gpt compiled" if compile else "gpt", results, flops, peak_tflops)
     if device.type == "cuda":
         print(f"  gpt max_memory_allocated {_gib(_max_mem(results, device))}", flush=True)
     return rows
@@ -434,23 +451,29 @@ def run_readiness(args: argparse.Namespace) -> bool:
     start = time.perf_counter()
     broken = False
     table: dict[int, dict] = {}
+    compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     for shape in sizes:
-        if time.perf_counter() - start > args.budget_s:
-            print(f"skipped hidden {shape.hidden}: past the {args.budget_s:g} s budget", flush=True)
-            continue
-        rows, error = _guarded(f"hidden {shape.hidden}", _stack_size, device, shape, plans,
-                               device, args.precision, warmup, rounds, peak)
-        broken |= error
-        if rows is not None:
-            table[shape.hidden] = rows
+        for compile in compiles:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"skipped hidden {shape.hidden}{' compiled' if compile else ''}: past the "
+                      f"{args.budget_s:g} s budget", flush=True)
+                continue
+            rows, error = _guarded(f"hidden {shape.hidden}", _stack_size, device, shape, plans,
+                                   device, args.precision, warmup, rounds, peak, compile,
+                                   args.compile_backend)
+            broken |= error
+            if rows is not None and (not compile or shape.hidden not in table):  # eager's
+                table[shape.hidden] = rows
     gpt_rows = None
     if time.perf_counter() - start > args.budget_s:
         print(f"skipped the 1B model: past the {args.budget_s:g} s budget", flush=True)
     else:
-        gpt_rows, error = _guarded(f"hidden {gpt.hidden} (1B model)", _gpt_model, device, gpt,
-                                   plans, device, args.precision, gpt_warmup,
-                                   gpt_rounds, peak)
-        broken |= error
+        for compile in compiles:
+            rows, error = _guarded(f"hidden {gpt.hidden} (1B model)", _gpt_model, device, gpt,
+                                   plans, device, args.precision, gpt_warmup, gpt_rounds, peak,
+                                   compile, args.compile_backend)
+            broken |= error
+            gpt_rows = rows if gpt_rows is None else gpt_rows  # the goal reads eager's
 
     print("--- readiness summary", flush=True)
     for hidden, rows in table.items():
@@ -506,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="readiness: bf16 params (default); fp32 masters with bf16 compute "
                              "copies (domino train --bf16); fp32 params under bf16 autocast; "
                              "or fp32")
+    parser.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                        help="readiness: compiled pieces (RuntimeConfig.compile): off, on, or "
+                             "both (each size and the 1B model eager, then compiled)")
+    parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
+                        help="readiness: torch.compile backend of --compile")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"readiness: peak FLOP/s for MFU (default {H200_BF16_DENSE_TFLOPS:g}"
                              " on CUDA, H200 dense bf16; none on a CPU)")

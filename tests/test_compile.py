@@ -176,8 +176,8 @@ def runs(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_compiled_training_equals_eager(runs, name) -> None:
     """Every rank: the compiled run's losses and validation equal the eager run's; it compiled
-    during its first step (whose evaluation is the no-grad forward) and never again; no graph
-    breaks."""
+    in its first step (training, then the evaluation's no-grad forward) and never again; no
+    graph breaks."""
     for res in runs:
         eager, compiled = res[(name, False)], res[(name, True)]
         assert eager["compiled"] == []
@@ -186,5 +186,8 @@ def test_compiled_training_equals_eager(runs, name) -> None:
             assert abs(a - b) <= tol * abs(b)
         for (sa, a), (sb, b) in zip(compiled["val"], eager["val"], strict=True):
             assert sa == sb and abs(a - b) <= tol * abs(b)
-        assert [step for step, _, _ in compiled["compiled"]] == [1]
+        # Training compiled in step 1, the evaluation's no-grad forward in its first call
+        # (step 1 too), nothing later.
+        assert [(step, kind) for step, kind, _, _ in compiled["compiled"]] == [
+            (1, "training"), (1, "evaluation")]
         assert compiled["breaks"] == 0

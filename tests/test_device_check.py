@@ -17,14 +17,15 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
 PLANS = ("m1:none", "m2:cross", "m4:cross")
 TAGS = ("h64", "h128", "gpt")  # the two tiny stack sizes and the tiny stand-in of the 1B model
-ROW = re.compile(r"^\s*(h\d+|gpt) (m\d+:\w+)\s+step\s+(\d+\.\d+) ms\s+split cost\s+([+-]\d+\.\d+)%"
+ROW = re.compile(r"^\s*(h\d+|gpt)( compiled)? (m\d+:\w+)\s+step\s+(\d+\.\d+) ms\s+split cost\s+([+-]\d+\.\d+)%"
                  r"\s+MFU\s+(\S+)", re.M)
 
 
 @pytest.fixture(scope="module")
 def run() -> tuple[str, str]:
     out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "1",
-                          "--tiny", "--peak-tflops", "1"],
+                          "--tiny", "--peak-tflops", "1", "--compile", "both",
+                          "--compile-backend", "aot_eager"],
                          capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
@@ -42,8 +43,11 @@ def test_readiness_section_on_cpu(run) -> None:
     assert "READINESS DONE" in stdout and "with errors" not in stdout, text
     assert "OOM at" not in stdout and "ERROR at" not in stdout, text
     found = ROW.findall(stdout)
-    rows = {(tag, plan): (float(cost), mfu) for tag, plan, _ms, cost, mfu in found}
-    assert set(rows) == {(t, p) for t in TAGS for p in PLANS}, text
+    rows = {(tag + compiled, plan): (float(cost), mfu)
+            for tag, compiled, plan, _ms, cost, mfu in found}
+    # --compile both: every size and the model eager, then with compiled pieces
+    assert set(rows) == {(t + c, p) for t in TAGS for c in ("", " compiled") for p in PLANS}, text
+    assert re.search(r"h64 compiled: compiled \d+ graphs in [\d.]+ s", stdout), text
     for (tag, plan), (cost, mfu) in rows.items():
         assert mfu.endswith("%") and float(mfu[:-1]) >= 0.0, (tag, plan, mfu)
         if plan == "m1:none":

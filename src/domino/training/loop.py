@@ -116,6 +116,7 @@ class Trainer:
         self.last_save_t = time.monotonic()
         self.bad_since: int | None = None  # first step of the current NaN/inf streak
         self.compiled: tuple[int, float] = (0, 0.0)  # --compile: graphs, seconds so far
+        self.compiled_kinds: set[str] = set()  # ... and of what ("training", "evaluation")
         count = torch.tensor([float(sum(
             p.numel() * (self.state.group(pl.shard).size if pl.shard else 1)
             for p in self.params if not (pl := placement_of(p)).tied_copy))],
@@ -209,6 +210,7 @@ class Trainer:
             result.losses.append(out.loss)
             result.grad_norms.append(out.grad_norm)
             self.log.step(step, out.loss)
+            self._compile_report(step, result, "training")
             for key, value in (("loss", out.loss), ("time", step_time),
                                ("comm", out.exposed_comm_s), ("pipe", out.pipeline_wait_s),
                                ("dp", out.exposed_dp_s), ("n", 1.0)):
@@ -233,7 +235,7 @@ class Trainer:
                 val, _ = evaluate(self.model, run.valid_ds, args, self.state)
                 result.val_losses.append((step, val))
                 rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-            self._compile_report(step, result)
+                self._compile_report(step, result, "evaluation")
             if rec or last or stop_requested or step % args.log_interval == 0:
                 n = window["n"]
                 rec = {"step": step, "loss": window["loss"] / n, "lr": lr,
@@ -267,20 +269,21 @@ class Trainer:
                 self.save(step)
         return result
 
-    def _compile_report(self, step: int, result: TrainResult) -> None:
-        """--compile: what this step (its evaluation included) compiled. The first step
-        compiles; a later one only for a new mode or shape (the first evaluation's no-grad
-        forward, a last batch of another size), reported as such."""
+    def _compile_report(self, step: int, result: TrainResult, kind: str) -> None:
+        """--compile: what the step's ``kind`` ("training" or "evaluation") compiled. Each kind
+        compiles in its first call (the evaluation's no-grad variants apart); any later compile
+        (a new shape) is reported as a recompile."""
         logs = [stack.kernels.log for stack in stacks_of(self.model)]
         done = self.compiled
         self.compiled = (sum(g.graphs for g in logs), sum(g.seconds for g in logs))
         graphs, seconds = self.compiled[0] - done[0], self.compiled[1] - done[1]
         if not graphs:
             return
-        result.compiled.append((step, graphs, seconds))
-        what = "compiled" if step == self.start + 1 else "recompiled (a new mode or shape)"
-        self.log.print(f"--compile: step {step} {what} {graphs} graphs in {seconds:.1f} s "
-                       "(rank 0's pieces, included in the step's time)")
+        what = "recompiled (a new shape)" if kind in self.compiled_kinds else "compiled"
+        self.compiled_kinds.add(kind)
+        result.compiled.append((step, kind, graphs, seconds))
+        self.log.print(f"--compile: step {step} {kind} {what} {graphs} graphs in {seconds:.1f} s "
+                       "(rank 0's pieces, in the step's time)")
 
     def finish(self, result: TrainResult) -> TrainResult:
         """Final checkpoint, summary and (DP rank 0's TP group) the sample."""

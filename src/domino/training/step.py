@@ -33,8 +33,8 @@ class TrainResult:
     stopped_at: int | None = None  # the step a SIGTERM / Ctrl-C stopped the run after
     peak_mem_bytes: list[int | None] = field(default_factory=list)  # per rank (domino.memory)
     optimizer_state_bytes: list[int] = field(default_factory=list)  # per rank
-    # --compile: (step, graphs, seconds) of every step during which this rank compiled
-    compiled: list[tuple[int, int, float]] = field(default_factory=list)
+    # --compile: (step, "training" | "evaluation", graphs, seconds) of what this rank compiled
+    compiled: list[tuple[int, str, int, float]] = field(default_factory=list)
 
 
 @dataclass
