@@ -192,6 +192,17 @@ def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None
     """Run the whole measurement on this rank; rank 0 returns the raw results."""
     state = ParallelState.build(spec["tensor_model_parallel_size"], device=device,
                                 shared_memory=spec.get("shared_memory_comm", True))
+    try:
+        out = _measure(spec, device, state)
+    except BaseException:
+        state.close(wait=False)  # a transport thread may be waiting on a dead peer
+        raise
+    state.close()  # its transports' threads stop before the process group goes
+    return out
+
+
+def _measure(spec: dict[str, Any], device: torch.device,
+             state: ParallelState) -> dict[str, Any] | None:
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state, compiled=any(m.compiled for m in modes))
     config = build_config(spec)
