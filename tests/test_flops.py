@@ -60,8 +60,11 @@ def test_a_ranks_gemms_are_its_share_of_the_layers(tp: int) -> None:
     c = _llama_like()
     gemms = rank_gemms(c, 64, tp)
     assert len(gemms) == 12  # 4 linears x (forward, input gradient, weight gradient)
-    assert Gemm(64, 96, 160 // tp) in gemms and Gemm(160 // tp, 64, 96) in gemms  # QKV fwd/wgrad
-    assert Gemm(64, 160 // tp, 96) in gemms  # the MLP's row-parallel GEMM, input sharded
+    # QKV forward (x @ W^T) and weight gradient (dy^T @ x), as the layers lay them out
+    assert Gemm(64, 96, 160 // tp, layout="nt") in gemms
+    assert Gemm(160 // tp, 64, 96, layout="tn") in gemms
+    assert Gemm(64, 160 // tp, 96, layout="nt") in gemms  # the MLP's row-parallel GEMM
+    assert Gemm(64, 160 // tp, 96, layout="nn") in gemms  # the QKV input gradient (dy @ W)
     gemm_flops = 3 * 64 * (2 * 96 * 160 + 2 * 96 * 96 + 2 * 96 * 320 + 2 * 160 * 96)
     assert sum(g.flops for g in gemms) * tp == gemm_flops
 
@@ -113,14 +116,31 @@ def test_measure_weights_each_shape_by_its_count(monkeypatch) -> None:
     timed = []
 
     def fake(g, dtype, device):
-        timed.append((g.m, g.k, g.n))
-        return {(4, 4, 4): 1.0, (8, 8, 8): 2.0}[(g.m, g.k, g.n)]
+        timed.append((g.m, g.k, g.n, g.layout))
+        return {(4, 4, 4, "nn"): 1.0, (8, 8, 8, "nn"): 2.0, (8, 8, 8, "tn"): 3.0}[timed[-1]]
 
     monkeypatch.setattr(gemm_rate, "time_gemm", fake)
-    rate = gemm_rate.measure([Gemm(4, 4, 4, count=2), Gemm(8, 8, 8), Gemm(4, 4, 4)],
-                             torch.float32)
-    assert rate == pytest.approx((3 * 128 + 1024) / (3 * 1.0 + 2.0))
-    assert timed == [(4, 4, 4), (8, 8, 8)]  # a repeated shape is timed once
+    rate = gemm_rate.measure([Gemm(4, 4, 4, count=2), Gemm(8, 8, 8), Gemm(4, 4, 4),
+                              Gemm(8, 8, 8, layout="tn")], torch.float32)
+    assert rate == pytest.approx((3 * 128 + 2 * 1024) / (3 * 1.0 + 2.0 + 3.0))
+    # A repeated shape is timed once; another layout of it is another GEMM.
+    assert timed == [(4, 4, 4, "nn"), (8, 8, 8, "nn"), (8, 8, 8, "tn")]
+
+
+def test_each_layout_multiplies_the_operands_it_names(monkeypatch) -> None:
+    seen = []
+    real = torch.mm
+
+    def spy(a, b, out=None):
+        seen.append((a.shape, a.is_contiguous(), b.shape, b.is_contiguous()))
+        return real(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    for layout in ("nn", "nt", "tn"):
+        seen.clear()
+        gemm_rate.time_gemm(Gemm(3, 5, 7, layout=layout), torch.float32, torch.device("cpu"))
+        a_t, b_t = layout[0] == "t", layout[1] == "t"
+        assert set(seen) == {((3, 5), not a_t, (5, 7), not b_t)}, layout
 
 
 def test_a_slow_gemm_is_timed_by_one_call(monkeypatch) -> None:

@@ -38,12 +38,16 @@ CUDA_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class Gemm:
-    """``count`` GEMMs of [m, k] x [k, n] (2 m k n FLOPs each)."""
+    """``count`` GEMMs of [m, k] x [k, n] (2 m k n FLOPs each). ``layout`` is how the operands
+    lie in memory, as the linear layers run them: ``nt`` the forward (x @ W^T, W stored
+    [n, k]), ``nn`` the input gradient (dy @ W), ``tn`` the weight gradient (dy^T @ x). On a
+    CPU without bf16 instructions one bf16 shape runs at 1-15 GFLOP/s depending on it."""
 
     m: int
     k: int
     n: int
     count: int = 1
+    layout: str = "nn"
 
     @property
     def flops(self) -> float:
@@ -89,7 +93,8 @@ def rank_gemms(config, tokens: int, tp: int) -> list[Gemm]:
             o //= tp
         else:
             i //= tp
-        out += [Gemm(tokens, i, o), Gemm(tokens, o, i), Gemm(o, tokens, i)]  # fwd, dgrad, wgrad
+        out += [Gemm(tokens, i, o, layout="nt"), Gemm(tokens, o, i, layout="nn"),
+                Gemm(o, tokens, i, layout="tn")]  # forward, input and weight gradients
     return out
 
 

@@ -39,25 +39,30 @@ def machine() -> str:
     return platform.processor() or platform.machine()
 
 
-def shape_counts(gemms: Sequence[Gemm]) -> dict[tuple[int, int, int], int]:
-    """How many GEMMs of each distinct (m, k, n) ``gemms`` holds."""
-    counts: dict[tuple[int, int, int], int] = {}
+def shape_counts(gemms: Sequence[Gemm]) -> dict[tuple[int, int, int, str], int]:
+    """How many GEMMs of each distinct (m, k, n, layout) ``gemms`` holds."""
+    counts: dict[tuple[int, int, int, str], int] = {}
     for g in gemms:
-        counts[(g.m, g.k, g.n)] = counts.get((g.m, g.k, g.n), 0) + g.count
+        key = (g.m, g.k, g.n, g.layout)
+        counts[key] = counts.get(key, 0) + g.count
     return counts
 
 
 def cache_key(gemms: Sequence[Gemm], dtype: torch.dtype, threads: int) -> str:
-    shapes = ",".join(f"{m}x{k}x{n}*{c}" for (m, k, n), c in sorted(shape_counts(gemms).items()))
+    shapes = ",".join(f"{m}x{k}x{n}{lay}*{c}"
+                      for (m, k, n, lay), c in sorted(shape_counts(gemms).items()))
     return f"{machine()} | torch {torch.__version__} | {dtype} | {threads} threads | {shapes}"
 
 
 def time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> float:
-    """Seconds of one [m, k] x [k, n] ``torch.mm``: the mean over a short loop after a warm-up
-    call, or that first call alone when it took ``MIN_TIME_S`` or more (a slow kernel, e.g.
-    bf16 on a CPU without bf16 instructions: its warm-up is noise, and more calls only cost)."""
-    a = torch.randn(gemm.m, gemm.k, device=device).to(dtype)
-    b = torch.randn(gemm.k, gemm.n, device=device).to(dtype)
+    """Seconds of one [m, k] x [k, n] ``torch.mm`` with its operands laid out as ``gemm.layout``
+    says: the mean over a short loop after a warm-up call, or that first call alone when it
+    took ``MIN_TIME_S`` or more (a slow kernel, e.g. bf16 on a CPU without bf16 instructions:
+    its warm-up is noise, and more calls only cost)."""
+    a_t, b_t = gemm.layout[0] == "t", gemm.layout[1] == "t"
+    a = torch.randn(*((gemm.k, gemm.m) if a_t else (gemm.m, gemm.k)), device=device).to(dtype)
+    b = torch.randn(*((gemm.n, gemm.k) if b_t else (gemm.k, gemm.n)), device=device).to(dtype)
+    a, b = (a.t() if a_t else a), (b.t() if b_t else b)
     out = torch.empty(gemm.m, gemm.n, dtype=dtype, device=device)
     start = time.perf_counter()
     torch.mm(a, b, out=out)  # warm-up (kernel choice, pages)
@@ -76,9 +81,9 @@ def time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device) -> float:
 def measure(gemms: Sequence[Gemm], dtype: torch.dtype, device: str = "cpu") -> float:
     """FLOP/s over ``gemms`` (each weighted by its count), timed now."""
     flops = seconds = 0.0
-    for (m, k, n), count in shape_counts(gemms).items():  # each distinct shape timed once
+    for (m, k, n, layout), count in shape_counts(gemms).items():  # each distinct one timed once
         flops += Gemm(m, k, n, count).flops
-        seconds += time_gemm(Gemm(m, k, n), dtype, torch.device(device)) * count
+        seconds += time_gemm(Gemm(m, k, n, layout=layout), dtype, torch.device(device)) * count
     return flops / seconds
 
 
