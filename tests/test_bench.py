@@ -218,7 +218,7 @@ def test_cpu_probe_takes_the_median_window() -> None:
 def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_dir = tmp_path / "bench.json", tmp_path / "traces"
     modes = ("sync,nocomm,domino:m2:cross,domino:m2:intra:c2,nocomm:m2:cross,domino:m2:cross:sp,"
-             "nocomm:compiled,domino:m2:cross:compiled")
+             "domino:m2:cross:compiled")
     argv = TINY + ["--modes", modes, "--json", str(out_json), "--out-dir", str(out_dir),
                    "--compile-backend", "aot_eager"]
     assert main(["bench", *argv]) == 0
