@@ -38,7 +38,10 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
         per_rank, mfu = utilisation(flops, len(raw["per_rank_step_times_s"][mode.name]), t, peak)
         # Sequence-parallel and compiled modes against their own sync and nocomm when those ran.
         fam = mode.family
-        f_sync, f_nocomm = med.get("sync" + fam, t_sync), med.get("nocomm" + fam, t_nocomm)
+        # A compiled mode only against compiled baselines (eager ones would mix in eager
+        # compute); a sequence-parallel one falls back to sync and nocomm.
+        plain = (None, None) if mode.compiled else (t_sync, t_nocomm)
+        f_sync, f_nocomm = med.get("sync" + fam, plain[0]), med.get("nocomm" + fam, plain[1])
         f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
                           else None)
         base = t - f_nocomm if f_nocomm is not None else None

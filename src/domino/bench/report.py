@@ -117,8 +117,9 @@ def format_table(report: dict[str, Any]) -> str:
     if mfu_line(c) is not None:
         lines.append(mfu_line(c))
     if c.get("compile_graphs"):
-        lines.append(f"compiled pieces ({c['compile_backend']}): {c.get('compile_graphs')} graphs "
-                     f"in {_fmt(c.get('compile_s'), 1.0, '.1f')} s, all in the warm-up steps")
+        lines.append(f"compiled pieces ({c['compile_backend']}): {c.get('compile_graphs')} forward "
+                     f"graphs in {_fmt(c.get('compile_s'), 1.0, '.1f')} s, in each mode's first "
+                     "(warm-up) step")
     head = ("mode", "step ms", "min ms", "tokens/s", "TFLOP/s/rank", "MFU", "exposed ms",
             "vs split ms", "hidden", "speedup", "peak MiB")
     body = []

@@ -132,8 +132,9 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
                          "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
                          "modes to compare are chosen with --modes)")
     modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
-    if args.compile:  # every mode on the compiled model
-        modes = list({m.name: m for m in (m.with_compiled() for m in modes)}.values())
+    if args.compile and any(m.compiled for m in modes):
+        raise ValueError("--compile runs every mode on the compiled model; ':compiled' modes "
+                         "run a compiled twin beside the eager one: drop one or the other")
     _check_at_least_one(args, ("steps", "threads_per_rank", "tensor_model_parallel_size"))
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
@@ -156,7 +157,6 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     spec["modes"] = [m.name for m in modes]
     spec["device"] = resolve_device(args.device, tp)
     _check_compile(args, spec["device"], modes)
-    spec["compile"] = False  # the eager model; :compiled modes run a compiled twin
     spec["trace"] = args.out_dir is not None
     if args.simulate_link is not None:
         if args.emulate_link is not None:

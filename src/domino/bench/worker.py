@@ -102,8 +102,10 @@ class _Bench:
         pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
         return gpt, lambda: gpt(tokens, pos, None, labels=labels).float().mean()
 
-    def model_for(self, mode: Mode) -> torch.nn.Module:
-        return self.models[mode.compiled]
+    def zero_grad(self) -> None:
+        """Free every model's gradients."""
+        for model in self.models.values():
+            model.zero_grad(set_to_none=True)
 
     def step(self, mode: Mode) -> None:
         """Zero grads, forward, backward under ``mode``."""
@@ -142,7 +144,7 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
     out: dict[str, dict[str, int | None]] = {}
     if device.type == "cuda":
         for mode in modes:
-            bench.model_for(mode).zero_grad(set_to_none=True)
+            bench.zero_grad()
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -162,8 +164,8 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
     with quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for mode in modes:
             # Free the gradients outside the range: frees of memory allocated before a range
-            # would otherwise offset its allocations.
-            bench.model_for(mode).zero_grad(set_to_none=True)
+            # would otherwise offset its allocations (every model's: a twin's must not stay).
+            bench.zero_grad()
             gc.collect()
             hwm_ok = reset_peak(torch.device("cpu"))
             bench.state.tp.stats.reset()
@@ -237,7 +239,7 @@ def _measure(spec: dict[str, Any], device: torch.device,
         "peak_flops_per_s": (None if any(g["peak"] is None for g in gathered)
                              else sum(g["peak"] for g in gathered) / len(gathered)),
         "peak_what": peak_what,
-        # --compile: graphs compiled and seconds spent (the slowest rank), all in the warm-up
+        # --compile: forward graphs compiled, seconds spent (slowest rank); first steps
         "compile_graphs": max(g["compile"][0] for g in gathered),
         "compile_s": max(g["compile"][1] for g in gathered),
         "transports": state.transports(),

@@ -84,14 +84,15 @@ class _AttentionBase(nn.Module):
         """Left by the row-parallel ``dense``'s partial sums (a :class:`~.layer.BlockOp`)."""
         return RowParallelExit(self.dense, sequence_parallel)
 
-    def _attend(self, q, k, v, mask, causal=False):
+    def _attend(self, q, k, v, mask, causal=False, kernels: Kernels | None = None):
         gen = self.rng.model_parallel(q.device)  # heads differ per rank: TP-distinct masks
+        kernels = kernels or self.kernels
 
         def attend(q, k, v):
             # The dropout mask is drawn here, eagerly, also when recomputed (see _recomputed).
             keep = attention_keep(q, k.shape[0], self.dropout_p, self.training, gen, v.dtype)
-            return self.kernels.attention(q, k, v, mask, causal, keep, self.dropout_p,
-                                          self.softmax_fp32, self.q_per_group)
+            return kernels.attention(q, k, v, mask, causal, keep, self.dropout_p,
+                                     self.softmax_fp32, self.q_per_group)
 
         if self.recompute and torch.is_grad_enabled():
             return _recomputed(attend, gen, q, k, v)
@@ -117,10 +118,10 @@ class SelfAttention(_AttentionBase):
         qkv, _ = self.query_key_value(x, reduce_input_grad=False, wgrad_stash=stash)
         if poll is not None:  # a schedule's work between the GEMM and the attention
             poll()
-        q, k, v = self.kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group,
-                                         self.head_dim)
+        kernels = self.kernels.serving(mb.inference_params is not None)
+        q, k, v = kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim)
         k, v = self._cache(k, v, mb)
-        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal)
+        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal, kernels)
 
     def _cache(self, k: torch.Tensor, v: torch.Tensor, mb: MicroBatch):
         params = mb.inference_params
@@ -173,4 +174,5 @@ class CrossAttention(_AttentionBase):
         q = q.view(sq, b, self.heads, self.head_dim)
         kv = kv.view(sk, b, self.groups, 2, self.head_dim)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]
-        return self._attend(q, k, v, _mb_slice(mb.cross_mask, mb, b))
+        return self._attend(q, k, v, _mb_slice(mb.cross_mask, mb, b),
+                            kernels=self.kernels.serving(mb.inference_params is not None))

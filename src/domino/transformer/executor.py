@@ -136,12 +136,13 @@ class Executor:
         elif j > 0:
             out, bias = reduced, self.exits[j - 1].bias()
             keep, scale = self.blocks[j - 1].dropout_keep(reduced, self._seq_shard())
+        local = self.kernels.serving(mb.inference_params is not None).local
         if j == len(self.blocks):
             norm = self.final_norm() if self.final_norm is not None else None
-            return self.kernels.local(out, bias, keep, scale, residual, norm, False)[0]
+            return local(out, bias, keep, scale, residual, norm, False)[0]
         block = self.blocks[j]
-        return self.kernels.local(out, bias, keep, scale, residual, block.norm_args(),
-                                  block.residual_post_norm)
+        return local(out, bias, keep, scale, residual, block.norm_args(),
+                     block.residual_post_norm)
 
     def _snapshot(self, rec: Record, key: tuple, device: torch.device) -> None:
         rec.rng[key] = self.blocks[0].rng.snapshot(device)

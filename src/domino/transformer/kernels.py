@@ -168,8 +168,9 @@ def activation(h: torch.Tensor, swiglu: bool, approximate: str) -> torch.Tensor:
 
 @dataclass
 class CompileLog:
-    """What compiling has cost so far: graphs compiled and the wall time of the calls that
-    compiled them (tracing, and the backend's code generation)."""
+    """What compiling has cost so far: forward graphs compiled and the wall time of the calls
+    that compiled them (tracing, the backend's code generation; a backward graph the backend
+    compiles lazily, in the first backward, is not in it)."""
 
     graphs: int = 0
     seconds: float = 0.0
@@ -180,7 +181,7 @@ class CompileLog:
         if self.reported or not self.graphs:
             return None
         self.reported = True
-        return f"compiled {self.graphs} graphs in {self.seconds:.1f} s"
+        return f"compiled {self.graphs} forward graphs in {self.seconds:.1f} s"
 
 
 def _graphs_compiled() -> int:
@@ -199,18 +200,26 @@ class Kernels:
 
     backend: str | None = None
     log: CompileLog = field(default_factory=CompileLog, compare=False)
+    eager: Kernels = field(init=False, compare=False, repr=False)  # see serving()
     local: Callable = field(init=False, compare=False)
     split_qkv: Callable = field(init=False, compare=False)
     attention: Callable = field(init=False, compare=False)
     activation: Callable = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "eager", self if self.backend is None else Kernels())
         for name in KERNELS:
             fn = globals()[name]
             if self.backend is not None:
                 fn = _Compiled(torch.compile(fn, fullgraph=True, dynamic=False,
                                              backend=self.backend), self.log)
             object.__setattr__(self, name, fn)
+
+    def serving(self, inference: bool) -> Kernels:
+        """The kernels a forward runs: these, or with a KV cache (``inference``: generation)
+        the eager ones, whose key length grows by one every token - static shapes would
+        compile a graph per token."""
+        return self.eager if inference else self
 
     @classmethod
     def of(cls, compile: bool, backend: str) -> Kernels:
@@ -237,13 +246,16 @@ class _Compiled:
 
         before = _graphs_compiled()
         start = time.perf_counter()
-        # Set and restored around the call (config.patch costs 10x more per call).
+        # Set and restored around the call (config.patch costs 10x more per call); a rank
+        # runs its pieces on one thread. Older torch names the limit cache_size_limit.
         config = torch._dynamo.config
-        limit, config.recompile_limit = config.recompile_limit, RECOMPILE_LIMIT
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        limit = getattr(config, name)
+        setattr(config, name, RECOMPILE_LIMIT)
         try:
             out = self.fn(*args)
         finally:
-            config.recompile_limit = limit
+            setattr(config, name, limit)
         done = _graphs_compiled() - before
         if done:
             self.log.graphs += done

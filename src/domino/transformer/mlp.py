@@ -54,4 +54,5 @@ class MLP(nn.Module):
         h, _ = self.dense_h_to_4h(x, reduce_input_grad=False, wgrad_stash=stash)
         if poll is not None:  # a schedule's work between the GEMM and the activation
             poll()
-        return self.kernels.activation(h, self.swiglu, self.gelu_approximate)
+        kernels = self.kernels.serving(mb.inference_params is not None)
+        return kernels.activation(h, self.swiglu, self.gelu_approximate)
