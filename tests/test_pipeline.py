@@ -156,11 +156,21 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0) 
     assert err <= 2e-5 * scale + atol, f"{what}: error {err:.2e} (scale {scale:.2e})"
 
 
-def test_pipelines_match_the_single_process_model() -> None:
-    refs = {tied: _reference(tied) for tied in (True, False)}
-    results = _merge(run_distributed(_ranks, 2, [(1, 2)]))
-    results.update(_merge(run_distributed(_ranks, 4, [(2, 2), (1, 2)])))
-    assert len(results) == 4 * 2 * len(SCHEDULES)
+@pytest.fixture(scope="module")
+def refs() -> dict:
+    return {tied: _reference(tied) for tied in (True, False)}
+
+
+# One spawn per layout, so that test workers can run them side by side:
+# (world, TP, PP) -> configurations (sequence parallelism on and off at TP > 1, tied or not).
+SPAWNS = {(2, 1, 2): 2, (4, 2, 2): 4, (4, 1, 2): 2}
+
+
+@pytest.mark.parametrize("spawn", list(SPAWNS), ids=lambda s: f"world{s[0]}_tp{s[1]}_pp{s[2]}")
+def test_pipelines_match_the_single_process_model(refs, spawn) -> None:
+    world, tp, pp = spawn
+    results = _merge(run_distributed(_ranks, world, [(tp, pp)]))
+    assert len(results) == SPAWNS[spawn] * len(SCHEDULES)
     for (tp, pp, dp, tied, schedule, sp), res in results.items():
         ref = refs[tied]
         where = f"TP={tp} PP={pp} DP={dp} tied={tied} {schedule} sp={sp}"
