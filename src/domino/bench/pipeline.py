@@ -107,22 +107,9 @@ def _peak_memory(bench: PipelineBench, schedule: str) -> int:
     return peak
 
 
-def measure_pipeline(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
+def measure_pipeline(spec: dict[str, Any], device: torch.device,
+                     state: ParallelState) -> dict[str, Any] | None:
     """The worker's side: every rank times, rank 0 returns the raw results."""
-    state = ParallelState.build(spec["tensor_model_parallel_size"],
-                                spec["pipeline_model_parallel_size"], device=device,
-                                shared_memory=spec.get("shared_memory_comm", True))
-    try:
-        out = _measure_pipeline(spec, device, state)
-    except BaseException:
-        state.close(wait=False)  # a transport thread may be waiting on a dead peer
-        raise
-    state.close()  # its transports' threads stop before the process group goes
-    return out
-
-
-def _measure_pipeline(spec: dict[str, Any], device: torch.device,
-                      state: ParallelState) -> dict[str, Any] | None:
     bench = PipelineBench(spec, state)
     config = build_config({**spec, "model": "gpt"})
     tokens = spec["micro_batch_size"] * spec["seq_length"]

@@ -190,21 +190,9 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
     return out
 
 
-def measure(spec: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
+def measure(spec: dict[str, Any], device: torch.device,
+            state: ParallelState) -> dict[str, Any] | None:
     """Run the whole measurement on this rank; rank 0 returns the raw results."""
-    state = ParallelState.build(spec["tensor_model_parallel_size"], device=device,
-                                shared_memory=spec.get("shared_memory_comm", True))
-    try:
-        out = _measure(spec, device, state)
-    except BaseException:
-        state.close(wait=False)  # a transport thread may be waiting on a dead peer
-        raise
-    state.close()  # its transports' threads stop before the process group goes
-    return out
-
-
-def _measure(spec: dict[str, Any], device: torch.device,
-             state: ParallelState) -> dict[str, Any] | None:
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state, compiled=any(m.compiled for m in modes))
     config = build_config(spec)
@@ -271,18 +259,27 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(device, timeout_s=spec["timeout"])
+    state = None
     try:
+        state = ParallelState.build(spec["tensor_model_parallel_size"],
+                                    spec.get("pipeline_model_parallel_size", 1), device=device,
+                                    shared_memory=spec.get("shared_memory_comm", True))
         if spec.get("kind") == "pipeline":
             from domino.bench.pipeline import measure_pipeline
 
-            raw = measure_pipeline(spec, device)
+            raw = measure_pipeline(spec, device, state)
         else:
-            raw = measure(spec, device)
+            raw = measure(spec, device, state)
+        state.close()  # its transports' threads stop before the process group goes
         if raw is not None:
             tmp = spec["result_path"] + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(raw, f)
             os.replace(tmp, spec["result_path"])
+    except BaseException:
+        if state is not None:
+            state.close(wait=False)  # a transport thread may be waiting on a dead peer
+        raise
     finally:
         shutdown_distributed()
     return 0
