@@ -161,7 +161,7 @@ def refs() -> dict:
     return {tied: _reference(tied) for tied in (True, False)}
 
 
-# One spawn per layout, so that test workers can run them side by side:
+# One test per spawn, so a failure names its layout (the file's tests share one worker):
 # (world, TP, PP) -> configurations (sequence parallelism on and off at TP > 1, tied or not).
 SPAWNS = {(2, 1, 2): 2, (4, 2, 2): 4, (4, 1, 2): 2}
 
