@@ -15,6 +15,7 @@ from typing import Any
 from domino.bench.modes import Mode
 from domino.flops import utilisation
 from domino.transformer.autotune import regime_of
+from domino.transformer.stack import stacks_of
 
 
 def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
@@ -145,3 +146,17 @@ def mfu_line(config: dict[str, Any]) -> str | None:
     return (f"model FLOPs {config['model_flops_per_step'] / 1e9:.1f} GFLOP per step (all "
             f"ranks); MFU {config.get('mfu_of')}"
             + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))
+
+
+def compile_line(config: dict[str, Any]) -> str | None:
+    """The report line saying what compiling the pieces cost (None when nothing compiled)."""
+    if not config.get("compile_graphs"):
+        return None
+    return (f"compiled pieces ({config['compile_backend']}): {config['compile_graphs']} forward "
+            f"graphs in {config['compile_s']:.1f} s, in each mode's first (warm-up) step")
+
+
+def compile_cost(models: Any) -> list:
+    """[forward graphs, seconds] the models' compiled pieces have cost this rank so far."""
+    logs = [stack.kernels.log for model in models for stack in stacks_of(model)]
+    return [sum(g.graphs for g in logs), sum(g.seconds for g in logs)]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from domino.bench.figures import compile_cost
 from domino.bench.hooks import BenchHook
 from domino.bench.memory import quiet_fd2
 from domino.bench.spec import build_config, build_runtime, layouts
@@ -125,7 +126,7 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device,
     traces = {n: bench.traced(n) for n in names} if spec["trace"] else {}
     mine = {"times": dict(zip(names, rows, strict=True)), "busy": busy, "memory": memory,
             "held": bench.held, "traces": traces, "stage": state.pp.rank, "tp": state.tp.rank,
-            "peak": peak}
+            "peak": peak, "compile": compile_cost(bench.models.values())}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
@@ -135,4 +136,7 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device,
                 config, spec["pipeline_micro_batches"] * tokens, tp=state.tp.size),
             "peak_flops_per_s": None if None in peaks else sum(peaks) / len(peaks),
             "peak_what": peak_what,
+            # --compile: forward graphs compiled, seconds spent (slowest rank); first steps
+            "compile_graphs": max(g["compile"][0] for g in gathered),
+            "compile_s": max(g["compile"][1] for g in gathered),
             "layouts": {n: [list(b) for b in lay.bounds] for n, lay in bench.layouts.items()}}

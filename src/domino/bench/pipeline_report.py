@@ -11,7 +11,7 @@ import os
 import statistics
 from typing import Any
 
-from domino.bench.figures import mfu_line
+from domino.bench.figures import compile_line, mfu_line
 from domino.bench.timeline import Timeline, render_png, to_chrome_trace
 from domino.flops import utilisation
 from domino.pipeline.schedules import theoretical_bubble
@@ -60,6 +60,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"{c['link']}, {c['steps']} steps after {c['warmup']} warm-up"]
     if mfu_line(c) is not None:
         lines.append(mfu_line(c))
+    if compile_line(c) is not None:
+        lines.append(compile_line(c))
     head = ("schedule", "step ms", "tokens/s", "TFLOP/s/rank", "MFU", "bubble", "theory",
             "held mb/stage", "peak MiB/stage")
     body = [(r["schedule"] + (f" (x{r['chunks']} chunks)" if r["chunks"] > 1 else ""),
@@ -88,7 +90,8 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any],
               "schedules": spec["schedules"], "device": raw["device"], "link": link,
               "layers_per_virtual_stage": spec["layers_per_virtual_stage"],
               "model_flops_per_step": raw.get("model_flops_per_step"),
-              "peak_flops_per_s": raw.get("peak_flops_per_s"), "mfu_of": raw.get("peak_what")}
+              "peak_flops_per_s": raw.get("peak_flops_per_s"), "mfu_of": raw.get("peak_what"),
+              "compile_graphs": raw.get("compile_graphs"), "compile_s": raw.get("compile_s")}
     report = {"config": config, "results": rows}
     if args.out_dir is not None:
         _render(raw, rows, args.out_dir, link, spec)

@@ -14,6 +14,7 @@ import torch
 from domino.bench.figures import (
     best_mode,
     comm_cpu_bound,
+    compile_line,
     compute_results,
     detect_regime,
     mfu_line,
@@ -116,10 +117,8 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if mfu_line(c) is not None:
         lines.append(mfu_line(c))
-    if c.get("compile_graphs"):
-        lines.append(f"compiled pieces ({c['compile_backend']}): {c.get('compile_graphs')} forward "
-                     f"graphs in {_fmt(c.get('compile_s'), 1.0, '.1f')} s, in each mode's first "
-                     "(warm-up) step")
+    if compile_line(c) is not None:
+        lines.append(compile_line(c))
     head = ("mode", "step ms", "min ms", "tokens/s", "TFLOP/s/rank", "MFU", "exposed ms",
             "vs split ms", "hidden", "speedup", "peak MiB")
     body = []

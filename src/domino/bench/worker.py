@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from domino.bench.figures import compile_cost
 from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
@@ -32,7 +33,7 @@ from domino.gemm_rate import peak_flops
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
-from domino.transformer.stack import stacks_of, using_plan, using_sequence_parallel
+from domino.transformer.stack import using_plan, using_sequence_parallel
 
 __all__ = ["main", "measure"]
 
@@ -209,11 +210,8 @@ def measure(spec: dict[str, Any], device: torch.device,
         for mode in modes:
             if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
                 traces[mode.name] = bench.traced_step(mode, state.world.rank)
-    compiled = [stack.kernels.log for model in bench.models.values()
-                for stack in stacks_of(model)]
     mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
-            "peak": peak, "compile": [sum(c.graphs for c in compiled),
-                                      sum(c.seconds for c in compiled)]}
+            "peak": peak, "compile": compile_cost(bench.models.values())}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
