@@ -111,8 +111,6 @@ def test_parse_modes() -> None:
         (["--emulate-link", "1gbit", "--link-mtu", "100"], "--link-mtu=100"),
         (["--json", "/nonexistent-dir/x.json"], "does not exist"),
         (["--compile", "--modes", "sync,sync:compiled"], "drop one or the other"),
-        (["--modes", "sync:compiled", "--warmup", "0"], "a :compiled mode with --warmup=0"),
-        (["--compile", "--warmup", "0"], "--compile with --warmup=0"),
     ],
 )
 def test_validation_errors(extra: list[str], match: str) -> None:
@@ -205,6 +203,38 @@ def test_sequence_parallel_modes_take_their_own_baselines() -> None:
     assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] == pytest.approx(0.05)
 
 
+def test_compiled_modes_take_compiled_baselines_only() -> None:
+    """A :compiled mode's exposed, hidden and speedup figures are against sync:compiled and
+    nocomm:compiled (an :sp:compiled one falls back to those), never the eager ones; without
+    compiled baselines they are unknown; the best Domino mode is picked among the eager
+    modes, which the eager sync is read against."""
+    modes = parse_modes("sync,nocomm,domino:m2:cross,sync:compiled,nocomm:compiled,"
+                        "domino:m2:cross:compiled,domino:m2:cross:sp:compiled")
+    med = {"sync": 1.0, "nocomm": 0.6, "domino:m2:cross": 0.7, "sync:compiled": 0.9,
+           "nocomm:compiled": 0.4, "domino:m2:cross:compiled": 0.5,
+           "domino:m2:cross:sp:compiled": 0.45}
+
+    def rows_of(names):
+        raw = {"step_times_s": {n: [med[n]] for n in names},
+               "per_rank_step_times_s": {n: [[med[n]], [med[n]]] for n in names},
+               "peak_bytes": {n: [1, 1] for n in names},
+               "peak_rss_bytes": {n: [None] for n in names}}
+        chosen = [m for m in modes if m.name in names]
+        return {r["mode"]: r for r in figures.compute_results(raw, chosen, tokens=100)}
+
+    rows = rows_of(list(med))
+    c = rows["domino:m2:cross:compiled"]
+    assert c["compiled"] and c["exposed_comm_s"] == pytest.approx(0.1)  # vs nocomm:compiled
+    assert c["comm_hidden"] == pytest.approx(1 - 0.1 / 0.5)  # sync:compiled exposes 0.5 s
+    assert c["speedup_vs_sync"] == pytest.approx(0.9 / 0.5)
+    assert rows["domino:m2:cross:sp:compiled"]["exposed_comm_s"] == pytest.approx(0.05)
+    assert rows["domino:m2:cross"]["comm_hidden"] == pytest.approx(1 - 0.1 / 0.4)
+    assert figures.best_mode(list(rows.values())) == "domino:m2:cross"  # eager beside eager
+    alone = rows_of(["sync", "nocomm", "domino:m2:cross:compiled"])["domino:m2:cross:compiled"]
+    assert alone["exposed_comm_s"] is None and alone["comm_hidden"] is None
+    assert alone["speedup_vs_sync"] is None
+
+
 def test_cpu_probe_takes_the_median_window() -> None:
     """The 8 MiB probe's CPU per all-reduce is the median over windows: one window disturbed
     by another process on the host (here 10x the others) does not move it."""
@@ -227,15 +257,16 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["bench", *argv]) == 0
     table = capsys.readouterr().out
     assert "best Domino mode: domino:m2:" in table
-    # The :compiled modes ran a compiled twin, compiled in the warm-up only.
-    assert re.search(r"compiled pieces \(aot_eager\): \d+ forward graphs in [\d.]+ s, in each "
-                     r"mode's first \(warm-up\) step", table)
+    # The :compiled mode ran a compiled twin, compiled before the timed steps and not in them.
+    assert re.search(r"compiled pieces \(aot_eager\): \d+ forward graphs in [\d.]+ s before "
+                     r"the timed steps\n", table)
 
     report = json.loads(out_json.read_text())
     config = report["config"]
     assert config["tensor_model_parallel_size"] == 2 and config["link"] == "loopback"
     assert config["transports"] == {"tp": "shm", "dp": "-"} and "TP over shm" in table
     assert config["torch_version"] and config["memory_method"] and config["timing_method"]
+    assert config["compile_graphs"] > 0 and config["compile_graphs_timed"] == 0
     assert config["modes"] == modes.split(",")
     rows = {r["mode"]: r for r in report["results"]}
     assert list(rows) == modes.split(",")

@@ -37,8 +37,10 @@ def test_every_schedule_on_two_stages(tmp_path: Path, capsys) -> None:
                  "--compile", "--compile-backend", "aot_eager"]) == 0
     table = capsys.readouterr().out
     assert "domino bench (pipeline)" in table and "interleaved (x2 chunks)" in table
-    # every stage's pieces compiled (the time is the slowest rank's)
-    assert re.search(r"compiled pieces \(aot_eager\): \d+ forward graphs in [\d.]+ s", table)
+    # every stage's pieces compiled before the timed steps (the slowest rank's figures), none
+    # while timed
+    assert re.search(r"compiled pieces \(aot_eager\): \d+ forward graphs in [\d.]+ s before "
+                     r"the timed steps\n", table)
     report = json.loads(out_json.read_text())
     rows = {r["schedule"]: r for r in report["results"]}
     assert list(rows) == ["gpipe", "1f1b", "interleaved", "zero_bubble"]
@@ -64,6 +66,7 @@ def test_every_schedule_on_two_stages(tmp_path: Path, capsys) -> None:
     assert rows["1f1b"]["held_micro_batches_per_stage"] == [2, 1]
     assert rows["interleaved"]["layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     c = report["config"]
+    assert c["compile_graphs"] > 0 and c["compile_graphs_timed"] == 0
     gpt = build_config({**c, "model": "gpt", "attention_dropout": 0.0})
     assert c["model_flops_per_step"] == train_flops_per_step(
         gpt, 4 * c["micro_batch_size"] * c["seq_length"])

@@ -31,7 +31,6 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     cpu_8mib = raw.get("allreduce_8mib_cpu_s")
     sent = raw.get("allreduce_bytes_per_step", {})
     med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
-    t_sync, t_nocomm = med.get("sync"), med.get("nocomm")
     flops, peak = raw.get("model_flops_per_step"), raw.get("peak_flops_per_s")
     rows = []
     for mode in modes:
@@ -39,10 +38,11 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
         per_rank, mfu = utilisation(flops, len(raw["per_rank_step_times_s"][mode.name]), t, peak)
         # Sequence-parallel and compiled modes against their own sync and nocomm when those ran.
         fam = mode.family
-        # A compiled mode only against compiled baselines (eager ones would mix in eager
-        # compute); a sequence-parallel one falls back to sync and nocomm.
-        plain = (None, None) if mode.compiled else (t_sync, t_nocomm)
-        f_sync, f_nocomm = med.get("sync" + fam, plain[0]), med.get("nocomm" + fam, plain[1])
+        # A sequence-parallel mode falls back to sync and nocomm of its kind (eager or
+        # compiled); a compiled mode never to eager ones (they would mix in eager compute).
+        kind = ":compiled" if mode.compiled else ""
+        f_sync = med.get("sync" + fam, med.get("sync" + kind))
+        f_nocomm = med.get("nocomm" + fam, med.get("nocomm" + kind))
         f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
                           else None)
         base = t - f_nocomm if f_nocomm is not None else None
@@ -90,8 +90,12 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
 
 
 def best_mode(rows: list[dict[str, Any]]) -> str | None:
-    """The comm-enabled Domino mode with the lowest median step time (None without one)."""
+    """The comm-enabled Domino mode with the lowest median step time (None without one). Beside
+    eager modes, ``:compiled`` ones do not count: they are compared with ``sync:compiled``, and
+    ``sync`` (which this pick is read against) runs eager."""
     domino = [r for r in rows if r["comm_enabled"] and r["mode"].startswith("domino:")]
+    eager = [r for r in domino if not r.get("compiled")]
+    domino = eager or domino
     return min(domino, key=lambda r: r["step_time_s"])["mode"] if domino else None
 
 
@@ -152,11 +156,24 @@ def compile_line(config: dict[str, Any]) -> str | None:
     """The report line saying what compiling the pieces cost (None when nothing compiled)."""
     if not config.get("compile_graphs"):
         return None
-    return (f"compiled pieces ({config['compile_backend']}): {config['compile_graphs']} forward "
-            f"graphs in {config['compile_s']:.1f} s, in each mode's first (warm-up) step")
+    line = (f"compiled pieces ({config['compile_backend']}): {config['compile_graphs']} forward "
+            f"graphs in {config['compile_s']:.1f} s before the timed steps")
+    later = config.get("compile_graphs_timed")
+    if later:
+        line += f"; {later} more during them (a recompile: those steps' times include it)"
+    return line
 
 
 def compile_cost(models: Any) -> list:
     """[forward graphs, seconds] the models' compiled pieces have cost this rank so far."""
     logs = [stack.kernels.log for model in models for stack in stacks_of(model)]
     return [sum(g.graphs for g in logs), sum(g.seconds for g in logs)]
+
+
+def compile_figures(gathered: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report's compile figures from every rank's ``compile`` ([graphs, seconds] before
+    the timed steps, graphs during them): the slowest rank's pair, and the most any rank
+    compiled while timed."""
+    slowest = max((g["compile"] for g in gathered), key=lambda c: c[1])
+    return {"compile_graphs": slowest[0], "compile_s": slowest[1],
+            "compile_graphs_timed": max(g["compile"][2] for g in gathered)}

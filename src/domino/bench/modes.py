@@ -74,13 +74,19 @@ def parse_mode(text: str) -> Mode:
     """Parse one mode; raise ValueError naming the grammar when it does not match."""
     norm = text.strip().lower()
     if norm.endswith(":compiled"):
-        base = parse_mode(norm.removesuffix(":compiled"))
+        try:
+            base = parse_mode(norm.removesuffix(":compiled"))
+        except ValueError:
+            raise ValueError(f"unknown benchmark mode {text!r}; expected {GRAMMAR}") from None
         if base.compiled:
             raise ValueError(f"unknown benchmark mode {text!r} (':compiled' twice); expected "
                              f"{GRAMMAR}")
         return base.with_compiled()
     if norm.endswith(":sp"):
-        base = parse_mode(norm.removesuffix(":sp"))
+        try:
+            base = parse_mode(norm.removesuffix(":sp"))
+        except ValueError:
+            raise ValueError(f"unknown benchmark mode {text!r}; expected {GRAMMAR}") from None
         if base.sequence_parallel or base.compiled:
             raise ValueError(f"unknown benchmark mode {text!r} (':sp' twice, or after "
                              f"':compiled'); expected {GRAMMAR}")

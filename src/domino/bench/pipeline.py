@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from domino.bench.figures import compile_cost
+from domino.bench.figures import compile_cost, compile_figures
 from domino.bench.hooks import BenchHook
 from domino.bench.memory import quiet_fd2
 from domino.bench.spec import build_config, build_runtime, layouts
@@ -118,15 +118,20 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device,
     peak, peak_what = peak_flops(device, config.params_dtype,
                                  rank_gemms(config, tokens, state.tp.size), spec.get("peak_tflops"))
     names = list(bench.runners)
+    if spec.get("compile"):
+        for name in names:  # each schedule's first step compiles its pieces: before timing
+            bench.step(name)
+    compiled = compile_cost(bench.models.values())
     rows = time_rotated(len(names), lambda i: bench.step(names[i]), spec["warmup"],
                         spec["steps"], state.world, device)
+    recompiled = compile_cost(bench.models.values())[0] - compiled[0]  # 0 unless a new shape
     busy = {n: bench.busy[n][-spec["steps"]:] for n in names}  # the measured rounds
     with quiet_fd2():
         memory = {n: _peak_memory(bench, n) for n in names}
     traces = {n: bench.traced(n) for n in names} if spec["trace"] else {}
     mine = {"times": dict(zip(names, rows, strict=True)), "busy": busy, "memory": memory,
             "held": bench.held, "traces": traces, "stage": state.pp.rank, "tp": state.tp.rank,
-            "peak": peak, "compile": compile_cost(bench.models.values())}
+            "peak": peak, "compile": compiled + [recompiled]}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
@@ -136,7 +141,5 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device,
                 config, spec["pipeline_micro_batches"] * tokens, tp=state.tp.size),
             "peak_flops_per_s": None if None in peaks else sum(peaks) / len(peaks),
             "peak_what": peak_what,
-            # --compile: forward graphs compiled, seconds spent (slowest rank); first steps
-            "compile_graphs": max(g["compile"][0] for g in gathered),
-            "compile_s": max(g["compile"][1] for g in gathered),
+            **compile_figures(gathered),
             "layouts": {n: [list(b) for b in lay.bounds] for n, lay in bench.layouts.items()}}

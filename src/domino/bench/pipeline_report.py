@@ -91,7 +91,8 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any],
               "layers_per_virtual_stage": spec["layers_per_virtual_stage"],
               "model_flops_per_step": raw.get("model_flops_per_step"),
               "peak_flops_per_s": raw.get("peak_flops_per_s"), "mfu_of": raw.get("peak_what"),
-              "compile_graphs": raw.get("compile_graphs"), "compile_s": raw.get("compile_s")}
+              "compile_graphs": raw.get("compile_graphs"), "compile_s": raw.get("compile_s"),
+              "compile_graphs_timed": raw.get("compile_graphs_timed")}
     report = {"config": config, "results": rows}
     if args.out_dir is not None:
         _render(raw, rows, args.out_dir, link, spec)

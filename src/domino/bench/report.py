@@ -53,6 +53,7 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "mfu_of": raw.get("peak_what"),
         "compile_graphs": raw.get("compile_graphs"),
         "compile_s": raw.get("compile_s"),
+        "compile_graphs_timed": raw.get("compile_graphs_timed"),
         "tokens_per_step": args.micro_batch_size * args.seq_length,
         "timing_method": TIMING_METHOD,
         "memory_method": raw["memory_method"],

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from domino.bench.figures import compile_cost
+from domino.bench.figures import compile_cost, compile_figures
 from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
@@ -203,7 +203,12 @@ def measure(spec: dict[str, Any], device: torch.device,
                                  rank_gemms(config, tokens, state.tp.size),
                                  spec.get("peak_tflops"))
     allreduce = probe_allreduce(state.tp)
+    if len(bench.models) > 1 or spec.get("compile"):
+        for mode in modes:  # each mode's first step compiles its pieces: before any timing
+            bench.step(mode)
+    compiled = compile_cost(bench.models.values())
     times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
+    recompiled = compile_cost(bench.models.values())[0] - compiled[0]  # 0 unless a new shape
     memory = _measure_memory(bench, modes)
     traces: dict[str, dict[str, Any]] = {}
     if spec["trace"]:
@@ -211,7 +216,7 @@ def measure(spec: dict[str, Any], device: torch.device,
             if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
                 traces[mode.name] = bench.traced_step(mode, state.world.rank)
     mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
-            "peak": peak, "compile": compile_cost(bench.models.values())}
+            "peak": peak, "compile": compiled + [recompiled]}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
@@ -225,9 +230,7 @@ def measure(spec: dict[str, Any], device: torch.device,
         "peak_flops_per_s": (None if any(g["peak"] is None for g in gathered)
                              else sum(g["peak"] for g in gathered) / len(gathered)),
         "peak_what": peak_what,
-        # --compile: forward graphs compiled, seconds spent (slowest rank); first steps
-        "compile_graphs": max(g["compile"][0] for g in gathered),
-        "compile_s": max(g["compile"][1] for g in gathered),
+        **compile_figures(gathered),
         "transports": state.transports(),
         "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],
         "allreduce_8mib_cpu_s": None if allreduce is None else allreduce["cpu_s"],

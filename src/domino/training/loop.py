@@ -282,10 +282,10 @@ class Trainer:
         what = "recompiled (a new shape)" if kind in self.compiled_kinds else "compiled"
         self.compiled_kinds.add(kind)
         result.compiled.append((step, kind, graphs, seconds))
-        later = ("; their backward graphs compile in the first backward" if kind == "training"
-                 else "")
+        where = ("; their backward graphs compile in the first backward; all in the step's "
+                 "time" if kind == "training" else "; not in the step's time")
         self.log.print(f"--compile: step {step} {kind} {what} {graphs} forward graphs in "
-                       f"{seconds:.1f} s (rank 0's pieces{later}; all in the step's time)")
+                       f"{seconds:.1f} s (rank 0's pieces{where})")
 
     def finish(self, result: TrainResult) -> TrainResult:
         """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
