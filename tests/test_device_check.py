@@ -17,7 +17,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
 PLANS = ("m1:none", "m2:cross", "m4:cross")
 TAGS = ("h64", "h128", "gpt")  # the two tiny stack sizes and the tiny stand-in of the 1B model
-ROW = re.compile(r"^\s*(h\d+|gpt)( compiled)? (m\d+:\w+)\s+step\s+(\d+\.\d+) ms\s+split cost\s+([+-]\d+\.\d+)%"
+ROW = re.compile(r"^\s*(h\d+|gpt)( compiled)? (m\d+:\w+)"
+                 r"\s+step\s+(\d+\.\d+) ms\s+split cost\s+([+-]\d+\.\d+)%"
                  r"\s+MFU\s+(\S+)", re.M)
 
 

@@ -24,7 +24,6 @@ PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat1
                                              "fp16": torch.float16}
 
 
-
 def precision_of(bf16: bool, fp16: bool) -> str:
     """The precision ``--bf16`` / ``--fp16`` name (a key of :data:`PRECISIONS`)."""
     return "bf16" if bf16 else "fp16" if fp16 else "fp32"

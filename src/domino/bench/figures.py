@@ -15,7 +15,6 @@ from typing import Any
 from domino.bench.modes import Mode
 from domino.flops import utilisation
 from domino.transformer.autotune import regime_of
-from domino.transformer.stack import stacks_of
 
 
 def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
@@ -36,10 +35,10 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     for mode in modes:
         t = med[mode.name]
         per_rank, mfu = utilisation(flops, len(raw["per_rank_step_times_s"][mode.name]), t, peak)
-        # Sequence-parallel and compiled modes against their own sync and nocomm when those ran.
+        # Sequence-parallel and compiled modes against their own sync and nocomm when those
+        # ran; a sequence-parallel one falls back to those of its kind (eager or compiled), a
+        # compiled one never to eager ones (they would mix eager compute into its figures).
         fam = mode.family
-        # A sequence-parallel mode falls back to sync and nocomm of its kind (eager or
-        # compiled); a compiled mode never to eager ones (they would mix in eager compute).
         kind = ":compiled" if mode.compiled else ""
         f_sync = med.get("sync" + fam, med.get("sync" + kind))
         f_nocomm = med.get("nocomm" + fam, med.get("nocomm" + kind))
@@ -162,12 +161,6 @@ def compile_line(config: dict[str, Any]) -> str | None:
     if later:
         line += f"; {later} more during them (a recompile: those steps' times include it)"
     return line
-
-
-def compile_cost(models: Any) -> list:
-    """[forward graphs, seconds] the models' compiled pieces have cost this rank so far."""
-    logs = [stack.kernels.log for model in models for stack in stacks_of(model)]
-    return [sum(g.graphs for g in logs), sum(g.seconds for g in logs)]
 
 
 def compile_figures(gathered: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from domino.bench.figures import compile_cost, compile_figures
+from domino.bench.figures import compile_figures
 from domino.bench.hooks import BenchHook
 from domino.bench.memory import quiet_fd2
 from domino.bench.spec import build_config, build_runtime, layouts
@@ -26,6 +26,7 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import Plan
 from domino.timing import device_sync, time_rotated
+from domino.transformer.stack import compile_cost
 
 
 class PipelineBench:
@@ -121,10 +122,10 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device,
     if spec.get("compile"):
         for name in names:  # each schedule's first step compiles its pieces: before timing
             bench.step(name)
-    compiled = compile_cost(bench.models.values())
+    compiled = compile_cost(*bench.models.values())
     rows = time_rotated(len(names), lambda i: bench.step(names[i]), spec["warmup"],
                         spec["steps"], state.world, device)
-    recompiled = compile_cost(bench.models.values())[0] - compiled[0]  # 0 unless a new shape
+    recompiled = compile_cost(*bench.models.values())[0] - compiled[0]  # 0 unless a new shape
     busy = {n: bench.busy[n][-spec["steps"]:] for n in names}  # the measured rounds
     with quiet_fd2():
         memory = {n: _peak_memory(bench, n) for n in names}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from domino.bench.figures import compile_cost, compile_figures
+from domino.bench.figures import compile_figures
 from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
@@ -33,7 +33,7 @@ from domino.gemm_rate import peak_flops
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
-from domino.transformer.stack import using_plan, using_sequence_parallel
+from domino.transformer.stack import compile_cost, using_plan, using_sequence_parallel
 
 __all__ = ["main", "measure"]
 
@@ -62,14 +62,14 @@ class _Bench:
         for twin in (False, True) if compiled else (False,):
             self.models[twin], self._losses[twin] = self._build(
                 compiled_runtime(spec) if twin else build_runtime(spec))
-        self.model = self.models[False]
         self.link: SimulatedLink | None = None
         if spec.get("simulate_link"):
             from domino.netem import rate_bits_per_s
 
             self.link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
         state.tp.hook = BenchHook(link=self.link) if self.link is not None else None
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.param_bytes = sum(p.numel() * p.element_size()
+                               for p in self.models[False].parameters())
 
     def _build(self, runtime) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
         spec, state = self.spec, self.state
@@ -206,9 +206,9 @@ def measure(spec: dict[str, Any], device: torch.device,
     if len(bench.models) > 1 or spec.get("compile"):
         for mode in modes:  # each mode's first step compiles its pieces: before any timing
             bench.step(mode)
-    compiled = compile_cost(bench.models.values())
+    compiled = compile_cost(*bench.models.values())
     times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
-    recompiled = compile_cost(bench.models.values())[0] - compiled[0]  # 0 unless a new shape
+    recompiled = compile_cost(*bench.models.values())[0] - compiled[0]  # 0 unless a new shape
     memory = _measure_memory(bench, modes)
     traces: dict[str, dict[str, Any]] = {}
     if spec["trace"]:

@@ -44,7 +44,7 @@ from domino.training.step import (
     train_step,
 )
 from domino.transformer.autotune import autotune, candidate_plans, regime_of
-from domino.transformer.stack import set_plan, stacks_of
+from domino.transformer.stack import compile_cost, set_plan, stacks_of
 
 
 class TrainingDiverged(RuntimeError):
@@ -115,7 +115,7 @@ class Trainer:
         self.last_saved = self.start if run.resume is not None and self.start else None
         self.last_save_t = time.monotonic()
         self.bad_since: int | None = None  # first step of the current NaN/inf streak
-        self.compiled: tuple[int, float] = (0, 0.0)  # --compile: graphs, seconds so far
+        self.compiled = [0, 0.0]  # --compile: forward graphs, seconds so far
         self.compiled_kinds: set[str] = set()  # ... and of what ("training", "evaluation")
         count = torch.tensor([float(sum(
             p.numel() * (self.state.group(pl.shard).size if pl.shard else 1)
@@ -273,9 +273,7 @@ class Trainer:
         """--compile: what the step's ``kind`` ("training" or "evaluation") compiled. Each kind
         compiles in its first call (the evaluation's no-grad variants apart); any later compile
         (a new shape) is reported as a recompile."""
-        logs = [stack.kernels.log for stack in stacks_of(self.model)]
-        done = self.compiled
-        self.compiled = (sum(g.graphs for g in logs), sum(g.seconds for g in logs))
+        done, self.compiled = self.compiled, compile_cost(self.model)
         graphs, seconds = self.compiled[0] - done[0], self.compiled[1] - done[1]
         if not graphs:
             return

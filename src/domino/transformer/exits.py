@@ -141,8 +141,9 @@ class Exit(Protocol):
         """Each part's gradient from what :meth:`launch_grad` delivered."""
 
     def replicated_parameters(self) -> list[torch.Tensor]:
-        """Replicated parameters the receiving side applies (:meth:`bias`; under sequence parallelism each rank
-        sees only its shard, so their gradients are summed over the group)."""
+        """Replicated parameters the receiving side applies (:meth:`bias`; under sequence
+        parallelism each rank sees only its shard, so their gradients are summed over the
+        group)."""
 
 
 class ColumnParallelEntry:

@@ -268,6 +268,13 @@ def stacks_of(model: nn.Module) -> list[DominoTransformer]:
     return stacks
 
 
+def compile_cost(*models: nn.Module) -> list:
+    """[forward graphs, seconds] the compiled pieces of ``models`` have cost so far
+    (``RuntimeConfig.compile``; [0, 0.0] for eager models)."""
+    logs = [stack.kernels.log for model in models for stack in stacks_of(model)]
+    return [sum(g.graphs for g in logs), sum(g.seconds for g in logs)]
+
+
 def set_plan(model: nn.Module, plan: Plan, *, force: bool = False) -> None:
     """Put every DominoTransformer of ``model`` on ``plan`` (``force``: see
     :meth:`DominoTransformer.set_plan`)."""
