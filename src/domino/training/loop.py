@@ -273,6 +273,8 @@ class Trainer:
         """--compile: what the step's ``kind`` ("training" or "evaluation") compiled. Each kind
         compiles in its first call (the evaluation's no-grad variants apart); any later compile
         (a new shape) is reported as a recompile."""
+        if not self.args.compile:
+            return
         done, self.compiled = self.compiled, compile_cost(self.model)
         graphs, seconds = self.compiled[0] - done[0], self.compiled[1] - done[1]
         if not graphs:
