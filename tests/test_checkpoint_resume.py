@@ -32,6 +32,7 @@ from domino.training.arguments import TrainArgs
 STEPS, CUT = 8, 3  # exact-resume runs stop at CUT and resume to STEPS (5 steps after)
 HALF = 4  # reshard runs checkpoint at HALF and continue to STEPS
 BF16_CURVE = 2e-2  # bf16 vs fp32 losses, relative, per step (bf16 rounds to 2^-8)
+BF16_FLIP = 1e-3  # two bf16 runs whose fp32 updates differ in the last bits
 IDS = torch.randint(0, 257, (3, 32), generator=torch.Generator().manual_seed(5))
 
 
@@ -53,7 +54,8 @@ def _args(data: str, **kw) -> TrainArgs:
 
 def _train(args: TrainArgs, run_dir: str) -> dict:
     res = fit(args, run_dir)
-    return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses}
+    return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses,
+            "optimizer_bytes": res.optimizer_state_bytes}
 
 
 def _logits(run_dir: str, tp: int) -> torch.Tensor:
@@ -103,6 +105,18 @@ def _two_ranks(rank: int, world: int, data: str, tmp: str) -> dict:
     out["bf16_logits"] = _logits(f"{tmp}/bf_cut", 2)
     out["bf16_at_tp2"] = _train(_args(data, load=f"{tmp}/bf_cut", tensor_model_parallel_size=2,
                                       bf16=True), f"{tmp}/bf_at_tp2")
+    # bf16 under ZeRO-1 at DP=2 (the fp32 masters sharded with the optimizer): exact resume,
+    # and the curve of the unsharded optimizer (fp32 masters on every rank).
+    zero = dict(tensor_model_parallel_size=1, micro_batch_size=2, bf16=True, hidden_dropout=0.1,
+                use_distributed_optimizer=True)
+    out["zero_ref"] = _train(_args(data, **zero), f"{tmp}/zero_ref")
+    _train(_args(data, exit_interval=CUT, **zero), f"{tmp}/zero_cut")
+    out["zero_resumed"] = _train(_args(data, load=f"{tmp}/zero_cut", **zero),
+                                 f"{tmp}/zero_resumed")
+    out["zero_at_tp2"] = _train(_args(data, load=f"{tmp}/zero_cut", tensor_model_parallel_size=2,
+                                      micro_batch_size=4, bf16=True), f"{tmp}/zero_at_tp2")
+    out["zero_plain"] = _train(_args(data, **{**zero, "use_distributed_optimizer": False}),
+                               f"{tmp}/zero_plain")
     # The TP=1 checkpoint resumed at DP=2 (same micro-batches, no accumulation).
     out["dp2_cont"] = _train(_args(data, load=f"{tmp}/r1", tensor_model_parallel_size=1,
                                    micro_batch_size=2), f"{tmp}/dp2_cont")
@@ -192,6 +206,34 @@ def test_resume_and_reshard(data: str, tmp_path, capfd) -> None:
     assert all(t.dtype == torch.float32 for t in hf.values())
     table = weights["language_model.embedding.word_embeddings.weight"]
     assert any(torch.equal(t[:257], table[:257]) for t in hf.values() if t.shape[0] >= 257)
+
+    # ZeRO-1 in bf16: exact resume; the unsharded optimizer's curve; fp32 masters (some not
+    # representable in bf16: the bf16 parameters cannot have held them) in its checkpoint,
+    # which continues at TP=2; a rank holds half the masters and moments (fp32: 12 bytes per
+    # parameter unsharded).
+    for rank in pair:
+        zref = rank["zero_ref"]
+        _same(rank["zero_resumed"], {"losses": zref["losses"][CUT:],
+                                     "norms": zref["norms"][CUT:],
+                                     "val": [v for v in zref["val"] if v[0] > CUT]})
+        # Not bit for bit: the norm sums its squares chunk by chunk, so the clipped update
+        # differs in the last fp32 bits, which can flip a bf16 rounding of a weight.
+        plain = rank["zero_plain"]
+        assert zref["losses"] == pytest.approx(plain["losses"], rel=BF16_FLIP)
+        assert zref["norms"] == pytest.approx(plain["norms"], rel=BF16_FLIP)
+        assert zref["losses"] != fp["losses"]
+        # Resharded to TP=2 without ZeRO: the same weights and moments (dropout masks differ).
+        cont = rank["zero_at_tp2"]["losses"]
+        assert cont[0] == pytest.approx(rank["zero_resumed"]["losses"][0], rel=0.05)
+        n = sum(w.numel() for w in weights.values())
+        for got in zref["optimizer_bytes"]:
+            assert 12 * n / 2 <= got <= 12 * n / 2 + 4096, (got, n)
+    step_dir, meta, _ = open_checkpoint(tmp_path / "zero_cut", hashes=False)
+    reader = ShardReader(step_dir)
+    zw = {n: reader.full(n, TensorSpec.from_json(n, raw)) for n, raw in meta.tensors.items()
+          if not n.startswith("optimizer.")}
+    assert zw.keys() == weights.keys() and all(w.dtype == torch.float32 for w in zw.values())
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in zw.values())
 
     # A new DP size with the same micro-batches: bit-identical.
     for rank in pair:

@@ -155,6 +155,55 @@ def test_masters_keep_updates_below_bf16_resolution() -> None:
     assert float(precision.compute_copy(w)[0]) > 1.0
 
 
+def test_zero_holds_the_fp32_masters_of_bf16_parameters() -> None:
+    """Under ZeRO-1 the optimizer's fp32 chunks are the masters: the parameters become bf16
+    (their own compute copies), gradients stay fp32, an update below bf16's resolution moves
+    the master, and checkpoints read and write the masters, not the bf16 values."""
+    from domino.training.dist_optim import DistributedAdamW
+
+    state = ParallelState.single()
+    torch.manual_seed(0)
+    cfg = config(hidden_size=32, num_attention_heads=4)
+    model = GPTModel(cfg, parallel_state=state,
+                     runtime=RuntimeConfig(compute_dtype=torch.bfloat16))
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    reducer = GradReducer(model, params, state, shard=True)
+    opt = DistributedAdamW(reducer, 1e-5, (0.9, 0.95), 1e-8, 0.0)
+    assert len(opt.turned) == len(params)
+    assert all(p.dtype == torch.bfloat16 and p.grad_dtype == torch.float32 for p in params)
+    assert all(precision.compute_copy(p) is p for p in params)  # no second copy held
+    masters = opt.full_masters()
+    assert all(torch.equal(masters[p], s) for p, s in zip(params, start, strict=True))
+    ids, labels = _batch(cfg)
+    with reducer.armed() as context:
+        model(ids, None, None, labels=labels, context=context).sum().backward()
+    reducer.finish()
+    assert all(p.grad.dtype == torch.float32 for p in params)
+    opt.step()
+    after = opt.full_masters()
+    moved = [p for p in params if not torch.equal(after[p], masters[p])]
+    assert moved and all(after[p].dtype == torch.float32 for p in params)
+    # lr 1e-5: most updates are below bf16's step: the masters keep what the weights lose.
+    bf = torch.bfloat16
+    assert any(((after[p] != masters[p]) & (after[p].to(bf) == masters[p].to(bf))).any()
+               for p in moved)
+    assert all(torch.equal(p.detach(), after[p].to(torch.bfloat16)) for p in params)
+    # A checkpoint's value goes into the master at full precision, the parameter cast.
+    w = model.language_model.encoder.final_layernorm.weight
+    value = torch.full(w.shape, 1.0 + 2.0 ** -12)  # between two bf16 values
+    opt.load_master(w, value)
+    assert torch.equal(opt.full_masters()[w], value)
+    assert torch.equal(w.detach(), value.to(torch.bfloat16))
+    # A parameter written from outside becomes its master at the next step (lr 0: kept).
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    with torch.no_grad():
+        w.fill_(2.0)
+    opt.step()
+    assert torch.equal(opt.full_masters()[w], torch.full(w.shape, 2.0))
+
+
 def test_compute_dtype_is_checked() -> None:
     with pytest.raises(ValueError, match=r"compute_dtype=torch.int8 is not one of"):
         RuntimeConfig(compute_dtype=torch.int8)

@@ -12,6 +12,12 @@ copy are cast to the parameter's dtype where they are accumulated.
 The compute dtype is a run-time choice (``RuntimeConfig.compute_dtype``); the model constructors
 mark their parameters with it (:func:`set_compute_dtype`). A parameter without a mark, or whose
 dtype already is the compute dtype (a model built in bf16), is used as it is.
+
+Under ZeRO-1 the fp32 masters are sharded with the optimizer instead
+(:class:`~domino.training.dist_optim.DistributedAdamW`): :func:`to_compute_dtype` turns the
+parameters themselves into bf16 (no compute copies), while their ``.grad`` stays the fp32 main
+gradient through PyTorch's ``Tensor.grad_dtype`` (the autograd engine casts each incoming
+gradient to it before adding). Code that makes a gradient asks :func:`grad_dtype`.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ def compute_copy(p: torch.Tensor | None) -> torch.Tensor | None:
     if p is None:
         return None
     dtype = getattr(p, _MARK, None)
-    if dtype is None:
+    if dtype is None or dtype == p.dtype:  # unmarked, or turned (to_compute_dtype)
         return p
     key = (p._version, p.data_ptr(), p.device)
     cached = getattr(p, _COPY, None)
@@ -69,6 +75,38 @@ def compute_copy(p: torch.Tensor | None) -> torch.Tensor | None:
 def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     with torch.no_grad():
         return p.detach().to(dtype)
+
+
+def grad_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of ``p``'s gradient (``p.grad_dtype``: fp32 main gradients of a bf16 parameter
+    whose masters the optimizer holds; by default ``p``'s own)."""
+    dtype = p.grad_dtype if p.is_leaf else None
+    return p.dtype if dtype is None else dtype
+
+
+def zeros_grad(p: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for ``p`` (in :func:`grad_dtype`)."""
+    return torch.zeros(p.shape, dtype=grad_dtype(p), device=p.device)
+
+
+@torch.no_grad()
+def to_compute_dtype(params) -> list[torch.Tensor]:
+    """Turn every marked parameter into its compute dtype in place, its gradient staying in its
+    old dtype (``grad_dtype``): the caller now holds the masters. The mark stays (what the
+    model computes in); the parameter is its own compute copy. Returns the parameters turned."""
+    turned = []
+    for p in params:
+        dtype = getattr(p, _MARK, None)
+        if dtype is None or dtype == p.dtype:
+            continue
+        master = p.dtype
+        p.data = p.data.to(dtype)
+        p.grad = None
+        p.grad_dtype = master
+        if hasattr(p, _COPY):
+            delattr(p, _COPY)
+        turned.append(p)
+    return turned
 
 
 class _Cast(torch.autograd.Function):

@@ -52,11 +52,19 @@ def optimizer_state(optimizer: Any) -> dict | None:
     return optimizer.state
 
 
-def _rank_tensors(model: nn.Module, opt_state: dict | None,
-                  state: ParallelState) -> tuple[dict, dict, dict]:
+def model_masters(optimizer: Any) -> dict:
+    """Per parameter, the fp32 master weight an optimizer holds apart from it (a distributed
+    optimizer's, gathered over DP: a collective); empty when the parameters are the masters."""
+    if optimizer is None or not hasattr(optimizer, "full_masters"):
+        return {}
+    return optimizer.full_masters()
+
+
+def _rank_tensors(model: nn.Module, opt_state: dict | None, state: ParallelState,
+                  masters: dict | None = None) -> tuple[dict, dict, dict]:
     """(model, optimizer, spec) tensors this rank writes, as each parameter's placement says:
     sharded ones always, replicated ones only on TP rank 0 (they are identical on every TP
-    rank)."""
+    rank). A parameter's value is its fp32 master where ``masters`` has one."""
     tp, pp = state.tp, state.pp.rank
     model_files = [layout.model_file(r, pp) for r in range(tp.size)]
     optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
@@ -66,8 +74,9 @@ def _rank_tensors(model: nn.Module, opt_state: dict | None,
         if placement.tied_copy:
             continue  # the last stage's copy of the word table: the first stage writes it
         if placement.shard is not None or tp.rank == 0:
-            weights[name] = p.detach()
-            specs[name] = describe(p.detach(), p, tp.size, model_files, name)
+            value = (masters or {}).get(p, p).detach()
+            weights[name] = value
+            specs[name] = describe(value, p, tp.size, model_files, name)
         slots = opt_state.get(p, {}) if opt_state is not None else {}
         for key, value in slots.items():
             value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
@@ -109,8 +118,9 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
             for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
                 records[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
         opt_state = optimizer_state(optimizer)
+        masters = model_masters(optimizer)
         if _writes(state):
-            weights, moments, rank_specs = _rank_tensors(model, opt_state, state)
+            weights, moments, rank_specs = _rank_tensors(model, opt_state, state, masters)
             tp, pp = state.tp.rank, state.pp.rank
             records[layout.model_file(tp, pp)] = _save_tensors(weights,
                                                                tmp / layout.model_file(tp, pp))
@@ -222,13 +232,21 @@ def read_part(reader: ShardReader, meta: Meta, name: str, like: torch.Tensor,
     return out
 
 
-def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelState) -> None:
-    """Fill ``model``'s weights with this rank's part of the checkpoint's."""
+def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelState,
+               optimizer: Any = None) -> None:
+    """Fill ``model``'s weights with this rank's part of the checkpoint's; an ``optimizer``
+    holding the fp32 masters apart (``load_master``: a distributed optimizer under ``--bf16``)
+    takes them at the checkpoint's precision."""
     reader = ShardReader(step_dir)
     names = set()
+    load_master = getattr(optimizer, "load_master", None)
     with torch.no_grad():
         for name, p in named_model_tensors(model):
-            p.copy_(read_part(reader, meta, name, p, state).to(p.dtype))
+            value = read_part(reader, meta, name, p, state)
+            if load_master is not None:
+                load_master(p, value)
+            else:
+                p.copy_(value.to(p.dtype))
             names.add(name)
     extra = sorted(k for k in meta.tensors if not k.startswith("optimizer.") and k not in names)
     if extra and state.pp.size == 1:  # (a pipeline stage holds only its share)

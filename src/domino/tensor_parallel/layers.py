@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino.precision import compute, compute_copy
+from domino.precision import compute, compute_copy, grad_dtype, zeros_grad
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -86,15 +86,15 @@ class WgradStash(list):
     def run(self) -> None:
         """Compute and accumulate every deferred weight/bias gradient, then empty the stash."""
         for weight, bias, grad, x, rows in self:
-            wgrad = _wgrad(grad, x, weight.dtype)
+            wgrad = _wgrad(grad, x, grad_dtype(weight))
             if rows is None:
                 _accumulate(weight, wgrad)
             else:
                 if weight.grad is None:
-                    weight.grad = torch.zeros_like(weight)
+                    weight.grad = zeros_grad(weight)
                 weight.grad[rows] += wgrad
             if bias is not None:
-                _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
+                _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0).to(grad_dtype(bias)))
         self.clear()
 
 
@@ -158,14 +158,14 @@ class _Linear(torch.autograd.Function):
             if handle is not None:
                 handle.wait()
             return grad_input, *none
-        grad_weight = _wgrad(grad, x, weight.dtype)  # runs while dL/dx is being reduced
+        grad_weight = _wgrad(grad, x, grad_dtype(weight))  # runs while dL/dx is being reduced
         if ctx.rows is not None:
-            full = torch.zeros_like(weight)
+            full = zeros_grad(weight)
             full[ctx.rows] = grad_weight
             grad_weight = full
         grad_bias = None
         if ctx.bias is not None:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias.dtype)
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(grad_dtype(ctx.bias))
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
@@ -181,11 +181,11 @@ def _split_wgrad(weight, bias, grad, x, handle, late) -> None:
     fills its own rows, so the result does not depend on where the split fell."""
     target = late.stage(weight)
     if bias is not None:
-        late.stage(bias).add_(grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype))
+        late.stage(bias).add_(grad.reshape(-1, grad.shape[-1]).sum(0).to(grad_dtype(bias)))
     chunks = column_chunks(weight.shape[0], LATE_WGRAD_CHUNKS)
 
     def rows_grad(rows: slice) -> None:
-        target[rows] += _wgrad(grad[..., rows], x, weight.dtype)
+        target[rows] += _wgrad(grad[..., rows], x, grad_dtype(weight))
 
     for i, rows in enumerate(chunks):
         if handle is not None and handle.ready():

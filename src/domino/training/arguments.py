@@ -126,9 +126,9 @@ class TrainArgs(ModelArgs):
         "reduce-scatters and all-gathers, which the Domino schedule overlaps the same way. "
         "Needs --seq-length divisible by TP.", "parallel")
     use_distributed_optimizer: bool = _f(
-        False, "With DP > 1: ZeRO-1 - AdamW state sharded over DP (memory per rank / DP), "
-        "gradients reduce-scattered during the backward, parameters all-gathered after the "
-        "update.", "parallel")
+        False, "With DP > 1: ZeRO-1 - AdamW state (and under --bf16 the fp32 master weights) "
+        "sharded over DP (memory per rank / DP), gradients reduce-scattered during the "
+        "backward, parameters all-gathered after the update.", "parallel")
     emulate_link: str | None = _f(
         None, "Measure overlap on a slow network: run each local rank in its own network "
         "namespace over a veth shaped to RATE (e.g. 1gbit, 100mbit); CPU, local processes, root "

@@ -10,9 +10,15 @@ asynchronously, first layers first, each bucket waited for only where the next f
 uses one of its parameters (:meth:`DistributedAdamW.attach`). The global gradient norm is summed
 from the chunks (each element counted once over its gradient group, then each parameter where
 its placement counts it, e.g. TP-replicated ones once over TP), so clipping is the unsharded
-optimizer's. Parameters stay fp32 under ``--bf16`` (the model computes from bf16 copies made
-once per step, :mod:`domino.precision`), so they are their own master weights; the fp32 chunk
-buffers are refreshed from them before every update.
+optimizer's.
+
+The fp32 chunk buffers are the master weights, sharded like the moments. Under ``--bf16`` the
+parameters themselves become bf16 when the optimizer is built (:func:`~domino.precision.to_compute_dtype`:
+no compute copies), their ``.grad`` staying the fp32 main gradient; so a rank holds bf16
+weights, fp32 gradients and 1/DP of the fp32 masters and moments, and the updated chunks are
+all-gathered in bf16 (half the bytes). A parameter written from outside (a test copying weights
+in) is taken back into its chunk at the next step, as its version counter shows; checkpoints
+read and write the masters (:meth:`DistributedAdamW.full_masters`, :meth:`~DistributedAdamW.load_master`).
 
 Checkpoints hold the full moments per parameter, exactly as the unsharded optimizer writes them
 (:meth:`DistributedAdamW.full_state` gathers them over DP), so a checkpoint loads at any DP size,
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from domino.precision import to_compute_dtype
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.placement import (
     WITHIN,
@@ -63,7 +70,8 @@ class DistributedAdamW:
             raise ValueError("DistributedAdamW needs a GradReducer built with shard=True")
         self.reducer = reducer
         self.overlap_param_gather = overlap_param_gather
-        self._gathers: dict[int, tuple[torch.Tensor, object]] = {}  # bucket -> (full, handle)
+        # bucket -> (gathered, handle, the chunk sent): in flight until wait_params
+        self._gathers: dict[int, tuple[torch.Tensor, object, torch.Tensor]] = {}
         self.chunks: list[torch.Tensor] = []
         self.segments: list[_Segment] = []
         decay, no_decay = [], []
@@ -90,6 +98,30 @@ class DistributedAdamW:
         self.inner = AdamW(groups or [{"params": [torch.zeros(1)]}], lr=lr, betas=betas,
                            eps=eps)
         self.params = [p for b in reducer.buckets for p in b.params]
+        self._segments_of: dict[int, list[_Segment]] = {}
+        for seg in self.segments:
+            self._segments_of.setdefault(id(seg.param), []).append(seg)
+        with torch.no_grad():  # the masters: the parameters' values, before any cast
+            for seg in self.segments:
+                seg.view.copy_(seg.param.detach().reshape(-1)[seg.lo:seg.hi])
+        self.turned = to_compute_dtype(self.params)  # --bf16: the parameters become bf16
+        self._versions: dict[int, int] = {}
+        self._mark_written(self.params)
+
+    def _mark_written(self, params) -> None:
+        """These parameters hold what the masters say (each one's version counter now)."""
+        for p in params:
+            self._versions[id(p)] = p._version
+
+    @torch.no_grad()
+    def _take_written(self) -> None:
+        """Parameters written from outside since the optimizer last wrote them: their values
+        become the masters (in their own precision)."""
+        for p in self.params:
+            if p._version != self._versions[id(p)]:
+                for seg in self._segments_of.get(id(p), []):
+                    seg.view.copy_(p.detach().reshape(-1)[seg.lo:seg.hi])
+                self._versions[id(p)] = p._version
 
     def _group(self, bucket: int) -> CommGroup:
         """The group bucket ``bucket`` is sharded over (its gradient group)."""
@@ -145,9 +177,9 @@ class DistributedAdamW:
         """Update this rank's chunks (gradients scaled by ``clip_coeff``), then all-gather every
         bucket's chunks into the parameters (left in flight with ``overlap_param_gather``)."""
         self.wait_params()  # a parameter the last forward did not use
+        self._take_written()
         with torch.no_grad():
             for seg in self.segments:
-                seg.view.copy_(seg.param.detach().reshape(-1)[seg.lo:seg.hi])
                 grad = self._shard_grad(seg)
                 seg.view.grad = grad if clip_coeff == 1.0 else grad * clip_coeff
             self.inner.step()
@@ -156,9 +188,10 @@ class DistributedAdamW:
             # Buckets are in backward order: launch the first layers' (the last buckets) first.
             for bi in reversed(range(len(self.chunks))):
                 chunk, group = self.chunks[bi], self._group(bi)
-                full = chunk.new_empty(chunk.numel() * group.size)
+                send = chunk.to(self._param_dtype(bi))  # bf16 parameters: half the bytes
+                full = send.new_empty(send.numel() * group.size)
                 self._gathers[bi] = (full, group.all_gather_into(
-                    full, chunk, async_op=True, name="dp params (all-gather)"))
+                    full, send, async_op=True, name="dp params (all-gather)"), send)
         if not self.overlap_param_gather:
             self.wait_params()
 
@@ -172,13 +205,19 @@ class DistributedAdamW:
             bucket = self.reducer.buckets[bi]
             if wanted is not None and not any(id(p) in wanted for p in bucket.params):
                 continue
-            full, handle = self._gathers.pop(bi)
+            full, handle, _sent = self._gathers.pop(bi)
             handle.wait()
             offset = 0
             with torch.no_grad():
                 for p in bucket.params:
-                    p.copy_(full[offset:offset + p.numel()].view_as(p))
+                    p.copy_(full[offset:offset + p.numel()].view(p.shape))
                     offset += p.numel()
+            self._mark_written(bucket.params)
+
+    def _param_dtype(self, bucket: int) -> torch.dtype:
+        """The dtype bucket ``bucket``'s parameters are gathered in: theirs, when they share it."""
+        dtypes = {p.dtype for p in self.reducer.buckets[bucket].params}
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
     def attach(self, model: nn.Module) -> list:
         """Forward pre-hooks that wait for the parameters just before their first use: the
@@ -197,6 +236,34 @@ class DistributedAdamW:
                   for b in blocks)]
 
     # -- checkpoints --------------------------------------------------------------------------
+    def full_masters(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full fp32 master weight, gathered over its gradient group (a
+        collective: every rank calls it). What a checkpoint holds for the parameters."""
+        self.wait_params()
+        self._take_written()
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        for bi, (bucket, chunk) in enumerate(zip(self.reducer.buckets, self.chunks,
+                                                 strict=True)):
+            group = self._group(bi)
+            full = chunk.new_empty(chunk.numel() * group.size)
+            group.all_gather_into(full, chunk, name="master weights (all-gather)")
+            offset = 0
+            for p in bucket.params:
+                out[p] = full[offset:offset + p.numel()].view(p.shape).clone()
+                offset += p.numel()
+        return out
+
+    @torch.no_grad()
+    def load_master(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set parameter ``p`` (this rank's full tensor of it) from ``value`` (a checkpoint's,
+        at full precision): its master chunks exactly, ``p`` itself cast."""
+        self.wait_params([p])
+        flat = value.reshape(-1).to(p.device, torch.float32)
+        for seg in self._segments_of.get(id(p), []):
+            seg.view.copy_(flat[seg.lo:seg.hi])
+        p.copy_(value.to(p.device, p.dtype).view(p.shape))
+        self._mark_written([p])
+
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Every parameter's full AdamW state, as :class:`~domino.training.adamw.AdamW` holds it, on every
         rank of the gradient groups (a collective: every rank calls it). Empty before the first

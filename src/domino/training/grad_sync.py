@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from domino.precision import grad_dtype, zeros_grad
 from domino.tensor_parallel.comm import CommGroup, Handle
 from domino.tensor_parallel.placement import GRAD_GROUPS, NamedGroups, placement_of
 from domino.transformer.context import BackwardContext
@@ -97,7 +98,7 @@ class GradReducer:
             name = placement_of(p).grad_group
             bucket, size = filling.get(name, (None, 0))
             if bucket is None or size + p.numel() > bucket_numel \
-                    or p.dtype != bucket.params[0].dtype:
+                    or grad_dtype(p) != grad_dtype(bucket.params[0]):
                 bucket, size = _Bucket([], name), 0
                 self.buckets.append(bucket)
             bucket.params.append(p)
@@ -152,7 +153,7 @@ class GradReducer:
         grads = []
         for p in bucket.params:
             if p.grad is None:  # unused this step: every rank must still send the same buffer
-                p.grad = torch.zeros_like(p)
+                p.grad = zeros_grad(p)
             grads.append(p.grad)
         bucket.grads = grads
         group = self.state.group(bucket.group)
@@ -188,7 +189,7 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.handle.wait()
             offset = 0
-            wanted = bucket.params[0].dtype  # the sums in the gradients' dtype again
+            wanted = grad_dtype(bucket.params[0])  # the sums in the gradients' dtype again
             if self.shard and bucket.shard.dtype != wanted:
                 bucket.shard = bucket.shard.to(wanted)
             if not self.shard:

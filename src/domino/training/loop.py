@@ -167,7 +167,7 @@ class Trainer:
     def _resume(self) -> list[str]:
         resume = self.run.resume
         assert resume is not None
-        load_model(resume.step_dir, resume.meta, self.model, self.state)
+        load_model(resume.step_dir, resume.meta, self.model, self.state, self.optimizer)
         if resume.weights_only:
             return [f"initialised from the weights of {resume.step_dir} (no optimizer state): a "
                     "new run from step 0"]
@@ -388,11 +388,13 @@ class Trainer:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of AdamW moments (and steps) this rank holds (a distributed optimizer: its
-    chunks', in its inner AdamW)."""
-    inner = optimizer.inner if isinstance(optimizer, DistributedAdamW) else optimizer
-    return sum(v.numel() * v.element_size() for st in inner.state.values()
-               for v in st.values() if isinstance(v, torch.Tensor))
+    """Bytes of AdamW moments (and steps) this rank holds; a distributed optimizer's are its
+    chunks' (in its inner AdamW), with its chunks of the fp32 master weights."""
+    zero = isinstance(optimizer, DistributedAdamW)
+    inner = optimizer.inner if zero else optimizer
+    masters = sum(c.numel() * c.element_size() for c in optimizer.chunks) if zero else 0
+    return masters + sum(v.numel() * v.element_size() for st in inner.state.values()
+                         for v in st.values() if isinstance(v, torch.Tensor))
 
 
 _GROUP_NAMES = {"tp": "TP", "dp": "DP", "embedding": "tied-embedding sums"}

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from domino.precision import zeros_grad
 from domino.tensor_parallel import CommGroup, placement_of
 from domino.tensor_parallel.placement import NamedGroups, counts_in_norm, sum_over_norm_groups
 from domino.training.adamw import AdamW
@@ -56,7 +57,7 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for p in params:
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = zeros_grad(p)
         out.append(p.grad)
     return out
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from domino.precision import zeros_grad
+
 
 class LateWork:
     """Gradient work that is complete but need not run yet (items with ``run()``), handed to a
@@ -61,7 +63,7 @@ class LateWork:
         space = self._staged if space is None else space
         entry = space.get(id(param))
         if entry is None:
-            entry = (param, torch.zeros_like(param))
+            entry = (param, zeros_grad(param))
             space[id(param)] = entry
             self._arm()
         return entry[1]
