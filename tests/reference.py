@@ -77,6 +77,8 @@ def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
         g = h // per
         scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(d)  # [b, s, s]
         causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        if cfg.window_size is not None:  # key j is seen by query i iff i - window < j <= i
+            causal = causal | torch.ones(s, s, dtype=torch.bool).tril(-cfg.window_size)
         blocked = causal if mask is None else (causal | mask[:, 0])
         scores = scores.masked_fill(blocked, float("-inf"))
         ctx.append(torch.softmax(scores, dim=-1) @ v[:, :, g])  # [b, s, d]

@@ -31,6 +31,8 @@ def make(**overrides) -> TransformerConfig:
     (dict(position_embedding_type="rope", rotary_percent=0.25, kv_channels=4),
      ["rotary_percent"]),
     (dict(rotary_percent=0.0), ["rotary_percent"]),
+    (dict(window_size=0), ["window_size=0", ">= 1"]),
+    (dict(window_size=True), ["window_size=True"]),
     (dict(rotary_percent=1.5), ["rotary_percent"]),
     (dict(rotary_seq_len_interpolation_factor=0.0), ["rotary_seq_len_interpolation_factor"]),
     (dict(seq_length=2048, max_position_embeddings=1024),

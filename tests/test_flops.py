@@ -3,6 +3,7 @@ MFU is taken against."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -53,6 +54,13 @@ def test_gqa_swiglu_by_hand() -> None:
     assert train_flops_per_step(c, 10, tp=4) == 3 * 10 * (3 * layer + 2 * 96 * 512)
     assert train_flops_per_step(c, 10, head=False) == 3 * 10 * 3 * layer
     assert train_flops_per_step(c, 10, head=False, layers=1) == 3 * 10 * layer
+    # A sliding window of 5 keys: attention 2*2*5*96 instead of seq 16; one as long as the
+    # sequence changes nothing.
+    windowed = dataclasses.replace(c, window_size=5)
+    assert train_flops_per_step(windowed, 10, head=False, layers=1) == 3 * 10 * (
+        layer - 4 * 16 * 96 + 4 * 5 * 96)
+    assert train_flops_per_step(dataclasses.replace(c, window_size=64), 10) == \
+        train_flops_per_step(c, 10)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -47,6 +47,12 @@ VARIANTS = {
              rotary_seq_len_interpolation_factor=2.0, activation="swiglu", vocab_size=1000,
              num_query_groups=4),
         0.05, (3, "intra_layer", 2), "sgd"),
+    # Qwen2's bias on Q/K/V alone and Mistral's sliding window (3 keys of the 8-token sequence).
+    "qkv_bias_window3": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, add_qkv_bias=True, window_size=3,
+             vocab_size=1000),
+        0.0, (2, "cross_layer", 2), "adam"),
     "vocab_1000_pad_1_untied": (
         dict(vocab_size=1001, make_vocab_size_divisible_by=1,
              untie_embeddings_and_output_weights=True, num_layers=1),
@@ -167,7 +173,7 @@ def test_gpt_tp_matches_single_process(tp, variant) -> None:
 # ---- TP=1 vs the independent reference ---------------------------------------------------------
 
 REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied_smooth",
-                "rope_half_interp_swiglu_smooth"]
+                "rope_half_interp_swiglu_smooth", "qkv_bias_window3"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)
@@ -185,9 +191,9 @@ def test_gpt_tp1_matches_independent_reference(variant, masked) -> None:
     labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
     wts = torch.rand(BATCH, SEQ, generator=gen)
     mask = None
-    if masked:  # key padding (never key 0, so no query row is fully masked)
+    if masked:  # key padding (never key 0, nor a whole window: no query row is fully masked)
         mask = torch.zeros(BATCH, 1, SEQ, SEQ, dtype=torch.bool)
-        mask[0, ..., 5:] = True
+        mask[0, ..., 6:] = True
         mask[2, ..., 2] = True
     with torch.no_grad():
         model.parallel_output = False

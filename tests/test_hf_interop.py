@@ -6,6 +6,7 @@ models imported at TP=1 and TP=2 give the original's logits; tokenizers encode a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -106,7 +107,13 @@ CASES = {
     "llama-bias-tied-plain-rope": lambda v: _llama_config(
         v, add_bias_linear=True, untie_embeddings_and_output_weights=False,
         rope_scaling_type=None, rotary_base=10000.0),
+    "qwen2-untied": lambda v: _llama_config(v, add_qkv_bias=True, rope_scaling_type=None,
+                                            rotary_base=1000000.0),
+    # A window shorter than the 30-token sequence, the prompt and generation: it must bite.
+    "mistral-window-tied": lambda v: _llama_config(
+        v, window_size=7, untie_embeddings_and_output_weights=False, rope_scaling_type=None),
 }
+ARCH_OF = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -116,7 +123,8 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
     meta = open_checkpoint(folder)[1]
     out = tmp_path / "hf"
     arch = export_hf(folder, meta, out)
-    assert arch == ("gpt2" if case.startswith("gpt2") else "llama")
+    assert arch == ARCH_OF[case.split("-")[0].removesuffix("3")]
+    assert json.loads((out / "config.json").read_text())["model_type"] == arch
     ids = torch.tensor([bpe.encode(TEXT)[:30]])
     with torch.no_grad():
         mine = ours(ids, None, None)[..., :config.vocab_size]
@@ -136,6 +144,13 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
     plain = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,),
                      use_cache=False)
     assert cached == plain == hf_ids and len(hf_ids) >= 1
+    if config.window_size is not None:  # the window changed the logits: it was applied
+        full = dataclasses.replace(config, window_size=None)
+        wide = GPTModel(full, parallel_state=state)
+        wide.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert not torch.allclose(wide.eval()(ids, None, None)[..., :config.vocab_size],
+                                      mine, atol=1e-3)
 
 
 def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer) -> None:
@@ -146,6 +161,35 @@ def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer
     assert "neither GPT-2 nor Llama" in msg and "rope positions" in msg and "RMSNorm" in msg
     _, folder = _ours(tmp_path / "run", config, bpe)
     assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
+
+
+def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) -> None:
+    from domino.checkpoint.hf import config_from_hf
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    t = _hf()
+    cases = {
+        "gemma": (t.GemmaConfig(**small), ["(1 + weight)", "sqrt(hidden_size)", "GeGLU"]),
+        "gemma2": (t.Gemma2Config(**small), ["soft-capping", "alternating", "four per layer"]),
+        "qwen3": (t.Qwen3Config(**small), ["q_norm / k_norm"]),
+        "qwen2-some-layers": (t.Qwen2Config(**small, use_sliding_window=True,
+                                            max_window_layers=1, sliding_window=8),
+                              ["layers 1-1 only"]),
+    }
+    for name, (cfg, reasons) in cases.items():
+        with pytest.raises(ValueError) as err:
+            config_from_hf(cfg.to_dict())
+        assert all(r in str(err.value) for r in reasons), (name, str(err.value))
+    # Qwen2 sliding on every layer (max_window_layers 0) is Mistral's window; on none, full.
+    every = t.Qwen2Config(**small, use_sliding_window=True, max_window_layers=0,
+                          sliding_window=8).to_dict()
+    assert config_from_hf(every)[1].window_size == 8
+    assert config_from_hf(t.Qwen2Config(**small).to_dict())[1].window_size is None
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(t.Gemma2Config(**small).to_dict()))
+    assert main(["import", str(folder), str(tmp_path / "out")]) == 2
 
 
 # ---- import --------------------------------------------------------------------------------------
@@ -160,6 +204,20 @@ def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       bos_token_id=eod, eos_token_id=eod)
         model = _hf().GPT2LMHeadModel(cfg)
+    elif arch == "qwen2":  # as Qwen2.5-0.5B: tied, Q/K/V biases, theta 1e6
+        cfg = _hf().Qwen2Config(
+            vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_theta=1000000.0, bos_token_id=eod, eos_token_id=eod)
+        model = _hf().Qwen2ForCausalLM(cfg)
+    elif arch == "mistral":  # a sliding window shorter than the 30-token sequence
+        cfg = _hf().MistralConfig(
+            vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=64, rms_norm_eps=1e-5, sliding_window=6,
+            tie_word_embeddings=False, bos_token_id=eod, eos_token_id=eod)
+        model = _hf().MistralForCausalLM(cfg)
     else:
         cfg = _hf().LlamaConfig(
             vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
@@ -186,7 +244,7 @@ def _imported_logits(rank: int, world: int, run: str, ids: torch.Tensor) -> torc
     return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral"])
 def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
                                      capfd) -> None:
     folder, original = _hf_folder(tmp_path, bpe, arch)

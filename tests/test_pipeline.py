@@ -26,10 +26,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 def _config(tied: bool, sp: bool = False) -> TransformerConfig:
+    """The untied model also slides a 6-key window over its 16 tokens (Mistral's attention)."""
     return TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=V,
                              seq_length=S, max_position_embeddings=S, hidden_dropout=0.0,
                              attention_dropout=0.0, untie_embeddings_and_output_weights=not tied,
-                             make_vocab_size_divisible_by=16, sequence_parallel=sp)
+                             make_vocab_size_divisible_by=16, sequence_parallel=sp,
+                             window_size=None if tied else 6)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:

@@ -78,6 +78,14 @@ class TransformerConfig:
         metadata={"help": "MLP activation: gelu (exact), gelu_tanh (GPT-2's tanh approximation) "
                           "or swiglu."})
     add_bias_linear: bool = field(default=True, metadata={"help": "Bias in the linear layers."})
+    add_qkv_bias: bool = field(
+        default=False,
+        metadata={"help": "Bias in the Q/K/V projection even without add_bias_linear (Qwen2)."})
+    window_size: int | None = field(
+        default=None,
+        metadata={"help": "Sliding-window attention: each query sees itself and the "
+                          "window_size - 1 keys before it (Mistral's sliding_window; Megatron's "
+                          "(window_size - 1, 0)); None: every earlier key."})
     hidden_dropout: float = field(default=0.1, metadata={"help": "Dropout after attention/MLP."})
     attention_dropout: float = field(default=0.1, metadata={"help": "Dropout on attention probs."})
     layernorm_epsilon: float = field(default=1e-5, metadata={"help": "Norm epsilon."})
@@ -142,6 +150,11 @@ class TransformerConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name}={p} must be in [0, 1).")
+        if self.window_size is not None and (isinstance(self.window_size, bool)
+                                             or not isinstance(self.window_size, int)
+                                             or self.window_size < 1):
+            raise ValueError(f"window_size={self.window_size!r} must be an integer >= 1 (the "
+                             "tokens a query sees, itself included) or None for full attention.")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1].")
         if self.position_embedding_type == "rope":
@@ -281,7 +294,8 @@ ARCHITECTURE_FIELDS = (
     "position_embedding_type", "rotary_percent", "rotary_base",
     "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-    "normalization", "activation", "add_bias_linear", "layernorm_epsilon",
+    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "window_size",
+    "layernorm_epsilon",
     "apply_residual_connection_post_layernorm", "final_layernorm",
     "untie_embeddings_and_output_weights",
 )

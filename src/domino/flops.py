@@ -6,7 +6,8 @@ what an implementation happens to run. Per token and layer, forward:
 * every linear layer's GEMM: 2 x in x out (QKV: hidden x (heads + 2 x kv groups) x head dim;
   the attention output; the MLP: two GEMMs of hidden x ffn, three with a gated (SwiGLU) unit),
 * attention: 2 x 2 x seq x (heads x head dim) for the scores (Q K^T) and the context (P V), the
-  full seq x seq matrix even where a causal kernel skips about half of it,
+  full seq x seq matrix even where a causal kernel skips about half of it (with a sliding
+  window shorter than the sequence, the window's keys instead of seq),
 * and once per token the LM head: 2 x hidden x padded vocabulary (the logits GEMM).
 
 A training step costs 3x its forward (backward: an input gradient and a weight gradient per
@@ -71,7 +72,8 @@ def forward_flops_per_token(config, *, tp: int = 1, head: bool = True,
     padded for ``tp`` ranks; ``layers``: this many transformer layers, default the config's)."""
     layers = config.num_layers if layers is None else layers
     per_layer = sum(2.0 * i * o for i, o, _ in _layer_linears(config))
-    per_layer += 4.0 * config.seq_length * config.num_attention_heads * config.kv_channels
+    keys = min(config.seq_length, config.window_size or config.seq_length)
+    per_layer += 4.0 * keys * config.num_attention_heads * config.kv_channels
     out = layers * per_layer
     if head:
         out += 2.0 * config.hidden_size * config.padded_vocab_size(tp)

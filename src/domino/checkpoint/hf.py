@@ -1,5 +1,7 @@
 """Hugging Face ``transformers`` interop: our GPT as GPT-2 (LayerNorm, GELU, learned positions,
-biases) or Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention), both ways.
+biases) or as the Llama family (RMSNorm, SwiGLU, RoPE, grouped-query attention): Llama, Qwen2
+(bias on Q/K/V only) and Mistral (sliding-window attention), both ways. Gemma is refused with
+what stands in the way (:func:`config_from_hf`).
 
 Written from the two formats' documented layouts (``config.json`` keys, weight names and
 shapes), so neither export nor import needs ``transformers`` installed. Weight layouts:
@@ -20,13 +22,23 @@ import torch
 
 from domino.config import TransformerConfig
 
-ARCHITECTURES = ("gpt2", "llama")
+ARCHITECTURES = ("gpt2", "llama", "qwen2", "mistral")
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")  # one weight layout, different config.json keys
+_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# What Gemma (1, 2, 3) has that this model cannot express, for the refusal.
+_GEMMA = ("RMSNorm scaling by (1 + weight)", "the embedding scaled by sqrt(hidden_size)",
+          "GeGLU (a tanh-GELU gate)")
+_GEMMA_2_3 = ("attention and final logit soft-capping", "norms before and after each "
+              "sublayer (four per layer)", "local sliding-window layers alternating with "
+              "global ones", "query_pre_attn_scalar")
 _GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                  "gelu_fast": "gelu_tanh"}
 
 
 def choose_architecture(config: TransformerConfig) -> str:
-    """``gpt2`` or ``llama`` by the model's features; ValueError naming what neither has."""
+    """``gpt2``, or ``llama`` / ``qwen2`` / ``mistral`` by the model's features; ValueError
+    naming what none of them has."""
     common = []
     if config.apply_residual_connection_post_layernorm:
         common.append("the residual taken after the norm (post-LN)")
@@ -45,6 +57,10 @@ def choose_architecture(config: TransformerConfig) -> str:
         gpt2.append("grouped-query attention (GPT-2 has one K/V per head)")
     if config.kv_channels * config.num_attention_heads != config.hidden_size:
         gpt2.append("heads x head size != hidden size")
+    if config.add_qkv_bias and not config.add_bias_linear:
+        gpt2.append("bias on Q/K/V only (GPT-2 has every bias)")
+    if config.window_size is not None:
+        gpt2.append("sliding-window attention")
     if not gpt2:
         return "gpt2"
     llama = list(common)
@@ -58,10 +74,15 @@ def choose_architecture(config: TransformerConfig) -> str:
         llama.append(f"RoPE on {config.rotary_percent:.0%} of each head (Llama rotates all)")
     if config.rope_scaling_type is not None and config.rotary_seq_len_interpolation_factor:
         llama.append("both RoPE position interpolation and llama3 scaling")
+    qkv_only = config.add_qkv_bias and not config.add_bias_linear
+    if config.window_size is not None and (config.add_bias_linear or qkv_only):
+        llama.append("sliding-window attention with biases (Mistral, the family member with "
+                     "a window, has none)")
     if not llama:
-        return "llama"
-    raise ValueError("neither GPT-2 nor Llama can express this model: as GPT-2 it has "
-                     + "; ".join(gpt2) + ". As Llama it has " + "; ".join(llama) + ".")
+        return "mistral" if config.window_size is not None else "qwen2" if qkv_only else "llama"
+    raise ValueError("neither GPT-2 nor the Llama family (Llama, Qwen2, Mistral) can express "
+                     "this model: as GPT-2 it has " + "; ".join(gpt2) + ". As Llama it has "
+                     + "; ".join(llama) + ".")
 
 
 # ---- configs ----------------------------------------------------------------------------------
@@ -97,8 +118,8 @@ def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
         rope = {"rope_type": "linear", "rope_theta": config.rotary_base,
                 "factor": config.rotary_seq_len_interpolation_factor}
     legacy = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+    out = {
+        "model_type": arch, "architectures": [_CLASSES[arch]],
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
@@ -114,6 +135,15 @@ def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
         "bos_token_id": eod, "eos_token_id": eod, "pretraining_tp": 1,
         "torch_dtype": "float32",
     }
+    if arch == "qwen2":  # Q/K/V biases are built in; one window for every layer, or none
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del out[key]
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+    elif arch == "mistral":
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del out[key]
+        out["sliding_window"] = config.window_size
+    return out
 
 
 def _get(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -153,15 +183,27 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
             init_method_std=float(raw.get("initializer_range", 0.02)),
             untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", True))
         return arch, config, eod
-    if arch == "llama":
+    if arch in ("gemma", "gemma2", "gemma3", "gemma3_text"):
+        missing = _GEMMA + (_GEMMA_2_3 if arch != "gemma" else ())
+        raise ValueError(f"model_type {arch!r} is not supported: this model cannot express "
+                         f"{'; '.join(missing)}. `domino import` reads "
+                         f"{', '.join(ARCHITECTURES)} models")
+    if arch == "qwen3":
+        raise ValueError("model_type 'qwen3' is not supported: this model has no RMSNorm on "
+                         "the queries and keys of each head (Qwen3's q_norm / k_norm); "
+                         f"`domino import` reads {', '.join(ARCHITECTURES)} models")
+    if arch in LLAMA_FAMILY:
+        name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"Llama hidden_act={act!r} is not supported (only silu: SwiGLU)")
+            raise ValueError(f"{name} hidden_act={act!r} is not supported (only silu: SwiGLU)")
         if raw.get("pretraining_tp", 1) not in (1, None):
-            raise ValueError(f"Llama pretraining_tp={raw['pretraining_tp']} is not supported")
+            raise ValueError(f"{name} pretraining_tp={raw['pretraining_tp']} is not supported")
         bias = bool(raw.get("attention_bias", False))
-        if bool(raw.get("mlp_bias", False)) != bias:
-            raise ValueError("Llama attention_bias != mlp_bias is not supported (one flag here)")
+        if arch == "llama" and bool(raw.get("mlp_bias", False)) != bias:
+            raise ValueError("Llama attention_bias != mlp_bias is not supported: the output "
+                             "projection's bias comes with the MLP's here (add_bias_linear)")
+        window = _window_from_hf(raw, arch, name)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -175,10 +217,10 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
         elif kind == "linear":
             extra = dict(rotary_seq_len_interpolation_factor=float(rope["factor"]))
         elif kind != "default":
-            raise ValueError(f"Llama RoPE type {kind!r} is not supported (default, linear, "
+            raise ValueError(f"{name} RoPE type {kind!r} is not supported (default, linear, "
                              "llama3)")
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("Llama partial_rotary_factor != 1 is not supported")
+            raise ValueError(f"{name} partial_rotary_factor != 1 is not supported")
         heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
         positions = int(raw.get("max_position_embeddings", 2048))
         config = TransformerConfig(
@@ -189,15 +231,42 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
             kv_channels=int(raw.get("head_dim") or hidden // heads),
             max_position_embeddings=positions, seq_length=min(positions, 4096),
             position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
-            activation="swiglu", add_bias_linear=bias,
+            activation="swiglu", add_bias_linear=bias and arch == "llama",
+            add_qkv_bias=arch == "qwen2", window_size=window,
             layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)), hidden_dropout=0.0,
             attention_dropout=float(raw.get("attention_dropout", 0.0)),
             init_method_std=float(raw.get("initializer_range", 0.02)),
             untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", False),
             **extra)
         return arch, config, eod
-    raise ValueError(f"model_type {arch!r} is not supported; `domino import` reads gpt2 and "
-                     "llama models")
+    raise ValueError(f"model_type {arch!r} is not supported; `domino import` reads "
+                     f"{', '.join(ARCHITECTURES)} models")
+
+
+def _window_from_hf(raw: dict[str, Any], arch: str, name: str) -> int | None:
+    """The sliding window every layer uses (None: full attention); ValueError when the layers
+    differ (this model has one window for all of them)."""
+    layers = int(raw["num_hidden_layers"])
+    if arch == "llama":
+        return None
+    window = raw.get("sliding_window")
+    if arch == "qwen2":
+        # Qwen2 slides only with use_sliding_window, on the layers from max_window_layers on.
+        first = int(raw.get("max_window_layers") or 0)
+        if not raw.get("use_sliding_window") or first >= layers:
+            return None
+        if first > 0:
+            raise ValueError(f"Qwen2 with a sliding window on layers {first}-{layers - 1} only "
+                             "is not supported: one window for every layer here (or none)")
+    types = raw.get("layer_types")
+    if types and window is not None and len(set(types)) > 1:
+        raise ValueError(f"{name} layer_types mixes {sorted(set(types))}: one attention kind "
+                         "for every layer is supported here")
+    if types and set(types) == {"full_attention"}:
+        return None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name} sliding_window={window!r} must be a positive integer or null")
+    return window
 
 
 # ---- weights ----------------------------------------------------------------------------------
@@ -258,7 +327,7 @@ def _pairs(config: TransformerConfig, arch: str) -> list[tuple[str, str, bool]]:
             out += [(a + "input_layernorm.weight", h + "input_layernorm.weight", False),
                     (a + "post_attention_layernorm.weight",
                      h + "post_attention_layernorm.weight", False)]
-            for suffix in ("weight", "bias") if config.add_bias_linear else ("weight",):
+            for suffix in _suffixes(config.add_bias_linear):
                 out += [(a + "self_attention.dense." + suffix, h + "self_attn.o_proj." + suffix,
                          False),
                         (a + "mlp.dense_4h_to_h." + suffix, h + "mlp.down_proj." + suffix, False)]
@@ -277,10 +346,14 @@ def _fused(config: TransformerConfig, arch: str, i: int) -> list[tuple[str, str]
     if arch == "gpt2":
         return [(a + "self_attention.query_key_value." + x, f"h.{i}.attn.c_attn.{x}")
                 for x in ("weight", "bias")]
-    suffixes = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    qkv = _suffixes(config.add_bias_linear or config.add_qkv_bias)
     return [(a + "self_attention.query_key_value." + x, f"model.layers.{i}.self_attn.{x}")
-            for x in suffixes] + [(a + "mlp.dense_h_to_4h." + x, f"model.layers.{i}.mlp.{x}")
-                                  for x in suffixes]
+            for x in qkv] + [(a + "mlp.dense_h_to_4h." + x, f"model.layers.{i}.mlp.{x}")
+                             for x in _suffixes(config.add_bias_linear)]
+
+
+def _suffixes(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
 
 
 def _vocab_names(arch: str) -> tuple[str, str]:

@@ -17,7 +17,7 @@ from domino.data.tokenizer import BPETokenizer, as_rust_tokenizer
 
 
 def export_hf(step_dir: Path, meta: layout.Meta, out: Path) -> str:
-    """Write the HF model folder; returns the architecture (gpt2 or llama)."""
+    """Write the HF model folder; returns the architecture (gpt2, llama, qwen2 or mistral)."""
     config = TransformerConfig.from_dict(meta.config)
     arch = choose_architecture(config)
     tokenizer = load_tokenizer(step_dir, meta)

@@ -84,7 +84,8 @@ class _AttentionBase(nn.Module):
         """Left by the row-parallel ``dense``'s partial sums (a :class:`~.layer.BlockOp`)."""
         return RowParallelExit(self.dense, sequence_parallel)
 
-    def _attend(self, q, k, v, mask, causal=False, kernels: Kernels | None = None):
+    def _attend(self, q, k, v, mask, causal=False, kernels: Kernels | None = None,
+                window: int | None = None):
         gen = self.rng.model_parallel(q.device)  # heads differ per rank: TP-distinct masks
         kernels = kernels or self.kernels
 
@@ -92,7 +93,7 @@ class _AttentionBase(nn.Module):
             # The dropout mask is drawn here, eagerly, also when recomputed (see _recomputed).
             keep = attention_keep(q, k.shape[0], self.dropout_p, self.training, gen, v.dtype)
             return kernels.attention(q, k, v, mask, causal, keep, self.dropout_p,
-                                     self.softmax_fp32, self.q_per_group)
+                                     self.softmax_fp32, self.q_per_group, window)
 
         if self.recompute and torch.is_grad_enabled():
             return _recomputed(attend, gen, q, k, v)
@@ -109,8 +110,10 @@ class SelfAttention(_AttentionBase):
         super().__init__(config, state, layer_number, device, recompute, kernels)
         width = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
         self.query_key_value = ColumnParallelLinear(
-            config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
+            config.hidden_size, width, group=state.tp,
+            bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
+        self.window = config.window_size
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:
@@ -121,7 +124,8 @@ class SelfAttention(_AttentionBase):
         kernels = self.kernels.serving(mb.inference_params is not None)
         q, k, v = kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim)
         k, v = self._cache(k, v, mb)
-        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal, kernels)
+        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal, kernels,
+                            self.window)
 
     def _cache(self, k: torch.Tensor, v: torch.Tensor, mb: MicroBatch):
         params = mb.inference_params

@@ -81,28 +81,38 @@ def split_qkv(qkv: torch.Tensor, rotary: torch.Tensor | None, groups: int, q_per
     return q, k, v
 
 
-def causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
-    """[sq, sk] bool, True where key j lies after query i (queries are the last sq positions)."""
+def causal_mask(sq: int, sk: int, device: torch.device,
+                window: int | None = None) -> torch.Tensor:
+    """[sq, sk] bool, True where key j lies after query i (queries are the last sq positions)
+    or, with a sliding ``window``, ``window`` or more positions before it."""
     q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
-    return torch.arange(sk, device=device).unsqueeze(0) > q_pos
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)
+    masked = k_pos > q_pos
+    if window is not None:
+        masked = masked | (k_pos <= q_pos - window)
+    return masked
 
 
 def merge_masks(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
-                device: torch.device) -> torch.Tensor | None:
+                device: torch.device, window: int | None = None) -> torch.Tensor | None:
+    """``mask`` with the causal (and sliding-window) rule added when ``causal``. A window only
+    applies to causal attention (as in Mistral)."""
     if not causal:
         return mask
-    c = causal_mask(sq, sk, device)
+    c = causal_mask(sq, sk, device, window)
     return c if mask is None else (mask | c)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool, keep: torch.Tensor | None, p: float,
-              softmax_fp32: bool, q_per_group: int = 1) -> torch.Tensor:
+              softmax_fp32: bool, q_per_group: int = 1,
+              window: int | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n / q_per_group, d]
     -> [sq, b, n*d]; ``keep`` [b, n, sq, sk] (with ``p``): the dropout mask of the
     probabilities (see :func:`attention_keep`), None without dropout.
 
-    ``mask`` is bool (True = masked out); ``causal`` adds the causal rule. Masked scores take the
+    ``mask`` is bool (True = masked out); ``causal`` adds the causal rule, and ``window`` (with
+    ``causal``) masks keys ``window`` or more positions before the query. Masked scores take the
     dtype's minimum rather than -inf: a row whose keys are all masked (e.g. a padding query) stays
     finite instead of turning into NaN. Without dropout this runs PyTorch's fused
     scaled_dot_product_attention (no s x s tensor kept for backward); with dropout the masks come
@@ -117,10 +127,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     # several times slower there than its math SDPA backend, and than fp32 batched matmuls
     # (scripts/attention_paths.py; docs/performance.md#attention).
     low_cpu = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+    if window is not None and window >= sk:
+        window = None  # it covers every key: plain causal attention
     if keep is None:
         kwargs: dict = {"is_causal": True}
-        if not (mask is None and causal and sq == sk):
-            merged = merge_masks(mask, causal, sq, sk, q.device)
+        if not (mask is None and causal and sq == sk and window is None):
+            merged = merge_masks(mask, causal, sq, sk, q.device, window)
             bias = None
             if merged is not None:
                 bias = torch.zeros(merged.shape, dtype=q.dtype, device=q.device)
@@ -137,7 +149,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = mm(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     if softmax_fp32:
         scores = scores.float()
-    merged = merge_masks(mask, causal, sq, sk, q.device)
+    merged = merge_masks(mask, causal, sq, sk, q.device, window)
     if merged is not None:
         scores = scores.masked_fill(merged, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
