@@ -47,11 +47,12 @@ VARIANTS = {
              rotary_seq_len_interpolation_factor=2.0, activation="swiglu", vocab_size=1000,
              num_query_groups=4),
         0.05, (3, "intra_layer", 2), "sgd"),
-    # Qwen2's bias on Q/K/V alone and Mistral's sliding window (3 keys of the 8-token sequence).
-    "qkv_bias_window3": (
+    # Qwen2's bias on Q/K/V alone, Qwen3's per-head query/key norms (their gradients summed
+    # over TP) and Mistral's sliding window (3 keys of the 8-token sequence).
+    "qkv_bias_qk_norm_window3": (
         dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
-             num_query_groups=4, add_bias_linear=False, add_qkv_bias=True, window_size=3,
-             vocab_size=1000),
+             num_query_groups=4, add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True,
+             window_size=3, vocab_size=1000),
         0.0, (2, "cross_layer", 2), "adam"),
     "vocab_1000_pad_1_untied": (
         dict(vocab_size=1001, make_vocab_size_divisible_by=1,
@@ -173,7 +174,7 @@ def test_gpt_tp_matches_single_process(tp, variant) -> None:
 # ---- TP=1 vs the independent reference ---------------------------------------------------------
 
 REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied_smooth",
-                "rope_half_interp_swiglu_smooth", "qkv_bias_window3"]
+                "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)

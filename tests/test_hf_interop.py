@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist import run_distributed
 
-from domino.checkpoint.hf import choose_architecture
+from domino.checkpoint.hf_config import choose_architecture
 from domino.checkpoint.hf_export import export_hf
 from domino.checkpoint.hf_import import import_hf, read_hf_weights
 from domino.checkpoint.layout import Meta, open_checkpoint
@@ -112,8 +112,12 @@ CASES = {
     # A window shorter than the 30-token sequence, the prompt and generation: it must bite.
     "mistral-window-tied": lambda v: _llama_config(
         v, window_size=7, untie_embeddings_and_output_weights=False, rope_scaling_type=None),
+    "qwen3-window-tied": lambda v: _llama_config(
+        v, qk_layernorm=True, window_size=9, untie_embeddings_and_output_weights=False,
+        rope_scaling_type=None, rotary_base=1000000.0),
 }
-ARCH_OF = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+ARCH_OF = {"gpt2": "gpt2", "llama3": "llama", "llama": "llama", "qwen2": "qwen2",
+           "qwen3": "qwen3", "mistral": "mistral"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -123,7 +127,7 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
     meta = open_checkpoint(folder)[1]
     out = tmp_path / "hf"
     arch = export_hf(folder, meta, out)
-    assert arch == ARCH_OF[case.split("-")[0].removesuffix("3")]
+    assert arch == ARCH_OF[case.split("-")[0]]
     assert json.loads((out / "config.json").read_text())["model_type"] == arch
     ids = torch.tensor([bpe.encode(TEXT)[:30]])
     with torch.no_grad():
@@ -158,13 +162,14 @@ def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer
     with pytest.raises(ValueError) as err:
         choose_architecture(config)
     msg = str(err.value)
-    assert "neither GPT-2 nor Llama" in msg and "rope positions" in msg and "RMSNorm" in msg
+    assert "neither GPT-2 nor the Llama family" in msg and "rope positions" in msg
+    assert "RMSNorm" in msg
     _, folder = _ours(tmp_path / "run", config, bpe)
     assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
 
 
 def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) -> None:
-    from domino.checkpoint.hf import config_from_hf
+    from domino.checkpoint.hf_config import config_from_hf
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2)
@@ -172,7 +177,7 @@ def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) 
     cases = {
         "gemma": (t.GemmaConfig(**small), ["(1 + weight)", "sqrt(hidden_size)", "GeGLU"]),
         "gemma2": (t.Gemma2Config(**small), ["soft-capping", "alternating", "four per layer"]),
-        "qwen3": (t.Qwen3Config(**small), ["q_norm / k_norm"]),
+        "qwen3-bias": (t.Qwen3Config(**small, attention_bias=True), ["Qwen3 attention_bias"]),
         "qwen2-some-layers": (t.Qwen2Config(**small, use_sliding_window=True,
                                             max_window_layers=1, sliding_window=8),
                               ["layers 1-1 only"]),
@@ -211,6 +216,13 @@ def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.
             max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
             rope_theta=1000000.0, bos_token_id=eod, eos_token_id=eod)
         model = _hf().Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":  # RMSNorm on each head's q and k; head_dim 16 != hidden / heads
+        cfg = _hf().Qwen3Config(
+            vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_theta=1000000.0, bos_token_id=eod, eos_token_id=eod)
+        model = _hf().Qwen3ForCausalLM(cfg)
     elif arch == "mistral":  # a sliding window shorter than the 30-token sequence
         cfg = _hf().MistralConfig(
             vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
@@ -244,7 +256,7 @@ def _imported_logits(rank: int, world: int, run: str, ids: torch.Tensor) -> torc
     return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral"])
 def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
                                      capfd) -> None:
     folder, original = _hf_folder(tmp_path, bpe, arch)

@@ -22,11 +22,11 @@ PLANS = [Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(3, "intra_layer", 2
          Plan(4, "cross_layer", 2), Plan(2, "none", 1)]
 GPT_VARIANTS = {
     "learned_gelu_dropout": dict(hidden_dropout=0.2, attention_dropout=0.2),
-    # Qwen2's Q/K/V-only bias and Mistral's sliding window (3 of the 8 keys).
-    "rope_swiglu_gqa_rms_qkvbias_window": dict(
+    # Qwen2's Q/K/V-only bias, Qwen3's query/key norms and Mistral's sliding window (3 keys).
+    "rope_swiglu_gqa_rms_qkvbias_qknorm_window": dict(
         position_embedding_type="rope", activation="swiglu", num_attention_heads=8,
         num_query_groups=4, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=True,
-        window_size=3, hidden_dropout=0.1),
+        qk_layernorm=True, window_size=3, hidden_dropout=0.1),
     "post_ln_untied_tokentypes": dict(apply_residual_connection_post_layernorm=True,
                                       untie_embeddings_and_output_weights=True),
 }

@@ -81,6 +81,10 @@ class TransformerConfig:
     add_qkv_bias: bool = field(
         default=False,
         metadata={"help": "Bias in the Q/K/V projection even without add_bias_linear (Qwen2)."})
+    qk_layernorm: bool = field(
+        default=False,
+        metadata={"help": "Normalise each head's queries and keys (the model's norm over the "
+                          "head size) before RoPE (Qwen3)."})
     window_size: int | None = field(
         default=None,
         metadata={"help": "Sliding-window attention: each query sees itself and the "
@@ -294,7 +298,8 @@ ARCHITECTURE_FIELDS = (
     "position_embedding_type", "rotary_percent", "rotary_base",
     "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "window_size",
+    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "window_size",
     "layernorm_epsilon",
     "apply_residual_connection_post_layernorm", "final_layernorm",
     "untie_embeddings_and_output_weights",

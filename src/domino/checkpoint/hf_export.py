@@ -9,7 +9,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from domino.checkpoint import layout
-from domino.checkpoint.hf import choose_architecture, hf_config, to_hf
+from domino.checkpoint.hf import to_hf
+from domino.checkpoint.hf_config import choose_architecture, hf_config
 from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.checkpoint.store import load_tokenizer
 from domino.config import TransformerConfig

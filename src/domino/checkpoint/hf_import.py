@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 import domino
 from domino.checkpoint import layout
-from domino.checkpoint.hf import config_from_hf, expected_hf_shapes, from_hf
+from domino.checkpoint.hf import expected_hf_shapes, from_hf
+from domino.checkpoint.hf_config import config_from_hf
 from domino.checkpoint.layout import Meta
 from domino.checkpoint.reshard import reshard
 from domino.checkpoint.shards import describe

@@ -66,6 +66,36 @@ class _GatherFromRegion(torch.autograd.Function):
         return ctx.group.split_last_dim(grad), None
 
 
+class _SumGrads(torch.autograd.Function):
+    """Identity on tensors replicated over ``group`` whose gradients each rank computes only in
+    part (a per-head norm's weights, each rank holding other heads): backward sums them over
+    ``group`` in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        ctx.like = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([(g if g is not None else torch.zeros(shape, dtype=dtype,
+                                                               device=device)).reshape(-1)
+                          for g, (shape, dtype, device) in zip(grads, ctx.like, strict=True)])
+        ctx.group.all_reduce(flat, name="replicated grads (sum)")
+        parts = flat.split([shape.numel() for shape, _, _ in ctx.like])
+        return (None, *(p.view(shape) for p, (shape, _, _) in zip(parts, ctx.like,
+                                                                   strict=True)))
+
+
+def sum_grads_over(tensors: list[torch.Tensor], group: CommGroup) -> list[torch.Tensor]:
+    """``tensors`` as they are, their gradients summed over ``group`` in backward."""
+    if group.size == 1 or not torch.is_grad_enabled() or not any(
+            t.requires_grad for t in tensors):
+        return list(tensors)
+    return list(_SumGrads.apply(group, *tensors))
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return _CopyToRegion.apply(x, group) if group.size > 1 else x
 

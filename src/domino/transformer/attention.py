@@ -18,9 +18,11 @@ from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
+from domino.tensor_parallel.mappings import sum_grads_over
 from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.kernels import Kernels, attention_keep
 from domino.transformer.microbatch import MicroBatch
+from domino.transformer.norms import build_norm
 from domino.utils import divide
 
 
@@ -114,6 +116,10 @@ class SelfAttention(_AttentionBase):
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
         self.window = config.window_size
+        if config.qk_layernorm:  # per head, replicated: every rank's heads add to its gradient
+            self.q_layernorm = build_norm(config, device, self.head_dim)
+            self.k_layernorm = build_norm(config, device, self.head_dim)
+        self.qk_layernorm = config.qk_layernorm
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:
@@ -122,10 +128,22 @@ class SelfAttention(_AttentionBase):
         if poll is not None:  # a schedule's work between the GEMM and the attention
             poll()
         kernels = self.kernels.serving(mb.inference_params is not None)
-        q, k, v = kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim)
+        q, k, v = kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim,
+                                    *self._qk_norms())
         k, v = self._cache(k, v, mb)
         return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal, kernels,
                             self.window)
+
+    def _qk_norms(self) -> tuple:
+        """The query and key norms' kernel arguments (none without ``qk_layernorm``), their
+        weights' gradients summed over TP: each rank's heads contribute a part."""
+        if not self.qk_layernorm:
+            return ()
+        q, k = self.q_layernorm(), self.k_layernorm()
+        tensors = [t for t in (*q[:2], *k[:2]) if t is not None]
+        summed = iter(sum_grads_over(tensors, self.dense.group))
+        return tuple((next(summed), None if a[1] is None else next(summed), *a[2:])
+                     for a in (q, k))
 
     def _cache(self, k: torch.Tensor, v: torch.Tensor, mb: MicroBatch):
         params = mb.inference_params

@@ -69,13 +69,17 @@ def local(out: torch.Tensor | None, bias: torch.Tensor | None, keep: torch.Tenso
 
 
 def split_qkv(qkv: torch.Tensor, rotary: torch.Tensor | None, groups: int, q_per_group: int,
-              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              head_dim: int, q_norm: NormArgs | None = None, k_norm: NormArgs | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused QKV GEMM's output [s, b, groups * (q_per_group + 2) * d] -> q [s, b, heads, d]
-    and k, v [s, b, groups, d], q and k rotated by ``rotary`` (RoPE angles) when given."""
+    and k, v [s, b, groups, d]; each head's q and k normalised by ``q_norm`` / ``k_norm`` when
+    given (Qwen3's), then rotated by ``rotary`` (RoPE angles) when given."""
     sq, b = qkv.shape[0], qkv.shape[1]
     qkv = qkv.view(sq, b, groups, q_per_group + 2, head_dim)
     q = qkv[:, :, :, :q_per_group].reshape(sq, b, groups * q_per_group, head_dim)
     k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    if q_norm is not None:
+        q, k = norm(q, q_norm), norm(k, k_norm)
     if rotary is not None:
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
     return q, k, v

@@ -41,9 +41,12 @@ class LayerNorm(nn.LayerNorm):
         return args if x is None else norm(x, args)
 
 
-def build_norm(config: TransformerConfig, device: torch.device | None = None) -> nn.Module:
-    """The norm named by ``config.normalization``."""
+def build_norm(config: TransformerConfig, device: torch.device | None = None,
+               size: int | None = None) -> nn.Module:
+    """The norm named by ``config.normalization``, over ``size`` features (default
+    ``hidden_size``; a per-head query/key norm's is the head size)."""
+    size = config.hidden_size if size is None else size
     if config.normalization == "RMSNorm":
-        return RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
-    return LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                     dtype=config.params_dtype, device=device)
+        return RMSNorm(size, config.layernorm_epsilon, config.params_dtype, device)
+    return LayerNorm(size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
+                     device=device)
