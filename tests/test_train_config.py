@@ -154,7 +154,7 @@ def test_default_corpus_is_prepared_once(tmp_path, monkeypatch) -> None:
     assert args.global_batch_size == 8 and args.max_position_embeddings == args.seq_length
     tok = BPETokenizer.load(args.tokenizer_dir)
     assert config.vocab_size == tok.vocab_size
-    assert IndexedDataset(args.data_path).tokenizer_info["vocab_hash"] == tok.vocab_hash()
+    assert IndexedDataset(args.data_path[0]).tokenizer_info["vocab_hash"] == tok.vocab_hash()
     cached = sorted((tmp_path / "cache").rglob("*"))
     mtimes = [p.stat().st_mtime_ns for p in cached]
     again = prepare_run(TrainArgs(split="90,10,0"), world_size=2, progress=False).args
@@ -162,4 +162,4 @@ def test_default_corpus_is_prepared_once(tmp_path, monkeypatch) -> None:
     assert [p.stat().st_mtime_ns for p in cached] == mtimes  # nothing rebuilt
     byte = prepare_run(TrainArgs(split="90,10,0", tokenizer_type="byte"), world_size=2,
                        progress=False).args
-    assert IndexedDataset(byte.data_path).tokenizer_info == ByteTokenizer().describe()
+    assert IndexedDataset(byte.data_path[0]).tokenizer_info == ByteTokenizer().describe()

@@ -20,7 +20,8 @@ SUBCOMMANDS = {
     "convert": ("convert", "Reshard a checkpoint to another TP size."),
     "export": ("export", "Export a checkpoint as a transformers model."),
     "import": ("hf_import", "Import a transformers GPT-2 / Llama model."),
-    "preprocess": ("preprocess", "Tokenize text/JSONL into a Megatron .bin/.idx dataset."),
+    "preprocess": ("preprocess",
+                   "Tokenize text, JSONL, Parquet or Arrow into a Megatron .bin/.idx dataset."),
     "bench": ("bench", "Measure sync TP vs Domino vs no-comm step times."),
     "demo": ("demo", "Tiny GPT forward/backward/SGD at TP=2 on CPU (sanity check)."),
 }

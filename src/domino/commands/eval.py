@@ -1,5 +1,5 @@
 """``domino eval RUN_DIR --data-path PREFIX``: loss and perplexity of a saved model on one split
-of a dataset, at any TP x DP size.
+of a dataset (or, with ``--eval-iters``, of a weighted blend), at any TP x DP size.
 
 By default the whole split once, in the sample order of the run's seed. With ``--eval-iters N``
 it reads, like training's validation, the first N global batches (``--global-batch-size``,
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 
-from domino.data.checks import normalize_prefix, open_dataset
+from domino.data.blend import parse_blend
+from domino.data.checks import open_dataset
 from domino.inference.session import add_launch_arguments, launch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
-    parser.add_argument("--data-path", required=True, metavar="PREFIX",
-                        help="dataset prefix (PREFIX.bin/.idx, made with the model's tokenizer)")
+    parser.add_argument("--data-path", required=True, metavar="PREFIX", nargs="+",
+                        help="dataset prefix (PREFIX.bin/.idx, made with the model's tokenizer), "
+                        "or a blend of weight/prefix pairs as in training (needs --eval-iters)")
     parser.add_argument("--split", default=None,
                         help="train/valid/test document weights [default: the run's, or 98,2,0]")
     parser.add_argument("--split-name", choices=("train", "valid", "test"), default="valid")
@@ -38,7 +40,13 @@ def run(ns: argparse.Namespace) -> int:
         value = getattr(ns, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
-    open_dataset(normalize_prefix(ns.data_path))  # a missing or empty dataset fails here
+    blend = parse_blend(ns.data_path)
+    if len(blend) > 1 and ns.eval_iters is None:
+        raise ValueError(f"--data-path is a {blend.describe()}: a blend is evaluated as "
+                         "training's validation reads it, so pass --eval-iters N (the whole split "
+                         "once has no mix to keep); or evaluate each dataset alone")
+    for prefix in blend.prefixes:
+        open_dataset(prefix)  # a missing or empty dataset fails here
     spec = {k: getattr(ns, k) for k in ("data_path", "split", "split_name", "eval_iters",
                                          "global_batch_size", "micro_batch_size", "seq_length",
                                          "seed")}

@@ -1,4 +1,4 @@
-"""`domino preprocess`: text files, folders or JSONL -> a Megatron .bin/.idx token dataset."""
+"""`domino preprocess`: text, folders, JSONL, Parquet or Arrow -> a Megatron .bin/.idx dataset."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import argparse
 import os
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from domino.data.preprocess import DEFAULT_PATTERNS, collect_files, preprocess
+from domino.data.readers import check_inputs, input_kind, iter_documents
 from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
 from domino.utils import check_output_dir, removed_on_error
 
@@ -18,6 +20,12 @@ EPILOG = """examples:
       --tokenizer-type bpe --train-bpe-vocab-size 8192
   domino preprocess --input corpus.jsonl --output-prefix data/gpt2 --tokenizer-type bpe \\
       --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --workers 4
+  domino preprocess --input train-00000-of-00002.parquet train-00001-of-00002.parquet \\
+      --json-keys text --output-prefix data/hub
+  domino preprocess --input saved_dataset/ --output-prefix data/saved   # datasets' save_to_disk
+
+Inputs: text files (one document each), .jsonl/.json (also .jsonl.gz, .jsonl.zst: one document
+per line), .parquet and .arrow (one document per row of the --json-keys column), folders.
 
 With one JSON key the dataset is written to exactly PREFIX.{bin,idx,json}; with several keys,
 one dataset per key at PREFIX_<key>_document (Megatron's naming).
@@ -28,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="Text files, folders (searched recursively) or .jsonl/.json files.")
+                        help="Text files, folders (searched recursively; a datasets "
+                        "save_to_disk folder reads its .arrow files), .jsonl/.json (also .gz, "
+                        ".zst), .parquet or .arrow files.")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
                         help="Write PREFIX.bin, PREFIX.idx and the PREFIX.json sidecar.")
     parser.add_argument("--tokenizer-type", default="byte", choices=("byte", "bpe", "hf"),
@@ -42,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-bpe-vocab-size", type=int, metavar="N",
                         help="Train a byte-level BPE of N tokens on the inputs first.")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                        help="JSONL field(s) holding the text. [default: text]")
+                        help="JSONL field(s) or Parquet/Arrow column(s) holding the text. "
+                        "[default: text]")
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                         help="End every document with the EOD token. [default: on]")
     parser.add_argument("--workers", type=int, default=1,
@@ -72,7 +83,8 @@ def _tokenizer(args: argparse.Namespace, files: list[str]) -> tuple[Tokenizer, l
         out = Path(args.tokenizer_dir or f"{args.output_prefix}_tokenizer")
         print(f"training a {args.train_bpe_vocab_size}-token BPE on {len(files)} file(s)...")
         t0 = time.perf_counter()
-        tok = BPETokenizer.train(files, args.train_bpe_vocab_size, show_progress=args.progress)
+        tok = BPETokenizer.train(_training_texts(files, args.json_keys),
+                                 args.train_bpe_vocab_size, show_progress=args.progress)
         tok.save(out)
         print(f"saved the tokenizer to {out}/ ({time.perf_counter() - t0:.1f} s)")
         return tok, ["--tokenizer-type", "bpe", "--tokenizer-dir", str(out)]
@@ -86,6 +98,14 @@ def _tokenizer(args: argparse.Namespace, files: list[str]) -> tuple[Tokenizer, l
     else:
         flags += ["--vocab-file", args.vocab_file, "--merge-file", args.merge_file]
     return tok, flags
+
+
+def _training_texts(files: list[str], keys: list[str]) -> list[str] | Iterator[str]:
+    """What the BPE trains on: plain text files as they are; JSONL and tables by their text
+    fields, never their raw bytes (JSON syntax, compressed or columnar data)."""
+    if all(input_kind(f) == "text" for f in files):
+        return files
+    return (text for key in dict.fromkeys(keys) for text, _ in iter_documents(files, key) if text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if not files:
         raise ValueError(f"no input files found in {' '.join(args.input)} "
                          f"(folder patterns: {', '.join(patterns)})")
+    check_inputs(files, args.json_keys)  # a wrong key or a damaged file fails before any work
     with removed_on_error(parent), removed_on_error(tok_dir):
         _write(args, files, patterns, parent)
     return 0

@@ -19,20 +19,20 @@ def normalize_prefix(path: str) -> str:
     return path
 
 
-def open_dataset(prefix: str) -> IndexedDataset:
+def open_dataset(prefix: str, flag: str = "--data-path") -> IndexedDataset:
     """Open the dataset with errors that name the flag."""
     missing = [p for p in (data_path(prefix), index_path(prefix)) if not os.path.isfile(p)]
     if missing:
-        raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; create the "
+        raise ValueError(f"{flag} {prefix}: {' and '.join(missing)} not found; create the "
                          f"dataset with `domino preprocess --output-prefix {prefix} ...`")
     ds = IndexedDataset(prefix)
     if ds.num_tokens == 0 or ds.num_documents == 0:
-        raise ValueError(f"--data-path {prefix}: the dataset is empty (0 tokens); preprocess "
+        raise ValueError(f"{flag} {prefix}: the dataset is empty (0 tokens); preprocess "
                          "some non-empty text into it")
     return ds
 
 
-def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer) -> None:
+def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer, flag: str = "--data-path") -> None:
     """The tokenizer must be the one the dataset was made with (or at least cover its ids)."""
     info = ds.tokenizer_info
     mine = tokenizer.describe()
@@ -40,7 +40,7 @@ def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer) -> None:
         if info.get("vocab_hash") != mine["vocab_hash"] or info.get("vocab_size") != mine[
                 "vocab_size"]:
             raise ValueError(
-                f"--data-path {ds.prefix} was made with a {info.get('kind')} tokenizer of "
+                f"{flag} {ds.prefix} was made with a {info.get('kind')} tokenizer of "
                 f"{info.get('vocab_size')} tokens (hash {info.get('vocab_hash')}) but this run "
                 f"uses a {mine['kind']} tokenizer of {mine['vocab_size']} tokens (hash "
                 f"{mine['vocab_hash']}); pass the matching --tokenizer-type/--vocab-file/"
@@ -53,7 +53,7 @@ def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer) -> None:
     starts = [0] if tokens.size <= 16 * chunk else np.linspace(0, tokens.size - chunk, 16)
     top = max((int(tokens[int(a):int(a) + chunk].max()) for a in starts), default=0)
     if top >= tokenizer.vocab_size:
-        raise ValueError(f"--data-path {ds.prefix} holds token id {top}, outside the "
+        raise ValueError(f"{flag} {ds.prefix} holds token id {top}, outside the "
                          f"{tokenizer.vocab_size}-token vocabulary of the {tokenizer.name} "
                          "tokenizer; pass the tokenizer the data was made with")
 

@@ -1,11 +1,10 @@
-"""Turn text files, folders and JSONL into an MMIDIDX token dataset."""
+"""Turn text files, folders, JSONL, Parquet and Arrow into an MMIDIDX token dataset."""
 
 from __future__ import annotations
 
 import collections
 import fnmatch
 import glob
-import json
 import multiprocessing as mp
 import os
 import sysconfig
@@ -22,10 +21,10 @@ from domino.data.indexed_dataset import (
     index_path,
     meta_path,
 )
+from domino.data.readers import DATA_PATTERNS, check_inputs, iter_documents, saved_dataset_files
 from domino.data.tokenizer import Tokenizer
 
-DEFAULT_PATTERNS: tuple[str, ...] = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.json")
-JSONL_SUFFIXES = (".jsonl", ".json")
+DEFAULT_PATTERNS: tuple[str, ...] = ("*.txt", "*.md", "*.rst", "*.py", *DATA_PATTERNS)
 _SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 _BATCH_BYTES = 1 << 20  # ~1 MB of text per tokenizer call: big enough to amortise, small for RAM
 
@@ -48,7 +47,8 @@ def collect_files(
     """Expand files, folders (recursive, filtered by `patterns`) and globs into a file list.
 
     Explicit files are always kept; folder contents must match one of `patterns`
-    (default `DEFAULT_PATTERNS`). Hidden entries and `__pycache__` are skipped.
+    (default `DEFAULT_PATTERNS`). Hidden entries and `__pycache__` are skipped. A folder written
+    by `datasets`' `save_to_disk` gives its .arrow files in the order its state.json lists.
     """
     pats = tuple(patterns) if patterns else DEFAULT_PATTERNS
     out: list[str] = []
@@ -71,54 +71,20 @@ def _walk(root: str, patterns: Sequence[str], skip: set[str] = _SKIP_DIRS) -> li
     for dirpath, dirnames, filenames in os.walk(root):
         # Pruning in place stops os.walk from descending; sorting makes output deterministic.
         dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        if "state.json" in filenames or "dataset_dict.json" in filenames:
+            saved = saved_dataset_files(dirpath)
+            if saved is not None:  # its .json files are metadata, not documents
+                found.extend(f for f in saved
+                             if any(fnmatch.fnmatch(os.path.basename(f), p) for p in patterns))
+                dirnames[:] = []
+                continue
         for name in sorted(filenames):
             if not name.startswith(".") and any(fnmatch.fnmatch(name, p) for p in patterns):
                 found.append(os.path.join(dirpath, name))
     return found
 
 
-def iter_documents(files: Sequence[str], json_key: str = "text") -> Iterator[tuple[str, int]]:
-    """Yield (text, bytes read) per document: one per text file, one per JSONL line."""
-    for path in files:
-        if path.lower().endswith(JSONL_SUFFIXES):
-            yield from _iter_jsonl(path, json_key)
-        else:
-            with open(path, "rb") as f:
-                raw = f.read()
-            yield raw.decode("utf-8", errors="replace"), len(raw)
-
-
-def _iter_jsonl(path: str, json_key: str) -> Iterator[tuple[str, int]]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line:
-                yield "", len(raw)  # blank lines are allowed (e.g. a trailing newline)
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(
-                    f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}"
-                )
-            if json_key not in obj:
-                keys = ", ".join(sorted(obj)[:10]) or "none"
-                raise ValueError(
-                    f"{path}: line {lineno}: missing key {json_key!r} (keys present: {keys}); "
-                    "pass json_key= / --json-key to pick another field"
-                )
-            value = obj[json_key]
-            if not isinstance(value, str):
-                raise ValueError(
-                    f"{path}: line {lineno}: value of {json_key!r} must be a string, "
-                    f"got {type(value).__name__}"
-                )
-            yield value, len(raw)
-
-
-def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, int]]:
+def _batches(docs: Iterator[tuple[str | None, int]]) -> Iterator[tuple[list[str], int, int]]:
     """Group documents into (non-empty texts, bytes, empty count) batches of ~_BATCH_BYTES."""
     texts: list[str] = []
     nbytes = empty = 0
@@ -126,7 +92,7 @@ def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int, 
         nbytes += size
         if text:
             texts.append(text)
-        else:
+        elif text is not None:  # None: bytes between documents (e.g. a compressed trailer)
             empty += 1
         if nbytes >= _BATCH_BYTES or len(texts) >= 4096:
             yield texts, nbytes, empty
@@ -162,15 +128,19 @@ def preprocess(
     progress: bool = True,
     patterns: Sequence[str] | None = None,
 ) -> PreprocessStats:
-    """Tokenize `inputs` into `output_prefix.{bin,idx,json}`; one document per file/JSONL line.
+    """Tokenize `inputs` into `output_prefix.{bin,idx,json}`.
 
-    Writes to temporary files first so a failed run never clobbers an existing dataset.
+    One document per text file, JSON line (.jsonl/.json, also gzip- or zstd-compressed) or
+    Parquet/Arrow row; `json_key` names the field or column. Every JSONL and table file is
+    checked for it before tokenizing starts. Writes to temporary files first so a failed run
+    never clobbers an existing dataset.
     """
     files = collect_files(inputs, patterns)
     if not files:
         shown = ", ".join(map(os.fspath, inputs)) or "(nothing)"
         pats = ", ".join(patterns or DEFAULT_PATTERNS)
         raise ValueError(f"no input files found in {shown} (folder patterns: {pats})")
+    check_inputs(files, [json_key])
     prefix = os.fspath(output_prefix)
     tmp = f"{prefix}.tmp{os.getpid()}"
     total_bytes = sum(os.path.getsize(f) for f in files)

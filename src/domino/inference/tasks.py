@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
+from domino.data.checks import check_tokenizer, eod_of, open_dataset
 from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
 from domino.precision import PRECISIONS
@@ -40,6 +40,7 @@ def generate_rank(spec: dict[str, Any], state) -> None:
 
 
 def eval_rank(spec: dict[str, Any], state) -> None:
+    from domino.data.blend import build_blended, component_seed, parse_blend
     from domino.data.gpt_dataset import GPTDataset, split_documents
 
     model, config, tokenizer, meta = _load(spec, state)
@@ -51,12 +52,19 @@ def eval_rank(spec: dict[str, Any], state) -> None:
 
     seq, seed = pick("seq_length", config.seq_length), pick("seed", 1234)
     micro, split = pick("micro_batch_size", 8), pick("split", "98,2,0")
-    ds = open_dataset(normalize_prefix(spec["data_path"]))
-    check_tokenizer(ds, tokenizer)
+    blend = parse_blend(spec["data_path"])
+    opened = {p: open_dataset(p) for p in blend.prefixes}
+    for ds in opened.values():
+        check_tokenizer(ds, tokenizer)
     which = ("train", "valid", "test").index(spec["split_name"])
     need = [False, False, False]
     need[which] = True
-    ranges = split_documents(ds.num_documents, split, required=need)
+    ranges = {}
+    for p, ds in opened.items():
+        try:
+            ranges[p] = split_documents(ds.num_documents, split, required=need)[which]
+        except ValueError as err:
+            raise ValueError(f"--data-path {p}: {err}") from None
     options = {k: bool(saved.get(k, False)) for k in ("reset_position_ids",
                                                       "reset_attention_mask", "eod_mask_loss")}
     dp = state.dp
@@ -68,11 +76,21 @@ def eval_rank(spec: dict[str, Any], state) -> None:
         size: dict[str, Any] = {"num_samples": spec["eval_iters"] * g}
     else:
         size = {"num_samples": None, "epochs": 1}
-    samples = GPTDataset(ds, seq, **size, seed=seed, eod_token=eod_of(ds, tokenizer),
-                         split=ranges[which],
-                         create_attention_mask=options["reset_attention_mask"], **options)
+
+    def part(k: int, count: int | None, seed: int) -> GPTDataset:
+        ds = opened[blend.prefixes[k]]
+        amount = size if count is None else {"num_samples": count}
+        return GPTDataset(ds, seq, **amount, seed=seed, eod_token=eod_of(ds, tokenizer),
+                          split=ranges[blend.prefixes[k]],
+                          create_attention_mask=options["reset_attention_mask"], **options)
+
+    if len(blend) == 1:
+        samples: Any = part(0, None, seed)
+    else:  # as training's validation reads a blend (commands.eval demands --eval-iters)
+        samples = build_blended(blend.weights, size["num_samples"],
+                                lambda k, count: part(k, count, component_seed(seed, k)))
     if len(samples) == 0:
-        raise ValueError(f"the {spec['split_name']} split of {spec['data_path']} holds no "
+        raise ValueError(f"the {spec['split_name']} split of {blend.describe()} holds no "
                          f"sample of {seq} tokens; use a shorter --seq-length or more data")
     mine = (list(range(dp.rank, len(samples), dp.size)) if spec["eval_iters"] is None
             else _slice(len(samples), dp.size, dp.rank, g))
@@ -89,7 +107,7 @@ def eval_rank(spec: dict[str, Any], state) -> None:
     dp.all_reduce(total, name="eval loss")
     if state.world.rank == 0:
         mean = float(total[0] / total[1].clamp(min=1))
-        print(f"domino eval: {spec['split_name']} split of {spec['data_path']}: loss "
+        print(f"domino eval: {spec['split_name']} split of {blend.describe()}: loss "
               f"{mean:.4f}, perplexity {math.exp(min(mean, 50.0)):.3f} over {int(total[1]):,} "
               f"tokens ({len(samples):,} samples of {seq}; checkpoint step {meta.step}, TP="
               f"{state.tp.size} x DP={dp.size}, {spec.get('precision', 'fp32')})", flush=True)

@@ -167,9 +167,23 @@ class TrainArgs(ModelArgs):
     initial_loss_scale: float = _f(2.0 ** 16, "fp16: initial dynamic loss scale.")
     loss_scale_window: int = _f(1000, "fp16: overflow-free steps before the scale doubles.")
     # data
-    data_path: str | None = _f(None, "Dataset prefix (PREFIX.bin/.idx from `domino preprocess`); "
-                               "default: the Python standard library's .py files.", "data")
-    split: str = _f("98,2,0", "Train/valid/test document weights.", "data")
+    data_path: list[str] | None = _f(
+        None, "Dataset prefix (PREFIX.bin/.idx from `domino preprocess`), or a blend of weight/"
+        "prefix pairs (0.7 data/a 0.3 data/b: weights are normalised, --split cuts each dataset, "
+        "see docs/train.md); default: the Python standard library's .py files.", "data")
+    split: str = _f("98,2,0", "Train/valid/test document weights (of each --data-path dataset).",
+                    "data")
+    train_data_path: list[str] | None = _f(
+        None, "Instead of --data-path and --split: the training data, a prefix or a blend, each "
+        "dataset used whole.", "data")
+    valid_data_path: list[str] | None = _f(
+        None, "With --train-data-path: the validation data (a prefix or a blend, used whole).",
+        "data")
+    test_data_path: list[str] | None = _f(
+        None, "With --train-data-path: the test data (checked; `domino eval` reads it).", "data")
+    data_cache_path: str | None = _f(
+        None, "Folder for the cached blend index; default domino_cache/ in the first dataset's "
+        "folder (not cached when that is not writable).", "data")
     tokenizer_type: str | None = _f(
         None, "Tokenizer the data was made with; default byte with --data-path, and a BPE "
         "trained on the built-in corpus without it; hf: an imported model's tokenizer.json "
@@ -220,6 +234,9 @@ class TrainArgs(ModelArgs):
                 continue
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+                setattr(self, name, value)
+            if kind is list:  # a blend: a TOML/JSON list, or one string split on whitespace
+                value = _string_list(name, value)
                 setattr(self, name, value)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"--{flag(name)}={value!r} must be a {kind.__name__}.")
@@ -290,7 +307,20 @@ def field_types() -> dict[str, type]:
 
 def _base_type(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    base = args[0] if args else hint
+    return list if typing.get_origin(base) is list else base
+
+
+def _string_list(name: str, value: Any) -> list[str]:
+    """A list setting (``--data-path 0.7 A 0.3 B``): a list of strings (bare numbers allowed:
+    TOML users may write weights unquoted) or one whitespace-separated string."""
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return [v if isinstance(v, str) else repr(v) for v in value]
+    raise ValueError(f"--{flag(name)}={value!r} must be a list of strings (or one string), e.g. "
+                     '["0.7", "data/a", "0.3", "data/b"].')
 
 
 def _optional(name: str) -> bool:
@@ -323,6 +353,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": text}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif kind is list:
+            kw.update(nargs="+", metavar="PATH")
         else:
             kw["type"] = kind
             kw["metavar"] = "|".join(_meta(name)["choices"] or ()) or name.split("_")[-1].upper()
@@ -385,4 +417,6 @@ def _toml_value(value: Any) -> str:
         return repr(value)  # repr keeps the float round-trippable (1e-08, 65536.0, inf)
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(json.dumps(str(v)) for v in value) + "]"
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string

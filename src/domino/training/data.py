@@ -1,4 +1,5 @@
-"""Training data: the built-in corpus, tokenizer/dataset checks, and per-rank batches."""
+"""Training data: the built-in corpus, tokenizer/dataset checks, the data flags (one dataset or
+weighted blends, cut by --split or given per split), and per-rank batches."""
 
 from __future__ import annotations
 
@@ -6,15 +7,27 @@ import contextlib
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from domino.data.blend import (
+    Blend,
+    blend_dtype,
+    blend_index,
+    build_blended,
+    component_seed,
+    parse_blend,
+)
+from domino.data.blend_cache import cache_key, load_index, save_index
+from domino.data.checks import normalize_prefix
+from domino.data.gpt_dataset import split_documents
 from domino.data.indexed_dataset import IndexedDataset, data_path, index_path
 from domino.data.preprocess import preprocess, stdlib_corpus_files
 from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
-from domino.training.arguments import TrainArgs
+from domino.training.arguments import TrainArgs, flag
 from domino.utils import cache_root
 
 DEFAULT_BPE_VOCAB = 2048
@@ -107,21 +120,161 @@ def make_tokenizer(args: TrainArgs) -> Tokenizer:
                            merges_file=args.merge_file, tokenizer_dir=args.tokenizer_dir)
 
 
-def build_datasets(args: TrainArgs, ds: IndexedDataset, eod: int, start_step: int = 0,
-                   consumed_samples: int = 0):
-    """(train, valid) GPT datasets sized for the whole run (a resumed one continues at
-    ``consumed_samples``); valid holds the fixed validation batches (the same ones every
-    evaluation, so the numbers compare across steps)."""
-    from domino.data.gpt_dataset import build_train_valid_datasets
+@dataclass(frozen=True)
+class DataSources:
+    """Where a run's samples come from: blends for train, valid and test, and the --split that
+    cuts each dataset (None: every split is its own datasets whole, --train-data-path & co)."""
 
-    assert args.global_batch_size is not None
+    train: Blend
+    valid: Blend | None
+    test: Blend | None
+    split: str | None
+    flags: tuple[str, str, str]  # the flag each split's datasets came from (for errors)
+
+    def prefixes(self) -> list[tuple[str, str]]:
+        """Every distinct (prefix, flag) the run reads, first mention first."""
+        seen: dict[str, str] = {}
+        for blend, name in zip((self.train, self.valid, self.test), self.flags, strict=True):
+            for p in blend.prefixes if blend is not None else ():
+                seen.setdefault(p, name)
+        return list(seen.items())
+
+    def describe(self) -> str:
+        """The start-up line's account of the data."""
+        if self.split is not None:
+            each = " of each" if len(self.train) > 1 else ""
+            return f"{self.train.describe()} (split {self.split}{each})"
+        parts = [f"{name} {blend.describe()}" for name, blend in
+                 zip(SPLIT_NAMES, (self.train, self.valid, self.test), strict=True)
+                 if blend is not None]
+        return " | ".join(parts)
+
+
+SPLIT_NAMES = ("train", "valid", "test")
+_SEPARATE = ("train_data_path", "valid_data_path", "test_data_path")
+
+
+def data_sources(args: TrainArgs) -> DataSources | None:
+    """The run's data flags parsed (None: none given, the built-in corpus); ValueError names the
+    flag, the value, the rule and the fix."""
+    given = [name for name in _SEPARATE if getattr(args, name) is not None]
+    if args.data_path is not None and given:
+        raise ValueError(f"--data-path and --{flag(given[0])} are two ways to name the data: "
+                         "--data-path (cut by --split) or --train-data-path/--valid-data-path/"
+                         "--test-data-path (each split its own datasets, whole); pass one")
+    if args.data_path is not None:
+        blend = parse_blend(args.data_path, "--data-path")
+        return DataSources(blend, blend, blend, args.split, ("--data-path",) * 3)
+    if not given:
+        return None
+    if args.train_data_path is None:
+        raise ValueError(f"--{flag(given[0])} needs --train-data-path (the training data)")
+    blends = [None if getattr(args, n) is None else parse_blend(getattr(args, n), f"--{flag(n)}")
+              for n in _SEPARATE]
+    if blends[1] is None and args.eval_iters > 0:
+        raise ValueError(f"--train-data-path without --valid-data-path leaves --eval-iters="
+                         f"{args.eval_iters} no validation data: pass --valid-data-path PREFIX "
+                         "(or a blend), or --eval-iters 0")
+    return DataSources(blends[0], blends[1], blends[2], None,  # type: ignore[arg-type]
+                       tuple(f"--{flag(n)}" for n in _SEPARATE))  # type: ignore[arg-type]
+
+
+def normalized_blend(tokens: list[str]) -> list[str]:
+    """The flag's values with each prefix in PREFIX form (not PREFIX.bin), weights as given."""
+    if len(tokens) == 1:
+        return [normalize_prefix(tokens[0])]
+    return [t if i % 2 == 0 else normalize_prefix(t) for i, t in enumerate(tokens)]
+
+
+def cache_folder(args: TrainArgs, sources: DataSources) -> tuple[Path | None, str | None]:
+    """Where blend indices are cached, and a note when they cannot be (no blend: nothing to
+    cache). A --data-cache-path that cannot be written is an error naming the flag."""
+    if all(b is None or len(b) == 1 for b in (sources.train, sources.valid)):
+        return None, None
+    explicit = args.data_cache_path is not None
+    folder = Path(args.data_cache_path if explicit else
+                  Path(sources.train.prefixes[0]).parent / "domino_cache")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK | os.X_OK):
+            return folder, None
+        problem = "is not writable"
+    except OSError as err:
+        problem = f"cannot be created ({err.strerror or err})"
+    if explicit:
+        raise ValueError(f"--data-cache-path {folder} {problem}; pass a folder this user can "
+                         "write")
+    return None, (f"the blend index is not cached: {folder} {problem} (pass --data-cache-path "
+                  "DIR to cache it); every rank builds it in memory")
+
+
+def build_datasets(args: TrainArgs, datasets: Mapping[str, IndexedDataset] | IndexedDataset,
+                   eod: int, start_step: int = 0, consumed_samples: int = 0):
+    """(train, valid) datasets sized for the whole run (a resumed one continues at
+    ``consumed_samples``); valid holds the fixed validation batches (the same ones every
+    evaluation, so the numbers compare across steps). ``datasets`` are the opened datasets by
+    prefix. A blend is a :class:`~domino.data.blend.BlendedDataset` of GPT datasets, one
+    dataset alone a plain :class:`~domino.data.gpt_dataset.GPTDataset`."""
+    if isinstance(datasets, IndexedDataset):
+        datasets = {datasets.prefix: datasets}
+    sources = data_sources(args)
+    assert sources is not None and args.global_batch_size is not None
     needed = consumed_samples + max(args.train_iters - start_step, 0) * args.global_batch_size
-    return build_train_valid_datasets(
-        ds.prefix, args.seq_length, max(needed, args.global_batch_size),
-        args.eval_iters * args.global_batch_size, seed=args.seed, splits=args.split,
-        eod_token=eod, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.reset_attention_mask)
+    sizes = (max(needed, args.global_batch_size), args.eval_iters * args.global_batch_size)
+    folder, _ = cache_folder(args, sources)
+    ranges = {}
+    if sources.split is not None:  # each dataset cut once, both splits checked
+        for prefix, name in sources.prefixes():
+            try:
+                ranges[prefix] = split_documents(datasets[prefix].num_documents, sources.split,
+                                                 required=(sizes[0] > 0, sizes[1] > 0, False))
+            except ValueError as err:
+                raise ValueError(f"{name} {prefix}: {err}") from None
+    out = []
+    for which, (blend, n) in enumerate(zip((sources.train, sources.valid), sizes, strict=True)):
+        if blend is None or (which == 1 and n == 0):
+            out.append(None)
+            continue
+        out.append(_split_dataset(args, blend, which, n, datasets, ranges, eod, folder))
+    return out[0], out[1]
+
+
+def _split_dataset(args: TrainArgs, blend: Blend, which: int, num_samples: int,
+                   datasets: Mapping[str, IndexedDataset], ranges: dict, eod: int,
+                   folder: Path | None):
+    from domino.data.gpt_dataset import GPTDataset
+
+    options = dict(eod_token=eod, reset_position_ids=args.reset_position_ids,
+                   reset_attention_mask=args.reset_attention_mask,
+                   eod_mask_loss=args.eod_mask_loss,
+                   create_attention_mask=args.reset_attention_mask)
+
+    def make(k: int, count: int, seed: int) -> GPTDataset:
+        prefix = blend.prefixes[k]
+        part = ranges[prefix][which] if prefix in ranges else None
+        return GPTDataset(datasets[prefix], args.seq_length, count, seed=seed, split=part,
+                          **options)
+
+    if len(blend) == 1:  # exactly the samples of a run before blends existed
+        return make(0, num_samples, args.seed)
+    index = None
+    if folder is not None:
+        key = cache_key(blend.prefixes, blend.weights, split_name=SPLIT_NAMES[which],
+                        split=args.split if ranges else None, seed=args.seed,
+                        seq_length=args.seq_length, num_samples=num_samples)
+        # Every rank asks; the lock makes the first on each host build and write it while the
+        # others wait and then read it back, checked. No process group exists yet (this runs
+        # before any process starts, and again in each rank), and the index is deterministic,
+        # so a rank on another host that builds its own copy gets the same one.
+        with _locked(folder):
+            index, _ = load_index(folder, key, blend_dtype(len(blend)))
+            if index is None:
+                index = blend_index(blend.weights, num_samples)
+                with contextlib.suppress(OSError):  # a full disk costs the cache, not the run
+                    save_index(folder, key, index)
+    return build_blended(blend.weights, num_samples,
+                         lambda k, count: make(k, count, component_seed(args.seed, k)),
+                         index=index, description=blend.describe())
 
 
 def rank_batches(dataset, first_sample: int, global_batch: int, dp_size: int, dp_rank: int,

@@ -31,11 +31,18 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import SYNC, Plan
 from domino.tensor_parallel import placement_of
-from domino.training.data import rank_batches
+from domino.training.data import data_sources, rank_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import make_reducer
 from domino.training.logging import RunLogger
-from domino.training.optim import DynamicLossScaler, agree, build_optimizer, learning_rate, set_lr
+from domino.training.optim import (
+    DynamicLossScaler,
+    agree,
+    build_optimizer,
+    learning_rate,
+    optimizer_state_bytes,
+    set_lr,
+)
 from domino.training.prepare import Run
 from domino.training.step import (
     TrainResult,
@@ -159,6 +166,9 @@ class Trainer:
             self.log.print(f"model FLOPs: {self.flops_per_step / 1e12:.4g} TFLOP per step "
                            f"(3 x forward: GEMMs, attention, LM head; docs/performance.md); "
                            f"MFU {self.peak_what}{peak}")
+            sources = data_sources(args)
+            if sources is not None:
+                self.log.print(f"data: {sources.describe()}")
 
     @property
     def plan(self) -> Plan:
@@ -385,16 +395,6 @@ class Trainer:
                 {"chosen": str(best), "regime": regime.name if regime else None,
                  "median_s": medians,
                  "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of AdamW moments (and steps) this rank holds; a distributed optimizer's are its
-    chunks' (in its inner AdamW), with its chunks of the fp32 master weights."""
-    zero = isinstance(optimizer, DistributedAdamW)
-    inner = optimizer.inner if zero else optimizer
-    masters = sum(c.numel() * c.element_size() for c in optimizer.chunks) if zero else 0
-    return masters + sum(v.numel() * v.element_size() for st in inner.state.values()
-                         for v in st.values() if isinstance(v, torch.Tensor))
 
 
 _GROUP_NAMES = {"tp": "TP", "dp": "DP", "embedding": "tied-embedding sums"}

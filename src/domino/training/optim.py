@@ -126,3 +126,12 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of AdamW moments (and steps) this rank holds; a distributed optimizer's are its
+    chunks' (in its ``inner`` AdamW), with its ``chunks`` of the fp32 master weights."""
+    inner = getattr(optimizer, "inner", optimizer)
+    masters = sum(c.numel() * c.element_size() for c in getattr(optimizer, "chunks", ()))
+    return masters + sum(v.numel() * v.element_size() for st in inner.state.values()
+                         for v in st.values() if isinstance(v, torch.Tensor))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from domino.config import TransformerConfig
-from domino.data.checks import check_tokenizer, eod_of, normalize_prefix, open_dataset
+from domino.data.checks import check_tokenizer, eod_of, open_dataset
 from domino.data.tokenizer import Tokenizer
 from domino.flops import check_peak_tflops
 from domino.parallel_state import check_sizes
@@ -24,7 +24,14 @@ from domino.plan import Plan
 from domino.runtime import RuntimeConfig, check_compile
 from domino.training import model_flags
 from domino.training.arguments import TrainArgs, field_types
-from domino.training.data import build_datasets, make_tokenizer, prepare_default_corpus
+from domino.training.data import (
+    build_datasets,
+    cache_folder,
+    data_sources,
+    make_tokenizer,
+    normalized_blend,
+    prepare_default_corpus,
+)
 from domino.training.resume import (
     Resume,
     check_compatible,
@@ -237,11 +244,20 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
         # The built-in corpus learns clearly faster per byte with a small BPE than with bytes
         # (same steps: ~1.6 vs ~2.4 nats/byte on validation); user data defaults to bytes.
         user_bpe = bool(args.vocab_file or args.merge_file or args.tokenizer_dir)
-        args.tokenizer_type = "byte" if args.data_path and not user_bpe else "bpe"
-    if args.data_path is None:
+        own_data = args.data_path is not None or args.train_data_path is not None
+        args.tokenizer_type = "byte" if own_data and not user_bpe else "bpe"
+    sources = data_sources(args)  # the blend flags' syntax, before anything is built
+    if sources is None:
         scratch = Path(args.save) if args.save else default_run_dir()
-        args.data_path = prepare_default_corpus(args, scratch, progress)
-    args.data_path = normalize_prefix(args.data_path)
+        args.data_path = [prepare_default_corpus(args, scratch, progress)]
+        sources = data_sources(args)
+        assert sources is not None
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, name) is not None:
+            setattr(args, name, normalized_blend(getattr(args, name)))
+    _, note = cache_folder(args, sources)  # a --data-cache-path that cannot be written fails here
+    if note and progress:
+        print(f"domino train: {note}")
     resume = None
     if args.load is not None:
         # Rank 0 of each host hashes every file; the other local ranks check sizes only.
@@ -264,13 +280,17 @@ def build_run(args: TrainArgs, run_dir: Path | None = None,
     if resume is None and args.load is not None:
         resume = open_resume(args, hashes=False, progress=False)
     tokenizer = make_tokenizer(args)
-    ds = open_dataset(args.data_path)
-    check_tokenizer(ds, tokenizer)
+    sources = data_sources(args)
+    assert sources is not None, "prepare_run() fills in --data-path"
+    datasets = {prefix: open_dataset(prefix, name) for prefix, name in sources.prefixes()}
+    for prefix, name in sources.prefixes():
+        check_tokenizer(datasets[prefix], tokenizer, name)
+    ds = next(iter(datasets.values()))
     config = model_config(args, tokenizer.vocab_size)
     runtime = args.runtime()
     config.validate_parallel(args.tensor_model_parallel_size)
     runtime.check(config, args.tensor_model_parallel_size)
     start, consumed = (0, 0) if resume is None else (resume.start_step, resume.consumed)
-    train_ds, valid_ds = build_datasets(args, ds, eod_of(ds, tokenizer),  # split/size checks
+    train_ds, valid_ds = build_datasets(args, datasets, eod_of(ds, tokenizer),  # split/size checks
                                         start_step=start, consumed_samples=consumed)
     return Run(args, config, runtime, tokenizer, train_ds, valid_ds, run_dir, resume)
