@@ -58,14 +58,16 @@ def test_garbage_bpe_files_are_named(tmp_path: Path, data: str, capfd) -> None:
                             str(bad), "--merge-file", str(merges), "--save", str(run)])
     assert f"vocab_file {bad} is not JSON" in line and "GPT-2 style vocab.json" in line
     assert not run.exists()  # the refused run left no folder
-    line = _refused(capfd, ["preprocess", "--input", str(vocab), "--output-prefix",
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    line = _refused(capfd, ["preprocess", "--input", str(corpus), "--output-prefix",
                             str(tmp_path / "out" / "ds"), "--tokenizer-type", "bpe",
                             "--vocab-file", str(vocab), "--merge-file", str(bad), "--no-progress"])
     assert f"merges_file {bad}" in line and f"vocab_file {vocab}" in line
     assert not (tmp_path / "out").exists()
     # A vocab.json that parses but is not token -> id.
     bad.write_text('["a", "b"]')
-    line = _refused(capfd, ["preprocess", "--input", str(vocab), "--output-prefix",
+    line = _refused(capfd, ["preprocess", "--input", str(corpus), "--output-prefix",
                             str(tmp_path / "ds"), "--tokenizer-type", "bpe", "--vocab-file",
                             str(bad), "--merge-file", str(merges), "--no-progress"])
     assert "is not a JSON object of token -> integer id" in line
