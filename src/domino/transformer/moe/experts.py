@@ -1,0 +1,127 @@
+"""The experts of an MoE layer and the local token shuffle around them.
+
+:class:`GroupedExperts` holds a rank's experts as two stacked weights, ``fc1`` [E, h, f'] (f' =
+2 x ffn for SwiGLU: ``[gate | up]``) and ``fc2`` [E, ffn, h], and computes every expert's GEMM in
+one ``torch.nn.functional.grouped_mm`` over the tokens sorted by expert (``offs``: where each
+expert's rows end). On CUDA that is PyTorch's grouped GEMM kernel; on a CPU PyTorch runs it as a
+loop over the groups inside one operator (measured here: the same time as a Python loop of
+``matmul``), so the code is the same on both and a rank with many experts is one call.
+
+:func:`permute` sorts a piece's (token, slot) assignments by expert (stable: in token order
+within an expert) and applies the capacity, if any: an expert keeps at most ``capacity``
+assignments, the first ones in token order (``drop_policy="position"``) or those with the highest
+weights (``"probs"``, Megatron's default); the rest are dropped (their slot adds nothing to the
+token's output). With ``pad`` every expert's group is padded with zero rows to exactly
+``capacity``, a fixed shape. :func:`unpermute` weights the experts' outputs and adds them back into
+their tokens. Expert parallelism will exchange the sorted rows between these two steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.precision import compute
+
+DROP_POLICIES = ("probs", "position")
+
+
+def capacity_of(tokens: int, topk: int, num_experts: int, factor: float) -> int:
+    """Assignments an expert keeps: ``ceil(tokens * topk / num_experts * factor)``."""
+    if not factor > 0:
+        raise ValueError(f"capacity factor {factor} must be > 0 (or None for dropless)")
+    return max(1, math.ceil(tokens * topk / num_experts * factor))
+
+
+@dataclass
+class Permuted:
+    """A piece's assignments sorted by expert: ``x`` [N, h] the rows the experts read, ``counts``
+    [E] rows per expert (long), and for each row its token (``tokens``) and weight (``weights``;
+    padding rows: token 0, weight 0). ``dropped``: assignments the capacity dropped."""
+
+    x: torch.Tensor
+    counts: torch.Tensor
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    dropped: int
+
+
+def permute(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+            capacity: int | None = None, drop_policy: str = "probs",
+            pad: bool = False) -> Permuted:
+    """x [T, h], experts / weights [T, k] -> the rows sorted by expert (see the module doc)."""
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy={drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
+    t, k = experts.shape
+    flat_e = experts.reshape(-1)
+    flat_w = weights.reshape(-1)
+    flat_t = torch.arange(t, device=x.device).repeat_interleave(k)
+    if capacity is not None and drop_policy == "probs":
+        # Best weight first within an expert (ties: token order), so the capacity keeps them.
+        rank_in = torch.argsort(flat_w.detach(), descending=True, stable=True)
+        order = rank_in[torch.argsort(flat_e[rank_in], stable=True)]
+    else:
+        order = torch.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    dropped = 0
+    if capacity is not None:
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(order.numel(), device=x.device) - starts[sorted_e]
+        keep = position < capacity
+        dropped = int((~keep).sum())
+        order, sorted_e, position = order[keep], sorted_e[keep], position[keep]
+        counts = counts.clamp(max=capacity)
+        if pad:
+            rows = sorted_e * capacity + position  # each kept row's place in [E * capacity]
+            n = num_experts * capacity
+            tokens = torch.zeros(n, dtype=torch.long, device=x.device)
+            tokens[rows] = flat_t[order]
+            w = flat_w.new_zeros(n).index_put((rows,), flat_w[order])
+            xs = x.new_zeros(n, x.shape[-1]).index_put((rows,), x[flat_t[order]])
+            full = torch.full_like(counts, capacity)
+            return Permuted(xs, full, tokens, w, dropped)
+    tokens = flat_t[order]
+    return Permuted(x[tokens], counts, tokens, flat_w[order], dropped)
+
+
+def unpermute(y: torch.Tensor, permuted: Permuted, num_tokens: int) -> torch.Tensor:
+    """The experts' outputs y [N, h] (rows as :func:`permute` sorted them), each weighted and
+    added into its token -> [T, h] (fp32 weights applied in y's dtype)."""
+    out = y.new_zeros(num_tokens, y.shape[-1])
+    return out.index_add(0, permuted.tokens, y * permuted.weights.to(y.dtype).unsqueeze(-1))
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` MLPs h -> ffn -> h (GELU or SwiGLU), no biases, as stacked weights."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
+                 swiglu: bool, gelu_approximate: str = "none", init_method_std: float = 0.02,
+                 output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.swiglu, self.gelu_approximate = num_experts, swiglu, gelu_approximate
+        width = ffn_hidden_size * (2 if swiglu else 1)
+        self.fc1 = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype,
+                                            device=device))
+        self.fc2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size,
+                                            dtype=params_dtype, device=device))
+        if not self.fc1.is_meta:
+            with torch.no_grad():
+                self.fc1.normal_(0.0, init_method_std)
+                self.fc2.normal_(0.0, init_method_std if output_std is None else output_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, h] sorted by expert, ``counts`` [E] rows per expert -> [N, h]."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = F.grouped_mm(x, compute(self.fc1), offs=offs)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximate)
+        return F.grouped_mm(h, compute(self.fc2), offs=offs)

@@ -1,0 +1,111 @@
+"""The MoE MLP: a router, a rank's grouped experts and an optional shared expert, in place of
+the dense MLP of a layer.
+
+For each token: the router picks ``topk`` experts and their weights, the token's row goes to each
+chosen expert (sorted by expert, capacity applied: :func:`~.experts.permute`), every expert's MLP
+runs as one grouped GEMM, and the weighted outputs are added back into the token. A shared expert
+(Qwen-MoE, DeepSeek) is a dense MLP every token goes through, optionally scaled by a sigmoid
+gate of the token (Qwen's ``shared_expert_gate``); its output is added to the routed one.
+
+This module is the single-rank math (TP = EP = 1): expert parallelism exchanges the sorted rows
+between the permutation and the experts, and the Domino schedule hides that exchange; both build
+on these pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.precision import compute
+from domino.transformer.moe.experts import GroupedExperts, capacity_of, permute, unpermute
+from domino.transformer.moe.router import RouterStats, TopKRouter
+
+
+class SharedExpert(nn.Module):
+    """A dense MLP h -> ffn -> h every token goes through, with an optional sigmoid gate."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, swiglu: bool,
+                 gelu_approximate: str = "none", gate: bool = False,
+                 init_method_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.swiglu, self.gelu_approximate = swiglu, gelu_approximate
+        width = ffn_hidden_size * (2 if swiglu else 1)
+
+        def param(*shape: int) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(*shape, dtype=params_dtype, device=device))
+            if not p.is_meta:
+                with torch.no_grad():
+                    p.normal_(0.0, init_method_std)
+            return p
+
+        self.fc1, self.fc2 = param(width, hidden_size), param(hidden_size, ffn_hidden_size)
+        self.gate = param(1, hidden_size) if gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, compute(self.fc1))
+        if self.swiglu:
+            g, up = h.chunk(2, dim=-1)
+            h = F.silu(g) * up
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximate)
+        out = F.linear(h, compute(self.fc2))
+        if self.gate is not None:
+            out = out * torch.sigmoid(F.linear(x, compute(self.gate)))
+        return out
+
+
+class MoEMLP(nn.Module):
+    """Router + ``num_experts`` grouped experts (+ a shared expert); see the module docstring.
+    ``capacity_factor`` None routes dropless; ``pad_to_capacity`` pads every expert's rows to its
+    capacity (a fixed shape)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int, *,
+                 swiglu: bool = True, gelu_approximate: str = "none",
+                 score_function: str = "softmax", renormalize: bool = True,
+                 scaling: float = 1.0, expert_bias: bool = False,
+                 capacity_factor: float | None = None, drop_policy: str = "probs",
+                 pad_to_capacity: bool = False, shared_ffn_hidden_size: int | None = None,
+                 shared_gate: bool = False, init_method_std: float = 0.02,
+                 output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None: "
+                             "dropless routing)")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError("pad_to_capacity needs a capacity_factor (dropless routing has no "
+                             "capacity to pad to)")
+        self.num_experts, self.topk = num_experts, topk
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.pad_to_capacity = pad_to_capacity
+        self.router = TopKRouter(hidden_size, num_experts, topk, score_function=score_function,
+                                 renormalize=renormalize, scaling=scaling,
+                                 expert_bias=expert_bias, init_method_std=init_method_std,
+                                 params_dtype=params_dtype, device=device)
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, swiglu=swiglu,
+                                      gelu_approximate=gelu_approximate,
+                                      init_method_std=init_method_std, output_std=output_std,
+                                      params_dtype=params_dtype, device=device)
+        self.shared = None
+        if shared_ffn_hidden_size:
+            self.shared = SharedExpert(hidden_size, shared_ffn_hidden_size, swiglu=swiglu,
+                                       gelu_approximate=gelu_approximate, gate=shared_gate,
+                                       init_method_std=init_method_std,
+                                       params_dtype=params_dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats, int]:
+        """x [..., h] -> (output [..., h], the router's statistics, assignments dropped)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing, stats = self.router(flat)
+        capacity = (None if self.capacity_factor is None else
+                    capacity_of(flat.shape[0], self.topk, self.num_experts, self.capacity_factor))
+        rows = permute(flat, routing.experts, routing.weights, self.num_experts, capacity,
+                       self.drop_policy, self.pad_to_capacity)
+        out = unpermute(self.experts(rows.x, rows.counts), rows, flat.shape[0])
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.reshape(shape), stats, rows.dropped

@@ -1,0 +1,200 @@
+"""The MoE MLP's single-rank math (``domino.transformer.moe``) against a per-token reference
+written straight from the definitions: routing (softmax with and without re-normalised top-k
+weights, sigmoid with DeepSeek's selection bias and scaling), dropless and capacity routing (both
+drop policies, padded or not), shared experts with their gate, GELU and SwiGLU experts, the
+auxiliary losses (and that a micro-batch's losses are the sum of its pieces' statistics, whatever
+the split), the expert-bias update, and the corner cases: an expert no token reaches, every token
+to one expert, top-k = all experts. Forward and every gradient within fp32 tolerance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from domino.transformer.moe import MoEMLP, aux_losses, update_expert_bias
+from domino.transformer.moe.experts import capacity_of
+
+H, FFN, E = 16, 24, 4
+TOL = 1e-5
+
+
+def _naive_expert(m: MoEMLP, e: int, x: torch.Tensor) -> torch.Tensor:
+    h = x @ m.experts.fc1[e]
+    if m.experts.swiglu:
+        g, up = h.chunk(2, dim=-1)
+        h = F.silu(g) * up
+    else:
+        h = F.gelu(h)
+    return h @ m.experts.fc2[e]
+
+
+def _naive(m: MoEMLP, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(output [T, h], dropped) token by token."""
+    r = m.router
+    chosen = []  # per token: [(expert, weight)]
+    for t in range(x.shape[0]):
+        logits = x[t].float() @ r.weight.float().t()
+        scores = torch.softmax(logits, -1) if r.score_function == "softmax" else \
+            torch.sigmoid(logits)
+        choice = scores if r.expert_bias is None else scores + r.expert_bias
+        top = sorted(range(E), key=lambda e: -float(choice[e].detach()))[:r.topk]
+        w = scores[top]
+        if r.renormalize or r.score_function == "sigmoid":
+            w = w / w.sum()
+        chosen.append([(e, w[i] * r.scaling) for i, e in enumerate(top)])
+    keep = {(t, e) for t in range(x.shape[0]) for e, _ in chosen[t]}
+    dropped = 0
+    if m.capacity_factor is not None:
+        cap = math.ceil(x.shape[0] * r.topk / E * m.capacity_factor)
+        keep = set()
+        for e in range(E):
+            mine = [(t, float(w.detach())) for t in range(x.shape[0])
+                    for ee, w in chosen[t] if ee == e]
+            if m.drop_policy == "probs":
+                mine.sort(key=lambda tw: -tw[1])  # stable: token order among equal weights
+            keep |= {(t, e) for t, _ in mine[:cap]}
+            dropped += max(0, len(mine) - cap)
+    rows = []
+    for t in range(x.shape[0]):
+        parts = [w * _naive_expert(m, e, x[t]) for e, w in chosen[t] if (t, e) in keep]
+        rows.append(torch.stack(parts).sum(0) if parts else torch.zeros_like(x[t]))
+    out = torch.stack(rows)
+    if m.shared is not None:
+        s = m.shared
+        h = x @ s.fc1.t()
+        if s.swiglu:
+            g, up = h.chunk(2, dim=-1)
+            h = F.silu(g) * up
+        else:
+            h = F.gelu(h)
+        shared = h @ s.fc2.t()
+        if s.gate is not None:
+            shared = shared * torch.sigmoid(x @ s.gate.t())
+        out = out + shared
+    return out, dropped
+
+
+def _pair(**kw) -> tuple[MoEMLP, torch.Tensor]:
+    torch.manual_seed(0)
+    m = MoEMLP(H, FFN, E, kw.pop("topk", 2), init_method_std=0.3, **kw)
+    x = torch.randn(13, H, generator=torch.Generator().manual_seed(1))
+    return m, x
+
+
+def _check(m: MoEMLP, x: torch.Tensor) -> int:
+    """Forward and gradients (input, router, experts, shared expert) against the reference."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, stats, dropped = m(xa)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out * gy).sum().backward()
+    mine = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    ref, ref_dropped = _naive(m, xb)
+    (ref * gy).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=TOL, atol=TOL)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(mine.get(n, torch.zeros_like(p)),
+                                   p.grad if p.grad is not None else torch.zeros_like(p),
+                                   rtol=TOL, atol=TOL, msg=n)
+    assert dropped == ref_dropped
+    assert int(stats.counts.sum()) == x.shape[0] * m.topk
+    return dropped
+
+
+ROUTERS = {
+    "softmax-renorm-swiglu": dict(),
+    "softmax-raw-gelu-shared-gated": dict(renormalize=False, swiglu=False,
+                                          shared_ffn_hidden_size=8, shared_gate=True),
+    "sigmoid-bias-scaled-shared": dict(score_function="sigmoid", expert_bias=True, scaling=2.5,
+                                       shared_ffn_hidden_size=8, topk=3),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTERS))
+def test_dropless_routing_matches_the_definition(case: str) -> None:
+    m, x = _pair(**ROUTERS[case])
+    if m.router.expert_bias is not None:  # a bias that changes the choice, not the weights
+        m.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    assert _check(m, x) == 0
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_by_its_policy_and_padding_changes_nothing(policy: str) -> None:
+    m, x = _pair(capacity_factor=0.5, drop_policy=policy)
+    dropped = _check(m, x)
+    assert dropped > 0  # 13 tokens x 2 slots over 4 experts, capacity 4: some must go
+    padded, _ = _pair(capacity_factor=0.5, drop_policy=policy, pad_to_capacity=True)
+    padded.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        a, _, da = m(x)
+        b, _, db = padded(x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert da == db == dropped
+    assert capacity_of(13, 2, 4, 0.5) == 4
+
+
+def test_corner_routes() -> None:
+    """An expert no token reaches; every token to one expert (top-1, and with a capacity that
+    keeps only some); top-k = every expert."""
+    m, x = _pair(expert_bias=True)
+    m.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -10.0]))  # expert 3: never
+    _check(m, x)
+    assert m(x)[1].counts[3] == 0
+    one, x = _pair(topk=1, expert_bias=True)
+    one.router.expert_bias.copy_(torch.tensor([0.0, 10.0, 0.0, 0.0]))  # all to expert 1
+    _check(one, x)
+    assert m(x)[1].counts.max() <= 13 and one(x)[1].counts.tolist() == [0, 13, 0, 0]
+    capped, _ = _pair(topk=1, expert_bias=True, capacity_factor=1.0)
+    capped.load_state_dict(one.state_dict())
+    assert _check(capped, x) == 13 - 4  # capacity ceil(13 / 4) = 4
+    every, x = _pair(topk=E, swiglu=False)
+    _check(every, x)
+
+
+def test_aux_losses_are_the_sum_of_their_pieces() -> None:
+    """The load-balancing loss and z-loss of a micro-batch from its pieces' summed statistics
+    equal the unsplit ones, values and gradients (a Domino split must not change them)."""
+    m, x = _pair()
+    _, whole, _ = m(x)
+    balance, z = aux_losses(whole, m.topk)
+    # By hand: E * sum_e (assignments_e / (T k)) * mean normalised score_e; mean logsumexp^2.
+    logits = x @ m.router.weight.t()
+    probs = torch.softmax(logits, -1)
+    top = probs.topk(2, -1).indices
+    f = torch.bincount(top.reshape(-1), minlength=E).float() / (13 * 2)
+    torch.testing.assert_close(balance, E * (f * probs.mean(0)).sum())
+    torch.testing.assert_close(z, torch.logsumexp(logits, -1).pow(2).mean())
+    (balance + 0.1 * z).backward()
+    want = m.router.weight.grad.clone()
+    m.zero_grad()
+    parts = [m(piece)[1] for piece in (x[:5], x[5:6], x[6:])]
+    total = parts[0] + parts[1] + parts[2]
+    b2, z2 = aux_losses(total, m.topk)
+    torch.testing.assert_close(b2, balance, rtol=1e-6, atol=0)
+    torch.testing.assert_close(z2, z, rtol=1e-6, atol=0)
+    (b2 + 0.1 * z2).backward()
+    torch.testing.assert_close(m.router.weight.grad, want, rtol=1e-5, atol=1e-7)
+
+
+def test_expert_bias_moves_towards_the_mean_load() -> None:
+    bias = torch.zeros(4)
+    update_expert_bias(bias, torch.tensor([10, 2, 6, 6]), 0.01)
+    assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0])
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="topk=5 must be between 1 and num_experts=4"):
+        MoEMLP(H, FFN, E, 5)
+    with pytest.raises(ValueError, match="score_function='tanh'"):
+        MoEMLP(H, FFN, E, 2, score_function="tanh")
+    with pytest.raises(ValueError, match="capacity_factor=0.0 must be > 0"):
+        MoEMLP(H, FFN, E, 2, capacity_factor=0.0)
+    with pytest.raises(ValueError, match="pad_to_capacity needs a capacity_factor"):
+        MoEMLP(H, FFN, E, 2, pad_to_capacity=True)
+    m, x = _pair(capacity_factor=1.0, drop_policy="largest")
+    with pytest.raises(ValueError, match="drop_policy='largest'"):
+        m(x)
