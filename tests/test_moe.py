@@ -1,10 +1,13 @@
-"""The MoE MLP's single-rank math (``domino.transformer.moe``) against a per-token reference
-written straight from the definitions: routing (softmax with and without re-normalised top-k
+"""The MoE MLP (``domino.transformer.moe``) against a per-token reference written straight from
+the definitions: routing (softmax with and without re-normalised top-k
 weights, sigmoid with DeepSeek's selection bias and scaling), dropless and capacity routing (both
 drop policies, padded or not), shared experts with their gate, GELU and SwiGLU experts, the
 auxiliary losses (and that a micro-batch's losses are the sum of its pieces' statistics, whatever
 the split), the expert-bias update, and the corner cases: an expert no token reaches, every token
-to one expert, top-k = all experts. Forward and every gradient within fp32 tolerance."""
+to one expert, top-k = all experts. Forward and every gradient within fp32 tolerance. With expert
+parallelism (EP = 2 and 4, each rank its own tokens, hot and idle experts, drops) every rank's
+outputs and input gradients, its experts' gradients and the summed router gradients equal the
+single-rank model's on all the ranks' tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from dist import run_distributed
 
+from domino.tensor_parallel import CommGroup
 from domino.transformer.moe import MoEMLP, aux_losses, update_expert_bias
 from domino.transformer.moe.experts import capacity_of
 
@@ -198,3 +203,73 @@ def test_bad_settings_are_refused() -> None:
     m, x = _pair(capacity_factor=1.0, drop_policy="largest")
     with pytest.raises(ValueError, match="drop_policy='largest'"):
         m(x)
+
+
+# ---- expert parallelism ----------------------------------------------------------------------
+
+EP_EXPERTS = 8
+EP_CASES = {
+    "softmax-dropless-shared": dict(shared_ffn_hidden_size=8, shared_gate=True),
+    # Hot experts 0 and 5, expert 7 idle: uneven splits, and ranks that receive little.
+    "sigmoid-skewed": dict(score_function="sigmoid", expert_bias=True, topk=3),
+    "capacity-drops": dict(capacity_factor=1.0, expert_bias=True),
+}
+SKEW = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, -10.0])
+
+
+def _ep_model(kw: dict, ep: CommGroup | None = None) -> MoEMLP:
+    kw = dict(kw)
+    torch.manual_seed(0)
+    m = MoEMLP(H, FFN, EP_EXPERTS, kw.pop("topk", 2), init_method_std=0.3, ep=ep, **kw)
+    if m.router.expert_bias is not None:
+        m.router.expert_bias.copy_(SKEW)
+    return m
+
+
+def _ep_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(11 + 3 * rank, H, generator=gen), torch.randn(11 + 3 * rank, H,
+                                                                     generator=gen)
+
+
+def _ep_rank(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name, kw in EP_CASES.items():
+        m = _ep_model(kw, CommGroup.world())
+        x, gy = _ep_data(rank)
+        x.requires_grad_()
+        y, stats, dropped = m(x)
+        (y * gy).sum().backward()
+        out[name] = {"y": y.detach(), "dx": x.grad, "dropped": dropped,
+                     "grads": {n: p.grad for n, p in m.named_parameters()}}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_one_rank(world: int) -> None:
+    ranks = run_distributed(_ep_rank, world)
+    for name, kw in EP_CASES.items():
+        ref = _ep_model(kw)
+        local = EP_EXPERTS // world
+        for rank, res in enumerate(ranks):
+            x, gy = _ep_data(rank)
+            x.requires_grad_()
+            y, _, dropped = ref(x)
+            (y * gy).sum().backward()  # the reference's grads: every rank's tokens summed
+            got = res[name]
+            torch.testing.assert_close(got["y"], y.detach(), rtol=TOL, atol=TOL)
+            torch.testing.assert_close(got["dx"], x.grad, rtol=TOL, atol=TOL)
+            assert got["dropped"] == dropped
+        assert name != "capacity-drops" or sum(r[name]["dropped"] for r in ranks) > 0
+        for n, p in ref.named_parameters():
+            if n.startswith("experts."):  # each rank's share of the experts
+                for rank, res in enumerate(ranks):
+                    torch.testing.assert_close(res[name]["grads"][n],
+                                               p.grad[rank * local:(rank + 1) * local],
+                                               rtol=TOL, atol=TOL, msg=f"{name} {n} {rank}")
+            else:  # replicated: each rank's part, summed (DP would sum them)
+                total = sum(res[name]["grads"][n] for res in ranks)
+                torch.testing.assert_close(total, p.grad, rtol=TOL, atol=TOL, msg=f"{name} {n}")
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert-parallel"):
+        MoEMLP(H, FFN, 6, 2, ep=CommGroup(size=4, rank=0, enabled=False))

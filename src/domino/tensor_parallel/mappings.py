@@ -96,6 +96,34 @@ def sum_grads_over(tensors: list[torch.Tensor], group: CommGroup) -> list[torch.
     return list(_SumGrads.apply(group, *tensors))
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` exchanged over ``group`` (``in_splits[q]`` rows to rank q,
+    ``out_splits[q]`` rows from it); backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, name):
+        ctx.group, ctx.splits, ctx.name = group, (out_splits, in_splits), name
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        group.all_to_all(out, x.contiguous(), out_splits, in_splits, name=name)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        ctx.group.all_to_all(back, grad.contiguous(), in_splits, out_splits,
+                             name=ctx.name + " (backward)")
+        return back, None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group: CommGroup, out_splits: list[int],
+                    in_splits: list[int], name: str = "all_to_all") -> torch.Tensor:
+    """Differentiable uneven all-to-all of ``x``'s rows (see :class:`_AllToAll`)."""
+    if group.size == 1:
+        return x
+    return _AllToAll.apply(x, group, list(out_splits), list(in_splits), name)
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return _CopyToRegion.apply(x, group) if group.size > 1 else x
 

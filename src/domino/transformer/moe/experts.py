@@ -26,6 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.precision import compute
+from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.layers import init_sharded
+from domino.tensor_parallel.placement import Placement, place
+from domino.utils import divide
 
 DROP_POLICIES = ("probs", "position")
 
@@ -97,23 +101,26 @@ def unpermute(y: torch.Tensor, permuted: Permuted, num_tokens: int) -> torch.Ten
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` MLPs h -> ffn -> h (GELU or SwiGLU), no biases, as stacked weights."""
+    """``num_experts`` MLPs h -> ffn -> h (GELU or SwiGLU), no biases, as stacked weights; with
+    expert parallelism, the ``ep.size``-th share of them this rank holds (``ep.rank``'s, in
+    order), initialised as that slice of the unsharded experts (the same model at any EP)."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  swiglu: bool, gelu_approximate: str = "none", init_method_std: float = 0.02,
                  output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, ep: CommGroup | None = None) -> None:
         super().__init__()
-        self.num_experts, self.swiglu, self.gelu_approximate = num_experts, swiglu, gelu_approximate
+        ep = ep if ep is not None else CommGroup()
+        self.swiglu, self.gelu_approximate = swiglu, gelu_approximate
+        self.num_experts = divide(num_experts, ep.size)  # this rank's
         width = ffn_hidden_size * (2 if swiglu else 1)
-        self.fc1 = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype,
-                                            device=device))
-        self.fc2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size,
-                                            dtype=params_dtype, device=device))
-        if not self.fc1.is_meta:
-            with torch.no_grad():
-                self.fc1.normal_(0.0, init_method_std)
-                self.fc2.normal_(0.0, init_method_std if output_std is None else output_std)
+        std2 = init_method_std if output_std is None else output_std
+        self.fc1 = nn.Parameter(init_sharded((num_experts, hidden_size, width), _normal(
+            init_method_std), 0, ep, params_dtype, device))
+        self.fc2 = nn.Parameter(init_sharded((num_experts, ffn_hidden_size, hidden_size),
+                                             _normal(std2), 0, ep, params_dtype, device))
+        for p in (self.fc1, self.fc2):  # reduced over expert-DP, sharded over EP by expert
+            place(p, Placement(shard="ep" if ep.size > 1 else None, grad_group="expert_dp"))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, h] sorted by expert, ``counts`` [E] rows per expert -> [N, h]."""
@@ -125,3 +132,7 @@ class GroupedExperts(nn.Module):
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return F.grouped_mm(h, compute(self.fc2), offs=offs)
+
+
+def _normal(std: float):
+    return lambda t: t.normal_(0.0, std)

@@ -7,9 +7,10 @@ runs as one grouped GEMM, and the weighted outputs are added back into the token
 (Qwen-MoE, DeepSeek) is a dense MLP every token goes through, optionally scaled by a sigmoid
 gate of the token (Qwen's ``shared_expert_gate``); its output is added to the routed one.
 
-This module is the single-rank math (TP = EP = 1): expert parallelism exchanges the sorted rows
-between the permutation and the experts, and the Domino schedule hides that exchange; both build
-on these pieces.
+With expert parallelism (``ep``, a group of ranks with different tokens) a rank holds 1/EP of
+the experts and the sorted rows go to the ranks holding their experts and back
+(:mod:`.dispatch`); routing, the capacity and the shared expert stay on the token's rank. (TP
+inside the experts and the Domino schedule's overlap of the exchange build on these pieces.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.precision import compute
+from domino.tensor_parallel.comm import CommGroup
+from domino.transformer.moe.dispatch import combine, dispatch
 from domino.transformer.moe.experts import GroupedExperts, capacity_of, permute, unpermute
 from domino.transformer.moe.router import RouterStats, TopKRouter
 
@@ -70,8 +73,12 @@ class MoEMLP(nn.Module):
                  pad_to_capacity: bool = False, shared_ffn_hidden_size: int | None = None,
                  shared_gate: bool = False, init_method_std: float = 0.02,
                  output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, ep: CommGroup | None = None) -> None:
         super().__init__()
+        self.ep = ep if ep is not None else CommGroup()
+        if num_experts % self.ep.size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel "
+                             f"size {self.ep.size}: pick an expert count EP divides")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None: "
                              "dropless routing)")
@@ -88,7 +95,7 @@ class MoEMLP(nn.Module):
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, swiglu=swiglu,
                                       gelu_approximate=gelu_approximate,
                                       init_method_std=init_method_std, output_std=output_std,
-                                      params_dtype=params_dtype, device=device)
+                                      params_dtype=params_dtype, device=device, ep=self.ep)
         self.shared = None
         if shared_ffn_hidden_size:
             self.shared = SharedExpert(hidden_size, shared_ffn_hidden_size, swiglu=swiglu,
@@ -105,7 +112,12 @@ class MoEMLP(nn.Module):
                     capacity_of(flat.shape[0], self.topk, self.num_experts, self.capacity_factor))
         rows = permute(flat, routing.experts, routing.weights, self.num_experts, capacity,
                        self.drop_policy, self.pad_to_capacity)
-        out = unpermute(self.experts(rows.x, rows.counts), rows, flat.shape[0])
+        if self.ep.size > 1:
+            sent = dispatch(rows.x, rows.counts, self.ep)
+            y = combine(self.experts(sent.x, sent.counts), sent, self.ep)
+        else:
+            y = self.experts(rows.x, rows.counts)
+        out = unpermute(y, rows, flat.shape[0])
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.reshape(shape), stats, rows.dropped
