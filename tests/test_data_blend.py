@@ -14,10 +14,12 @@ from domino.data import IndexedDataset, IndexedDatasetBuilder
 from domino.data.blend import (
     BlendedDataset,
     blend_index,
+    check_index,
     deviation_bound,
     parse_blend,
     sample_index,
 )
+from domino.data.blend_cache import save_index
 from domino.training import data as train_data
 from domino.training.arguments import TrainArgs, add_arguments, resolve_args, to_toml
 from domino.training.data import build_datasets, data_sources, rank_batches
@@ -68,6 +70,10 @@ def test_parse_blend_forms_and_errors() -> None:
     assert b.describe() == "blend of 2 datasets: 70% A, 30% B"
     assert parse_blend("1 A 1 A").weights == (0.5, 0.5)  # duplicates are fine
     assert parse_blend("0.6 A 0.2 B 0.2 C").weights == parse_blend("3 A 1 B 1 C").weights
+    # A string that does not start with a weight is one prefix, spaces and all (old configs).
+    assert parse_blend("/data/my corpus/a").prefixes == ("/data/my corpus/a",)
+    assert TrainArgs(data_path="/data/my corpus/a").data_path == ["/data/my corpus/a"]
+    assert TrainArgs(data_path="7 A 3 B").data_path == ["7", "A", "3", "B"]
     bad = {("0.7", "A", "0.3"): "even count", ("x", "A", "1", "B"): "'x'.*not a number",
            ("0", "A", "1", "B"): "weight 0 of A must be .* > 0", ("-1", "A", "1", "B"): "> 0",
            ("nan", "A", "1", "B"): "finite", ("1", "2", "1", "B"): "'2'.*is a number",
@@ -91,6 +97,9 @@ def test_blend_index_bound_holds_on_every_prefix(k: int) -> None:
         dev = np.abs(counts - np.outer(np.arange(1, n + 1), w))
         assert (dev <= deviation_bound(w) + 1e-9).all(), (w, dev.max(axis=0))
         assert np.array_equal(blend_index(w, 1234), index[:1234])  # prefix-stable
+        # Built in time windows (bounded memory): any window size gives the same order.
+        assert np.array_equal(blend_index(w, n, window=7), index)
+        assert check_index(index, w) is None
         j = sample_index(index, k)  # each dataset's samples in order 0, 1, 2, ...
         for d in range(k):
             assert np.array_equal(j[index == d], np.arange((index == d).sum()))
@@ -171,13 +180,42 @@ def test_index_cache_is_checked_not_trusted(two, tmp_path, monkeypatch) -> None:
     rebuilt_after(lambda: np.save(npy, ref.index.astype(np.int64)))
     rebuilt_after(lambda: side.write_text("{not json"))
     record = json.loads(side.read_text())
+    key = dict(record["key"])
     record["key"]["seed"] = 99
     rebuilt_after(lambda: side.write_text(json.dumps(record)))
+    # A consistent file and sidecar (counts, hash) of another order: checked against the
+    # weights, not taken on the sidecar's word.
+    rebuilt_after(lambda: save_index(folder, key, flipped))
+    assert check_index(flipped, (0.7, 0.3)) is not None
     # Other inputs get another file; --data-cache-path moves the cache.
     _build(two, seq_length=6)
     _build(two, data_cache_path=str(tmp_path / "elsewhere"))
     assert len(list(folder.glob("blend_train_*.npy"))) == 2
     assert len(list((tmp_path / "elsewhere").glob("blend_*.npy"))) == 2  # train and valid
+
+
+def test_eval_reads_separate_split_data_whole() -> None:
+    from domino.inference.tasks import eval_split
+
+    assert eval_split(None, {"split": "90,10,0"}, 1) == "90,10,0"  # the run's --split
+    assert eval_split(None, {}, 1) == "98,2,0"
+    separate = {"split": "98,2,0", "train_data_path": ["A"], "valid_data_path": ["B"]}
+    assert eval_split(None, separate, 1) == "0,1,0" and eval_split(None, separate, 2) == "0,0,1"
+    assert eval_split("80,20,0", separate, 1) == "80,20,0"  # given wins
+
+
+def test_cache_without_file_locks(two, tmp_path, monkeypatch) -> None:
+    """A filesystem that refuses flock (Lustre without -o flock, NFS without lockd): the run
+    goes on unlocked, and the index still lands in the cache."""
+    import fcntl
+
+    def refuse(*_args) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    train, _ = _build(two)
+    assert np.array_equal(train.index, blend_index((0.7, 0.3), 200))
+    assert len(list((tmp_path / "domino_cache").glob("blend_train_*.npy"))) == 1
 
 
 def test_uncachable_default_builds_in_memory(two, tmp_path) -> None:

@@ -16,6 +16,7 @@ zstandard = pytest.importorskip("zstandard")
 from domino.cli import main  # noqa: E402
 from domino.data import BPETokenizer, ByteTokenizer, preprocess  # noqa: E402
 from domino.data.preprocess import collect_files  # noqa: E402
+from domino.data.readers import iter_documents  # noqa: E402
 
 # Non-ASCII, quotes, tabs, newlines and empty documents: what JSON escapes and tables do not.
 ROWS = [{"id": i, "title": f"title {i}",
@@ -94,6 +95,11 @@ def test_each_input_gives_the_jsonl_bytes(tmp_path, reference, kind) -> None:
     # The progress bar's total is the files' size on disk; what was read adds up to it.
     files = collect_files([path])
     assert stats.bytes == sum(os.path.getsize(f) for f in files) and stats.files == len(files)
+    # ... and only ever grows: tables read in several batches count each batch once.
+    steps = [size for _, size in iter_documents(files)]
+    assert min(steps) >= 0 and sum(steps) == stats.bytes
+    if kind in ("file.arrow", "stream.arrow"):  # 64-row batches
+        assert sum(1 for s in steps if s > 0) > 1
 
 
 def test_all_inputs_together_with_workers(tmp_path) -> None:

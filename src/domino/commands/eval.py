@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dataset prefix (PREFIX.bin/.idx, made with the model's tokenizer), "
                         "or a blend of weight/prefix pairs as in training (needs --eval-iters)")
     parser.add_argument("--split", default=None,
-                        help="train/valid/test document weights [default: the run's, or 98,2,0]")
+                        help="train/valid/test document weights [default: the run's, or 98,2,0; "
+                        "the whole dataset after a run with --train-data-path]")
     parser.add_argument("--split-name", choices=("train", "valid", "test"), default="valid")
     parser.add_argument("--eval-iters", type=int, default=None,
                         help="only the first N global batches (as training's validation)")

@@ -5,7 +5,10 @@ The file name's hash covers everything the run's blend is made from (the dataset
 sizes and modification times of their .bin/.idx, the weights, seed, split, sequence length and
 number of samples), so a changed input never finds an old file. On reuse the sidecar must
 repeat that key, and the array must have the recorded dtype, shape, value range, per-dataset
-counts and SHA-256; anything else is rebuilt. Arrays are read with ``allow_pickle=False``.
+counts and SHA-256, and the order itself is checked against the weights (its head rebuilt,
+samples of each dataset probed at their due positions: a file from another version of the
+algorithm is not taken for this one); anything else is rebuilt. Arrays are read with
+``allow_pickle=False``, so a cache file can never run code.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from domino.data.blend import check_index
 from domino.data.indexed_dataset import data_path, index_path
 
 CACHE_VERSION = 1
@@ -75,6 +79,8 @@ def load_index(folder: Path, key: dict[str, Any], dtype: np.dtype) -> tuple[np.n
         return None, "its per-dataset counts differ from the sidecar's"
     if _sha(index) != record.get("sha256"):
         return None, "its SHA-256 differs from the sidecar's"
+    if (wrong := check_index(index, key["weights"])) is not None:
+        return None, f"it is not this blend's order ({wrong})"
     return index, "reused"
 
 
@@ -93,6 +99,9 @@ def save_index(folder: Path, key: dict[str, Any], index: np.ndarray) -> Path:
 def _atomic(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes owner-only files: the other users of a shared data folder's cache
+        # could then never read the index, only rebuild and replace it, in turn.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)

@@ -234,8 +234,8 @@ def _iter_table(path: str, kind: str, key: str) -> Iterator[tuple[str, int]]:
                     bad = row + values.index(None)
                     raise ValueError(f"{path}: row {bad} (0-based): value of {key!r} must be a "
                                      "string, got null; drop or fill the empty rows first")
-                for i, text in enumerate(values):
-                    yield text, pos if i == 0 else 0
+                for text in values:  # bytes so far: the batch's first row counts them all
+                    yield text, pos
                 row += len(values)
         except (pa.ArrowException, OSError) as e:  # a damaged page or batch (ours: ValueError)
             raise ValueError(f"{path}: not readable as {_NAMES[kind]} after {row} row(s) "

@@ -51,12 +51,13 @@ def eval_rank(spec: dict[str, Any], state) -> None:
         return value if value is not None else saved.get(key, default)
 
     seq, seed = pick("seq_length", config.seq_length), pick("seed", 1234)
-    micro, split = pick("micro_batch_size", 8), pick("split", "98,2,0")
+    micro = pick("micro_batch_size", 8)
     blend = parse_blend(spec["data_path"])
     opened = {p: open_dataset(p) for p in blend.prefixes}
     for ds in opened.values():
         check_tokenizer(ds, tokenizer)
     which = ("train", "valid", "test").index(spec["split_name"])
+    split = eval_split(spec.get("split"), saved, which)
     need = [False, False, False]
     need[which] = True
     ranges = {}
@@ -111,6 +112,17 @@ def eval_rank(spec: dict[str, Any], state) -> None:
               f"{mean:.4f}, perplexity {math.exp(min(mean, 50.0)):.3f} over {int(total[1]):,} "
               f"tokens ({len(samples):,} samples of {seq}; checkpoint step {meta.step}, TP="
               f"{state.tp.size} x DP={dp.size}, {spec.get('precision', 'fp32')})", flush=True)
+
+
+def eval_split(given: str | None, saved: dict[str, Any], which: int) -> str:
+    """The --split that cuts `domino eval`'s data: the one given, else the run's; but a run that
+    named each split's datasets (--train-data-path, --valid-data-path) read them whole, not cut
+    by its --split, so then split ``which`` is the whole dataset (its validation reproduced)."""
+    if given is not None:
+        return given
+    if saved.get("train_data_path") is not None:
+        return ",".join("1" if i == which else "0" for i in range(3))
+    return saved.get("split") or "98,2,0"
 
 
 def _slice(n: int, dp_size: int, dp_rank: int, global_batch: int) -> list[int]:

@@ -235,7 +235,7 @@ class TrainArgs(ModelArgs):
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
                 setattr(self, name, value)
-            if kind is list:  # a blend: a TOML/JSON list, or one string split on whitespace
+            if kind is list:  # a blend: a TOML/JSON list, or one string
                 value = _string_list(name, value)
                 setattr(self, name, value)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -313,9 +313,12 @@ def _base_type(hint: Any) -> type:
 
 def _string_list(name: str, value: Any) -> list[str]:
     """A list setting (``--data-path 0.7 A 0.3 B``): a list of strings (bare numbers allowed:
-    TOML users may write weights unquoted) or one whitespace-separated string."""
+    TOML users may write weights unquoted) or one string, split on whitespace only when it
+    starts with a weight (:func:`~domino.data.blend.blend_tokens`)."""
+    from domino.data.blend import blend_tokens
+
     if isinstance(value, str):
-        return value.split()
+        return blend_tokens(value)
     if isinstance(value, (list, tuple)) and all(
             isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         return [v if isinstance(v, str) else repr(v) for v in value]

@@ -94,18 +94,25 @@ def prepare_default_corpus(args: TrainArgs, run_dir: Path, progress: bool) -> st
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """An exclusive inter-process lock on ``folder`` (POSIX advisory lock; a no-op elsewhere)."""
+    """An exclusive inter-process lock on ``folder`` (POSIX advisory lock; a no-op elsewhere).
+
+    Where the filesystem refuses locks (Lustre mounted without ``flock``, NFS without a lock
+    daemon, some FUSE and SMB mounts) it goes on unlocked rather than failing the run: what it
+    guards is written by atomic renames and is the same whoever writes it, so racing writers
+    only repeat work."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX
         yield
         return
-    with open(folder / ".lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as stack:
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle = stack.enter_context(open(folder / ".lock", "a"))
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            stack.callback(fcntl.flock, handle, fcntl.LOCK_UN)
+        except OSError:
+            pass  # unlocked, see above
+        yield
 
 
 def make_tokenizer(args: TrainArgs) -> Tokenizer:
@@ -262,16 +269,22 @@ def _split_dataset(args: TrainArgs, blend: Blend, which: int, num_samples: int,
         key = cache_key(blend.prefixes, blend.weights, split_name=SPLIT_NAMES[which],
                         split=args.split if ranges else None, seed=args.seed,
                         seq_length=args.seq_length, num_samples=num_samples)
-        # Every rank asks; the lock makes the first on each host build and write it while the
-        # others wait and then read it back, checked. No process group exists yet (this runs
-        # before any process starts, and again in each rank), and the index is deterministic,
-        # so a rank on another host that builds its own copy gets the same one.
-        with _locked(folder):
-            index, _ = load_index(folder, key, blend_dtype(len(blend)))
-            if index is None:
-                index = blend_index(blend.weights, num_samples)
-                with contextlib.suppress(OSError):  # a full disk costs the cache, not the run
-                    save_index(folder, key, index)
+        dtype = blend_dtype(len(blend))
+        # Files appear whole or not at all (atomic renames), so a ready index is read without
+        # the lock: thousands of ranks on a shared filesystem then check it in parallel
+        # instead of one after another.
+        index, _ = load_index(folder, key, dtype)
+        if index is None:
+            # The lock makes the first rank on each host build and write it while the others
+            # wait and then read it back, checked. No process group exists yet (this runs
+            # before any process starts, and again in each rank), and the index is
+            # deterministic, so a rank on another host that builds its own copy gets the same.
+            with _locked(folder):
+                index, _ = load_index(folder, key, dtype)
+                if index is None:
+                    index = blend_index(blend.weights, num_samples)
+                    with contextlib.suppress(OSError):  # a full disk costs the cache, not the run
+                        save_index(folder, key, index)
     return build_blended(blend.weights, num_samples,
                          lambda k, count: make(k, count, component_seed(args.seed, k)),
                          index=index, description=blend.describe())
