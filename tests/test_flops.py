@@ -61,6 +61,15 @@ def test_gqa_swiglu_by_hand() -> None:
         layer - 4 * 16 * 96 + 4 * 5 * 96)
     assert train_flops_per_step(dataclasses.replace(c, window_size=64), 10) == \
         train_flops_per_step(c, 10)
+    # MoE on layers 1 and 2 (the first stays dense): 8 experts of width 40, top-2, a shared
+    # expert of width 24; per MoE layer 2 x SwiGLU(40) + SwiGLU(24) + the router 2*96*8.
+    moe = dataclasses.replace(c, num_experts=8, moe_ffn_hidden_size=40, moe_router_topk=2,
+                              moe_first_k_dense_layers=1,
+                              moe_shared_expert_intermediate_size=24)
+    dense_mlp = 2 * 96 * 320 + 2 * 160 * 96
+    moe_mlp = 2 * (3 * 2 * 96 * 40) + 3 * 2 * 96 * 24 + 2 * 96 * 8
+    assert train_flops_per_step(moe, 10, head=False) == 3 * 10 * (
+        3 * layer + 2 * (moe_mlp - dense_mlp))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -107,6 +107,53 @@ class TransformerConfig:
     params_dtype: torch.dtype = field(default=torch.float32, metadata={"help": "Parameter dtype."})
     attention_softmax_in_fp32: bool = field(
         default=True, metadata={"help": "Compute the attention softmax in fp32."})
+    # -- Mixture of Experts (Megatron's names; domino.transformer.moe)
+    num_experts: int | None = field(
+        default=None, metadata={"help": "Experts of each MoE layer (None: dense MLPs only)."})
+    moe_router_topk: int = field(default=2, metadata={"help": "Experts each token goes to."})
+    moe_ffn_hidden_size: int | None = field(
+        default=None, metadata={"help": "Each expert's MLP width; default ffn_hidden_size."})
+    moe_layer_freq: int = field(
+        default=1, metadata={"help": "Every moe_layer_freq-th layer is MoE (1: all)."})
+    moe_first_k_dense_layers: int = field(
+        default=0, metadata={"help": "The first layers keep a dense MLP (DeepSeek's "
+                                     "first_k_dense_replace)."})
+    moe_shared_expert_intermediate_size: int | None = field(
+        default=None, metadata={"help": "Width of a shared expert every token goes through "
+                                        "(Qwen-MoE, DeepSeek); None: no shared expert."})
+    moe_shared_expert_gate: bool = field(
+        default=False, metadata={"help": "Scale the shared expert by a sigmoid gate (Qwen)."})
+    moe_router_score_function: str = field(
+        default="softmax", metadata={"help": "Router scores: softmax or sigmoid (DeepSeek-V3).",
+                                     "choices": ("softmax", "sigmoid")})
+    moe_router_pre_softmax: bool = field(
+        default=False, metadata={"help": "softmax: keep the top-k probabilities of all experts "
+                                         "as they are instead of re-normalising them."})
+    moe_router_topk_scaling_factor: float | None = field(
+        default=None, metadata={"help": "Multiply the top-k weights by this (DeepSeek)."})
+    moe_router_enable_expert_bias: bool = field(
+        default=False, metadata={"help": "Aux-loss-free balancing: a per-expert bias on the "
+                                         "scores that choose experts, moved each step."})
+    moe_router_bias_update_rate: float = field(
+        default=1e-3, metadata={"help": "How far the expert bias moves per step."})
+    moe_router_load_balancing_type: str = field(
+        default="aux_loss", metadata={"help": "aux_loss (Switch/GShard loss, weighted by "
+                                              "moe_aux_loss_coeff) or none.",
+                                      "choices": ("aux_loss", "none")})
+    moe_aux_loss_coeff: float = field(
+        default=0.0, metadata={"help": "Weight of the load-balancing loss."})
+    moe_z_loss_coeff: float | None = field(
+        default=None, metadata={"help": "Weight of the router z-loss (None: off)."})
+    moe_expert_capacity_factor: float | None = field(
+        default=None, metadata={"help": "Capacity per expert, x its even share of the "
+                                        "assignments; tokens over it are dropped (None: "
+                                        "dropless)."})
+    moe_pad_expert_input_to_capacity: bool = field(
+        default=False, metadata={"help": "Pad every expert's rows to its capacity."})
+    moe_token_drop_policy: str = field(
+        default="probs", metadata={"help": "What the capacity drops first: the lowest weights "
+                                           "(probs) or the latest tokens (position).",
+                                   "choices": ("probs", "position")})
     # -- Run-time choices in the seed's (Megatron's) spelling: constructor keywords only, not
     # part of the model (not in fields(), to_dict(), architecture() or ==). They build the
     # default RuntimeConfig, ``config.runtime()``, that a model built without ``runtime=`` runs.
@@ -159,6 +206,7 @@ class TransformerConfig:
                                              or self.window_size < 1):
             raise ValueError(f"window_size={self.window_size!r} must be an integer >= 1 (the "
                              "tokens a query sees, itself included) or None for full attention.")
+        self._check_moe()
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1].")
         if self.position_embedding_type == "rope":
@@ -249,6 +297,37 @@ class TransformerConfig:
             values["params_dtype"] = dtype
         return cls(**values)
 
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        _positive(self, "num_experts", "moe_router_topk", "moe_layer_freq")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} is more than num_experts="
+                             f"{self.num_experts}: route to at most every expert.")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        _positive(self, "moe_ffn_hidden_size")
+        _choice(self, "moe_router_score_function", ("softmax", "sigmoid"))
+        _choice(self, "moe_router_load_balancing_type", ("aux_loss", "none"))
+        _choice(self, "moe_token_drop_policy", ("probs", "position"))
+        if not 0 <= self.moe_first_k_dense_layers <= self.num_layers:
+            raise ValueError(f"moe_first_k_dense_layers={self.moe_first_k_dense_layers} must be "
+                             f"between 0 and num_layers={self.num_layers}.")
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"moe_expert_capacity_factor={factor} must be > 0 (or None: "
+                             "dropless routing).")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity needs a "
+                             "moe_expert_capacity_factor (dropless routing has no capacity).")
+        if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff or 0.0) < 0:
+            raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0.")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) has an MoE MLP."""
+        return (self.num_experts is not None and index >= self.moe_first_k_dense_layers
+                and index % self.moe_layer_freq == 0)
+
     def architecture(self) -> dict[str, Any]:
         """The fields that decide the weights' shapes and the model's math: two configs with the
         same architecture can load each other's weights (at any TP size). Settings that do not
@@ -261,6 +340,9 @@ class TransformerConfig:
                 del out[name]
         elif self.rope_scaling_type is None:
             for name in [n for n in out if n.startswith("rope_") and n != "rope_scaling_type"]:
+                del out[name]
+        if self.num_experts is None:
+            for name in [n for n in out if n.startswith("moe_")]:
                 del out[name]
         return out
 
@@ -299,7 +381,10 @@ ARCHITECTURE_FIELDS = (
     "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
     "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "window_size",
+    "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_first_k_dense_layers", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias",
     "layernorm_epsilon",
     "apply_residual_connection_post_layernorm", "final_layernorm",
     "untie_embeddings_and_output_weights",

@@ -10,6 +10,9 @@ what an implementation happens to run. Per token and layer, forward:
   window shorter than the sequence, the window's keys instead of seq),
 * and once per token the LM head: 2 x hidden x padded vocabulary (the logits GEMM).
 
+An MoE layer's MLP counts what a token goes through: its top-k experts' MLPs, the shared
+expert, and the router (2 x hidden x experts); the experts it does not use are not counted.
+
 A training step costs 3x its forward (backward: an input gradient and a weight gradient per
 GEMM). Norms, activations, softmax and embedding look-ups are not counted; nor is activation
 recomputation (it repeats work the model does not need). For a plain GPT (4h MLP, no GQA) this is
@@ -66,15 +69,30 @@ def _layer_linears(config) -> list[tuple[int, int, str]]:
             (h, ffn * (2 if gated else 1), "column"), (ffn, h, "row")]
 
 
+def _mlp_flops(config, moe: bool) -> float:
+    """A token's forward FLOPs in a layer's MLP (dense, or MoE: see the module docstring)."""
+    h, gemms = config.hidden_size, 3 if config.activation == "swiglu" else 2
+
+    def mlp(ffn: int) -> float:
+        return 2.0 * h * ffn * gemms
+
+    if not moe:
+        return mlp(config.ffn_hidden_size)
+    out = config.moe_router_topk * mlp(config.moe_ffn_hidden_size) + 2.0 * h * config.num_experts
+    if config.moe_shared_expert_intermediate_size:
+        out += mlp(config.moe_shared_expert_intermediate_size)
+    return out
+
+
 def forward_flops_per_token(config, *, tp: int = 1, head: bool = True,
                             layers: int | None = None) -> float:
     """Model FLOPs of one token's forward (``head``: with the LM head over the vocabulary as
     padded for ``tp`` ranks; ``layers``: this many transformer layers, default the config's)."""
     layers = config.num_layers if layers is None else layers
-    per_layer = sum(2.0 * i * o for i, o, _ in _layer_linears(config))
+    attention = sum(2.0 * i * o for i, o, _ in _layer_linears(config)[:2])
     keys = min(config.seq_length, config.window_size or config.seq_length)
-    per_layer += 4.0 * keys * config.num_attention_heads * config.kv_channels
-    out = layers * per_layer
+    attention += 4.0 * keys * config.num_attention_heads * config.kv_channels
+    out = sum(attention + _mlp_flops(config, config.is_moe_layer(i)) for i in range(layers))
     if head:
         out += 2.0 * config.hidden_size * config.padded_vocab_size(tp)
     return out

@@ -33,6 +33,9 @@ _GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "
 def choose_architecture(config: TransformerConfig) -> str:
     """``gpt2``, or ``llama`` / ``qwen2`` / ``qwen3`` / ``mistral`` by the model's features;
     ValueError naming what none of them has."""
+    if config.num_experts is not None:
+        raise ValueError(f"this model has Mixture-of-Experts layers ({config.num_experts} "
+                         "experts): export to Mixtral / Qwen3-MoE is not built yet")
     common = []
     if config.apply_residual_connection_post_layernorm:
         common.append("the residual taken after the norm (post-LN)")

@@ -114,6 +114,9 @@ def format_record(rec: dict[str, Any], total: int) -> str:
     if "model_tflops_per_rank" in rec:
         parts.append(f"{rec['model_tflops_per_rank']:.3g} TFLOP/s/rank"
                      + (f" MFU {rec['mfu'] * 100:.1f}%" if "mfu" in rec else ""))
+    if "moe_aux_loss" in rec:
+        parts.append(f"moe aux {rec['moe_aux_loss']:.3f} z {rec['moe_z_loss']:.3g} max load "
+                     f"{rec['moe_max_load']:.2f}x dropped {rec['moe_dropped'] * 100:.1f}%")
     if "exposed_comm_s" in rec:
         parts.append(f"exposed comm {rec['exposed_comm_s'] * 1e3:.1f} ms")
     if "peak_mem_bytes" in rec:

@@ -251,7 +251,7 @@ class Trainer:
                 rec = {"step": step, "loss": window["loss"] / n, "lr": lr,
                        "grad_norm": out.grad_norm, "tokens_per_s": g * s * n / window["time"],
                        "step_time_s": window["time"] / n, "exposed_comm_s": window["comm"] / n,
-                       "skipped": result.skipped, **rec}
+                       "skipped": result.skipped, **out.moe, **rec}
                 per_rank, mfu = utilisation(self.flops_per_step, self.state.world.size,
                                             rec["step_time_s"], self.peak)
                 rec["model_tflops_per_rank"] = per_rank / 1e12

@@ -238,6 +238,12 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
         args.max_position_embeddings = args.seq_length
     _check_batches(args, world_size // (tp * pp))
     _check_pipeline(args, world_size // (tp * pp), progress)
+    if args.num_experts is not None and (tp > 1 or pp > 1):
+        raise ValueError(
+            f"--num-experts {args.num_experts} with --tensor-model-parallel-size {tp} and "
+            f"--pipeline-model-parallel-size {pp}: MoE models train at TP=1 and PP=1 for now "
+            "(tensor parallelism inside the experts and MoE pipeline stages are not built "
+            "yet); scale them with data parallelism (--nproc)")
 
     # Data first: the vocabulary size comes from the tokenizer.
     if args.tokenizer_type is None:

@@ -18,6 +18,7 @@ from domino.training.data import rank_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
 from domino.training.optim import agree, clip_coeff, clip_grads, global_grad_norm, grads_of
+from domino.transformer.moe.op import moe_ops, set_loss_scale, step_end
 
 
 @dataclass
@@ -48,6 +49,7 @@ class StepOutcome:
     requests: list[bool]  # the caller's requests, true when any rank made them
     pipeline_wait_s: float = 0.0  # this rank's time waiting for other pipeline stages
     exposed_dp_s: float = 0.0  # this rank's time blocked on the DP gradient reduction
+    moe: dict[str, float] = field(default_factory=dict)  # router metrics (MoE models)
 
 
 def forward_loss(model, batch, context=None) -> torch.Tensor:
@@ -112,6 +114,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
             denom = float(n_tokens.clamp(min=1))
         return scale / denom
     optimizer.zero_grad(set_to_none=False)
+    experts = moe_ops(model)
     pipeline_wait = 0.0
     zero = isinstance(optimizer, DistributedAdamW)
     overlap = reducer is not None and reducer.overlap
@@ -121,6 +124,8 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
             last = i == len(batches) - 1
             with reducer.armed() if overlap and last else contextlib.nullcontext() as context:
                 lsum = forward_loss(model, batch, context)
+                # The auxiliary losses weigh as much as this micro-batch's tokens do.
+                set_loss_scale(experts, float(batch["loss_mask"].sum()) * loss_scale())
                 (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:
@@ -158,7 +163,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     if scaler is not None:
         scaler.update(overflow)
     return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait,
-                       exposed_dp)
+                       exposed_dp, step_end(experts, dp))
 
 
 def _distinct(groups: list[CommGroup]) -> list[CommGroup]:

@@ -36,6 +36,7 @@ from domino.transformer.exits import Entry, Exit
 from domino.transformer.kernels import Kernels, NormArgs
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.mlp import MLP
+from domino.transformer.moe.op import MoEOp
 from domino.transformer.norms import build_norm
 
 
@@ -124,7 +125,8 @@ class TransformerLayer(nn.Module):
                                                   recompute=recompute_attention,
                                                   kernels=kernels)
             self.post_inter_attention_layernorm = build_norm(config, device)
-        self.mlp = MLP(config, state, device, kernels)
+        self.mlp = (MoEOp(config, state, device) if config.is_moe_layer(layer_number - 1)
+                    else MLP(config, state, device, kernels))
 
     def blocks(self) -> list[Block]:
         cfg = self.config

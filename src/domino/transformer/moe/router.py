@@ -75,9 +75,11 @@ class TopKRouter(nn.Module):
         if not self.weight.is_meta:
             with torch.no_grad():
                 self.weight.normal_(0.0, init_method_std)
-        # Aux-loss-free balancing: a buffer, moved by update_expert_bias, never by gradients.
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32,
-                                                        device=device) if expert_bias else None)
+        # Aux-loss-free balancing: moved by update_expert_bias, never by gradients; a frozen
+        # parameter (not a buffer) so that checkpoints hold it and a resume continues exactly.
+        self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32,
+                                                    device=device), requires_grad=False) \
+            if expert_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[Routing, RouterStats]:
         """x [T, h] -> the routing of its T tokens and their statistics."""
