@@ -293,6 +293,55 @@ def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: st
     assert [int(x) for x in capfd.readouterr().out.split()] == hf_ids
 
 
+def _moe_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.Module]:
+    eod, t = bpe.eod, _hf()
+    common = dict(vocab_size=bpe.vocab_size, hidden_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, bos_token_id=eod, eos_token_id=eod, num_experts_per_tok=2)
+    if arch == "mixtral":  # 4 experts of width 40, untied, no window
+        model = t.MixtralForCausalLM(t.MixtralConfig(
+            **common, intermediate_size=40, num_local_experts=4, tie_word_embeddings=False,
+            sliding_window=None))
+    else:  # Qwen3-MoE: a dense first layer, re-normalised top-k, q/k norms, tied
+        model = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
+            **common, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+            head_dim=16, mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=True,
+            rope_theta=1000000.0))
+    _perturb(model, 5)
+    folder = tmp / f"hf-{arch}"
+    model.save_pretrained(folder)
+    bpe._tok.save(str(folder / "tokenizer.json"))
+    return folder, model.eval()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch: str) -> None:
+    """Mixtral and Qwen3-MoE (random weights, the Hub's per-expert files) import with the
+    original's logits and greedy generation, export back to the same logits, and refuse TP=2
+    (MoE layers run at TP=1 for now)."""
+    folder, original = _moe_folder(tmp_path, bpe, arch)
+    ids = torch.tensor([bpe.encode(TEXT)[:30]])
+    with torch.no_grad():
+        expected = original(ids).logits
+    step_dir = import_hf(folder, tmp_path / "run", 1)
+    state = ParallelState.single()
+    model, config, _, _ = load_saved_model(step_dir, state)
+    assert config.num_experts == 4 and config.moe_first_k_dense_layers == (arch == "qwen3_moe")
+    with torch.no_grad():
+        got = model(ids, None, None)[..., :config.vocab_size]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    prompt = bpe.encode("def forward")
+    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    assert generate(model, state, prompt, 10, config.vocab_size, 32, stop=(bpe.eod,)) == hf_ids
+    meta = open_checkpoint(step_dir)[1]
+    assert export_hf(step_dir, meta, tmp_path / "back") == arch
+    torch.testing.assert_close(_hf_logits(tmp_path / "back", ids), expected, rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="MoE layers run at TP=1 for now"):
+        import_hf(folder, tmp_path / "tp2", 2)
+
+
 class _Boom:
     def __init__(self, marker: str) -> None:
         self.marker = marker

@@ -80,9 +80,11 @@ def _pairs(config: TransformerConfig, arch: str) -> list[tuple[str, str, bool]]:
                     (a + "post_attention_layernorm.weight",
                      h + "post_attention_layernorm.weight", False)]
             for suffix in _suffixes(config.add_bias_linear):
-                out += [(a + "self_attention.dense." + suffix, h + "self_attn.o_proj." + suffix,
-                         False),
-                        (a + "mlp.dense_4h_to_h." + suffix, h + "mlp.down_proj." + suffix, False)]
+                out.append((a + "self_attention.dense." + suffix, h + "self_attn.o_proj." + suffix,
+                            False))
+                if not config.is_moe_layer(i):
+                    out.append((a + "mlp.dense_4h_to_h." + suffix, h + "mlp.down_proj." + suffix,
+                                False))
     if arch == "gpt2":
         out += [(_LM + "embedding.position_embeddings.weight", "wpe.weight", False),
                 (_ENC + "final_layernorm.weight", "ln_f.weight", False),
@@ -99,9 +101,41 @@ def _fused(config: TransformerConfig, arch: str, i: int) -> list[tuple[str, str]
         return [(a + "self_attention.query_key_value." + x, f"h.{i}.attn.c_attn.{x}")
                 for x in ("weight", "bias")]
     qkv = _suffixes(config.add_bias_linear or config.add_qkv_bias)
+    mlp = () if config.is_moe_layer(i) else _suffixes(config.add_bias_linear)
     return [(a + "self_attention.query_key_value." + x, f"model.layers.{i}.self_attn.{x}")
             for x in qkv] + [(a + "mlp.dense_h_to_4h." + x, f"model.layers.{i}.mlp.{x}")
-                             for x in _suffixes(config.add_bias_linear)]
+                             for x in mlp]
+
+
+# An MoE layer's router and expert names there: the Hub's per-expert layout (transformers
+# reads it, fusing the experts itself). Our experts are stacked: fc1 [E, h, 2f] = [gate | up]
+# (each [in, out]), fc2 [E, f, h].
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_to_hf(ours: dict, config: TransformerConfig, arch: str, i: int) -> dict:
+    block, gate, up, down = _MOE_NAMES[arch]
+    a, h = f"{_ENC}layers.{i}.mlp.moe.", f"model.layers.{i}.{block}."
+    f = config.moe_ffn_hidden_size
+    out = {h + "gate.weight": ours[a + "router.weight"]}
+    fc1, fc2 = ours[a + "experts.fc1"], ours[a + "experts.fc2"]
+    for e in range(config.num_experts):
+        out[f"{h}experts.{e}.{gate}.weight"] = fc1[e][:, :f].t()
+        out[f"{h}experts.{e}.{up}.weight"] = fc1[e][:, f:].t()
+        out[f"{h}experts.{e}.{down}.weight"] = fc2[e].t()
+    return out
+
+
+def _moe_from_hf(hf: dict, config: TransformerConfig, arch: str, i: int) -> dict:
+    block, gate, up, down = _MOE_NAMES[arch]
+    a, h = f"{_ENC}layers.{i}.mlp.moe.", f"model.layers.{i}.{block}."
+    experts = range(config.num_experts)
+    fc1 = [torch.cat([hf[f"{h}experts.{e}.{gate}.weight"].t(),
+                      hf[f"{h}experts.{e}.{up}.weight"].t()], dim=1) for e in experts]
+    return {a + "router.weight": hf[h + "gate.weight"], a + "experts.fc1": torch.stack(fc1),
+            a + "experts.fc2": torch.stack([hf[f"{h}experts.{e}.{down}.weight"].t()
+                                            for e in experts])}
 
 
 def _suffixes(bias: bool) -> tuple[str, ...]:
@@ -134,6 +168,9 @@ def to_hf(ours: dict[str, torch.Tensor], config: TransformerConfig, arch: str
                 gate, up = w.chunk(2, dim=0)
                 base, x = hf.rsplit(".", 1)
                 out[f"{base}.gate_proj.{x}"], out[f"{base}.up_proj.{x}"] = gate, up
+    for i in range(config.num_layers):
+        if config.is_moe_layer(i):
+            out.update(_moe_to_hf(ours, config, arch, i))
     table, head = _vocab_names(arch)
     out[table] = ours[_LM + "embedding.word_embeddings.weight"][:v]
     if config.untie_embeddings_and_output_weights:
@@ -180,6 +217,8 @@ def from_hf(hf: dict[str, torch.Tensor], config: TransformerConfig, arch: str,
             else:
                 base, x = name.rsplit(".", 1)
                 ours[mine] = torch.cat([hf[f"{base}.gate_proj.{x}"], hf[f"{base}.up_proj.{x}"]])
+        if config.is_moe_layer(i):
+            ours.update(_moe_from_hf(hf, config, arch, i))
     table, head = _vocab_names(arch)
     ours[_LM + "embedding.word_embeddings.weight"] = _pad_rows(hf[table], padded_vocab)
     if config.untie_embeddings_and_output_weights:

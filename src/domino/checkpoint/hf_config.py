@@ -14,12 +14,14 @@ from typing import Any
 
 from domino.config import TransformerConfig
 
-ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")  # one weight layout, other config keys
+ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+LLAMA_FAMILY = ARCHITECTURES[1:]  # one weight layout (and experts), other config keys
 _CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM"}
-_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+            "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+          "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
 # What Gemma (1, 2, 3) has that this model cannot express, for the refusal.
 _GEMMA = ("RMSNorm scaling by (1 + weight)", "the embedding scaled by sqrt(hidden_size)",
           "GeGLU (a tanh-GELU gate)")
@@ -31,12 +33,10 @@ _GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "
 
 
 def choose_architecture(config: TransformerConfig) -> str:
-    """``gpt2``, or ``llama`` / ``qwen2`` / ``qwen3`` / ``mistral`` by the model's features;
-    ValueError naming what none of them has."""
-    if config.num_experts is not None:
-        raise ValueError(f"this model has Mixture-of-Experts layers ({config.num_experts} "
-                         "experts): export to Mixtral / Qwen3-MoE is not built yet")
-    common = []
+    """``gpt2``, or ``llama`` / ``qwen2`` / ``qwen3`` / ``mistral`` (``mixtral`` /
+    ``qwen3_moe`` with experts) by the model's features; ValueError naming what none of them
+    has."""
+    common = _moe_obstacles(config)
     if config.apply_residual_connection_post_layernorm:
         common.append("the residual taken after the norm (post-LN)")
     if not config.final_layernorm:
@@ -60,6 +60,8 @@ def choose_architecture(config: TransformerConfig) -> str:
         gpt2.append("sliding-window attention")
     if config.qk_layernorm:
         gpt2.append("query/key norms per head")
+    if config.num_experts is not None:
+        gpt2.append("Mixture-of-Experts layers")
     if not gpt2:
         return "gpt2"
     llama = list(common)
@@ -79,6 +81,8 @@ def choose_architecture(config: TransformerConfig) -> str:
                      "Qwen3 and Mistral have no output or MLP bias)")
     if config.qk_layernorm and (config.add_bias_linear or config.add_qkv_bias):
         llama.append("query/key norms with biases (Qwen3, the member with the norms, has none)")
+    if not llama and config.num_experts is not None:
+        return "qwen3_moe" if config.qk_layernorm else "mixtral"
     if not llama:
         if config.qk_layernorm:
             return "qwen3"
@@ -87,6 +91,24 @@ def choose_architecture(config: TransformerConfig) -> str:
                      "express "
                      "this model: as GPT-2 it has " + "; ".join(gpt2) + ". As Llama it has "
                      + "; ".join(llama) + ".")
+
+
+def _moe_obstacles(config: TransformerConfig) -> list[str]:
+    """What keeps an MoE model from Mixtral / Qwen3-MoE (empty for a dense model)."""
+    if config.num_experts is None:
+        return []
+    out = []
+    if config.moe_layer_freq != 1 or (config.moe_first_k_dense_layers
+                                      and not config.qk_layernorm):
+        out.append("dense layers among the MoE ones (Mixtral has none; Qwen3-MoE only first)")
+    if config.moe_shared_expert_intermediate_size:
+        out.append("a shared expert")
+    if config.moe_router_score_function != "softmax" or config.moe_router_enable_expert_bias \
+            or config.moe_router_topk_scaling_factor:
+        out.append("a sigmoid router, expert bias or top-k scaling (DeepSeek's)")
+    if config.moe_router_pre_softmax and not config.qk_layernorm:
+        out.append("top-k weights not re-normalised (Mixtral re-normalises them)")
+    return out
 
 
 # ---- configs ----------------------------------------------------------------------------------
@@ -139,16 +161,27 @@ def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
         "bos_token_id": eod, "eos_token_id": eod, "pretraining_tp": 1,
         "torch_dtype": "float32",
     }
-    if arch in ("qwen2", "qwen3"):  # Qwen2's Q/K/V biases are built in; a window on all layers
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):  # Qwen2's Q/K/V biases; a window on all layers
         for key in ("mlp_bias", "pretraining_tp") + (("attention_bias",) if arch == "qwen2"
                                                       else ()):
             del out[key]
         out.update(use_sliding_window=config.window_size is not None,
                    sliding_window=config.window_size, max_window_layers=0)
-    elif arch == "mistral":
+    elif arch in ("mistral", "mixtral"):
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del out[key]
         out["sliding_window"] = config.window_size
+    if arch == "mixtral":
+        out.update(num_local_experts=config.num_experts,
+                   num_experts_per_tok=config.moe_router_topk,
+                   intermediate_size=config.moe_ffn_hidden_size,
+                   router_aux_loss_coef=config.moe_aux_loss_coeff)
+    elif arch == "qwen3_moe":
+        out.update(num_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                   moe_intermediate_size=config.moe_ffn_hidden_size,
+                   norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
+                   mlp_only_layers=list(range(config.moe_first_k_dense_layers)),
+                   router_aux_loss_coef=config.moe_aux_loss_coeff)
     return out
 
 
@@ -205,8 +238,8 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
         if arch == "llama" and bool(raw.get("mlp_bias", False)) != bias:
             raise ValueError("Llama attention_bias != mlp_bias is not supported: the output "
                              "projection's bias comes with the MLP's here (add_bias_linear)")
-        if arch == "qwen3" and bias:
-            raise ValueError("Qwen3 attention_bias=true is not supported: the output "
+        if arch in ("qwen3", "qwen3_moe") and bias:
+            raise ValueError(f"{name} attention_bias=true is not supported: the output "
                              "projection's bias comes with the MLP's here (add_bias_linear)")
         window = _window_from_hf(raw, arch, name)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -237,15 +270,37 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
             max_position_embeddings=positions, seq_length=min(positions, 4096),
             position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
             activation="swiglu", add_bias_linear=bias and arch == "llama",
-            add_qkv_bias=arch == "qwen2", qk_layernorm=arch == "qwen3", window_size=window,
+            add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+            window_size=window,
             layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)), hidden_dropout=0.0,
             attention_dropout=float(raw.get("attention_dropout", 0.0)),
             init_method_std=float(raw.get("initializer_range", 0.02)),
             untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", False),
-            **extra)
+            **extra, **_moe_from_hf(raw, arch, name))
         return arch, config, eod
     raise ValueError(f"model_type {arch!r} is not supported; `domino import` reads "
                      f"{', '.join(ARCHITECTURES)} models")
+
+
+def _moe_from_hf(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
+    """Our MoE settings of a Mixtral / Qwen3-MoE config (none for a dense family)."""
+    if arch == "mixtral":
+        return dict(num_experts=int(raw["num_local_experts"]),
+                    moe_router_topk=int(raw["num_experts_per_tok"]),
+                    moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
+    if arch != "qwen3_moe":
+        return {}
+    step, dense = int(raw.get("decoder_sparse_step") or 1), list(raw.get("mlp_only_layers") or [])
+    if step != 1 or dense != list(range(len(dense))):
+        raise ValueError(f"{name} with decoder_sparse_step={step} and mlp_only_layers={dense} is "
+                         "not supported: here the dense layers come first (a prefix), then "
+                         "every layer is MoE")
+    return dict(num_experts=int(_get(raw, "num_experts", "num_local_experts")),
+                moe_router_topk=int(raw["num_experts_per_tok"]),
+                moe_ffn_hidden_size=int(raw["moe_intermediate_size"]),
+                moe_first_k_dense_layers=len(dense),
+                moe_router_pre_softmax=not raw.get("norm_topk_prob", False),
+                moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
 
 
 def _window_from_hf(raw: dict[str, Any], arch: str, name: str) -> int | None:
@@ -255,7 +310,7 @@ def _window_from_hf(raw: dict[str, Any], arch: str, name: str) -> int | None:
     if arch == "llama":
         return None
     window = raw.get("sliding_window")
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen slides only with use_sliding_window, on the layers from max_window_layers on.
         first = int(raw.get("max_window_layers") or 0)
         if not raw.get("use_sliding_window") or first >= layers:
