@@ -334,6 +334,16 @@ def _moe_train(rank: int, world: int, data: str, tmp: str) -> dict:
     _train(_args(data, exit_interval=3, **run), f"{tmp}/cut{world}")
     out["resumed"] = _train(_args(data, load=f"{tmp}/cut{world}", **run),
                             f"{tmp}/resumed{world}")
+    if world == 2:  # expert parallelism: EP=2 (with ZeRO-1), its checkpoint continued at EP=1
+        ep = dict(run, expert_model_parallel_size=2)
+        out["ep2"] = _train(_args(data, **ep), f"{tmp}/ep2")
+        out["ep2_zero"] = _train(_args(data, use_distributed_optimizer=True, **ep),
+                                 f"{tmp}/ep2_zero")
+        _train(_args(data, exit_interval=3, **ep), f"{tmp}/ep2_cut")
+        out["ep2_resumed"] = _train(_args(data, load=f"{tmp}/ep2_cut", **ep),
+                                    f"{tmp}/ep2_resumed")
+        out["ep2_at_ep1"] = _train(_args(data, load=f"{tmp}/ep2_cut", **run),
+                                   f"{tmp}/ep2_at_ep1")
     return out
 
 
@@ -356,6 +366,15 @@ def test_moe_trains_resumes_exactly_and_is_dp_invariant(byte_dataset, tmp_path) 
         assert res["resumed"]["losses"] == res["full"]["losses"][3:]
         assert res["resumed"]["norms"] == res["full"]["norms"][3:]
     assert two[0]["full"]["losses"] == pytest.approx(full["losses"], rel=1e-5)
+    # Expert parallelism changes where experts run, not the math; its checkpoint holds whole
+    # experts, so it resumes exactly at EP=2 and continues at EP=1.
+    for rank in two:
+        for key in ("ep2", "ep2_zero"):
+            assert rank[key]["losses"] == pytest.approx(full["losses"], rel=1e-5), key
+            assert rank[key]["norms"] == pytest.approx(full["norms"], rel=1e-5), key
+        assert rank["ep2_resumed"]["losses"] == rank["ep2"]["losses"][3:]
+        assert rank["ep2_at_ep1"]["losses"] == pytest.approx(rank["ep2_resumed"]["losses"],
+                                                             rel=1e-5)
     logged = [json.loads(line) for line in (tmp_path / "full1" / "metrics.jsonl").read_text()
               .splitlines()]
     assert all(0.9 < r["moe_aux_loss"] < 4.0 and r["moe_max_load"] >= 1.0

@@ -29,7 +29,7 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_dp")
 _SIZE_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
-_NOT_YET = ("cp", "ep")  # accepted as 1 until context and expert parallelism land
+_NOT_YET = ("cp",)  # accepted as 1 until context parallelism lands
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,8 @@ def _embedding_group(sizes: ParallelSizes, device: torch.device) -> CommGroup:
 
 
 def check_sizes(world_size: int, tensor_model_parallel_size: int,
-                pipeline_model_parallel_size: int = 1) -> None:
-    """Raise ValueError unless world = tp * pp * dp for some integer dp >= 1."""
+                pipeline_model_parallel_size: int = 1,
+                expert_model_parallel_size: int = 1) -> None:
+    """Raise ValueError unless world = tp * pp * dp for some integer dp >= 1 that EP divides."""
     ParallelSizes.for_world(world_size, tp=tensor_model_parallel_size,
-                            pp=pipeline_model_parallel_size)
+                            pp=pipeline_model_parallel_size, ep=expert_model_parallel_size)

@@ -63,8 +63,9 @@ def describe(local: torch.Tensor, like: torch.Tensor, tp_size: int, files: list[
              name: str = "a tensor") -> TensorSpec:
     """The spec of a tensor whose local part is ``local``, split as parameter ``like``'s
     placement says (``files[r]``: the file TP rank r writes; a replicated tensor lives in
-    ``files[0]``). Only TP cuts have a layout yet: a tensor sharded over another group is
-    refused (NotImplementedError) until that dimension's checkpoints are written."""
+    ``files[0]``). Only TP cuts have a layout: a tensor sharded over another group is refused
+    (NotImplementedError); experts sharded over EP are gathered whole before they are described
+    (``store._whole_experts``)."""
     dtype = str(local.dtype).removeprefix("torch.")
     placement = placement_of(like)
     sharded = (placement.shard is not None and local.dim() > 0

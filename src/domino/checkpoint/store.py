@@ -25,6 +25,7 @@ from domino.checkpoint import layout
 from domino.checkpoint.layout import CheckpointError, Meta
 from domino.checkpoint.shards import ShardReader, TensorSpec, describe
 from domino.parallel_state import ParallelState
+from domino.tensor_parallel.layers import gather_full, shard_of_full
 from domino.tensor_parallel.placement import placement_of
 
 
@@ -60,11 +61,32 @@ def model_masters(optimizer: Any) -> dict:
     return optimizer.full_masters()
 
 
+def _whole_experts(model: nn.Module, opt_state: dict | None, masters: dict,
+                   state: ParallelState) -> tuple[dict, dict]:
+    """Expert parameters sharded over EP, gathered whole with their optimizer state (a
+    collective over each EP group), so that a checkpoint does not depend on the EP size: (values,
+    optimizer slots) by parameter; empty without expert parallelism."""
+    values: dict = {}
+    slots: dict = {}
+    if state.ep.size == 1:
+        return values, slots
+    for _, p in named_model_tensors(model):
+        if placement_of(p).shard != "ep":
+            continue
+        values[p] = gather_full(masters.get(p, p).detach(), p, state.ep)
+        mine = opt_state.get(p, {}) if opt_state is not None else {}
+        slots[p] = {k: gather_full(v, p, state.ep) if isinstance(v, torch.Tensor)
+                    and v.shape == p.shape else v for k, v in mine.items()}
+    return values, slots
+
+
 def _rank_tensors(model: nn.Module, opt_state: dict | None, state: ParallelState,
-                  masters: dict | None = None) -> tuple[dict, dict, dict]:
+                  masters: dict | None = None, experts: tuple[dict, dict] = ({}, {})
+                  ) -> tuple[dict, dict, dict]:
     """(model, optimizer, spec) tensors this rank writes, as each parameter's placement says:
     sharded ones always, replicated ones only on TP rank 0 (they are identical on every TP
-    rank). A parameter's value is its fp32 master where ``masters`` has one."""
+    rank). A parameter's value is its fp32 master where ``masters`` has one, and an expert's
+    its whole tensor (``experts``: :func:`_whole_experts`)."""
     tp, pp = state.tp, state.pp.rank
     model_files = [layout.model_file(r, pp) for r in range(tp.size)]
     optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
@@ -74,10 +96,10 @@ def _rank_tensors(model: nn.Module, opt_state: dict | None, state: ParallelState
         if placement.tied_copy:
             continue  # the last stage's copy of the word table: the first stage writes it
         if placement.shard is not None or tp.rank == 0:
-            value = (masters or {}).get(p, p).detach()
+            value = experts[0].get(p, (masters or {}).get(p, p)).detach()
             weights[name] = value
             specs[name] = describe(value, p, tp.size, model_files, name)
-        slots = opt_state.get(p, {}) if opt_state is not None else {}
+        slots = experts[1].get(p, opt_state.get(p, {}) if opt_state is not None else {})
         for key, value in slots.items():
             value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             spec = describe(value.detach(), p, tp.size, optim_files, name)
@@ -119,8 +141,10 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
                 records[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
         opt_state = optimizer_state(optimizer)
         masters = model_masters(optimizer)
+        experts = _whole_experts(model, opt_state, masters, state)
         if _writes(state):
-            weights, moments, rank_specs = _rank_tensors(model, opt_state, state, masters)
+            weights, moments, rank_specs = _rank_tensors(model, opt_state, state, masters,
+                                                         experts)
             tp, pp = state.tp.rank, state.pp.rank
             records[layout.model_file(tp, pp)] = _save_tensors(weights,
                                                                tmp / layout.model_file(tp, pp))
@@ -216,10 +240,14 @@ def _spec(meta: Meta, name: str, step_dir: Path) -> TensorSpec:
 
 
 def read_part(reader: ShardReader, meta: Meta, name: str, like: torch.Tensor,
-              state: ParallelState) -> torch.Tensor:
-    """This rank's part of tensor ``name`` shaped like the local tensor ``like``."""
+              state: ParallelState, param: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's part of tensor ``name`` shaped like the local tensor ``like`` (of parameter
+    ``param``, default ``like``: an expert's is cut from the whole tensor over EP)."""
     spec = _spec(meta, name, reader.folder)
-    if spec.dim is None:
+    placement = placement_of(param if param is not None else like)
+    if spec.dim is None and placement.shard == "ep" and like.dim() > 0:
+        out = shard_of_full(reader.full(name, spec), placement.dim, state.ep, placement.stride)
+    elif spec.dim is None:
         out = reader.full(name, spec)
     else:
         full_len = like.shape[spec.dim] * state.tp.size if like.dim() > spec.dim else None
@@ -270,7 +298,7 @@ def load_optimizer(step_dir: Path, meta: Meta, optimizer: Any,
         for slot in slots.get(name, []):
             key = f"optimizer.{slot}/{name}"
             like = p if _spec(meta, key, step_dir).shape else torch.empty(())  # scalar: step
-            value = read_part(reader, meta, key, like, state)
+            value = read_part(reader, meta, key, like, state, p)
             entry[slot] = value.to(p.device) if value.dim() else value
         if entry:
             entries[p] = entry

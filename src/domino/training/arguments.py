@@ -88,6 +88,9 @@ class TrainArgs(ModelArgs):
                                          "parallel")
     pipeline_model_parallel_size: int = _f(
         1, "Pipeline-parallel size (PP): the layers are cut into this many stages.", "parallel")
+    expert_model_parallel_size: int = _f(
+        1, "Expert-parallel size (EP): each MoE layer's experts split over this many of the "
+        "data-parallel ranks, tokens exchanged by all-to-all (needs --num-experts).", "parallel")
     pipeline_schedule: str | None = _f(
         None, "Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual stages) or zero_bubble "
         "(weight gradients fill the bubble); default 1f1b, or interleaved with "

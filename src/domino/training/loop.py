@@ -44,12 +44,7 @@ from domino.training.optim import (
     set_lr,
 )
 from domino.training.prepare import Run
-from domino.training.step import (
-    TrainResult,
-    evaluate,
-    forward_loss,
-    train_step,
-)
+from domino.training.step import TrainResult, evaluate, forward_loss, train_step
 from domino.transformer.autotune import autotune, candidate_plans, regime_of
 from domino.transformer.stack import compile_cost, set_plan, stacks_of
 
@@ -82,7 +77,8 @@ class Trainer:
         self.stop = stop if stop is not None else StopRequest()
         self.state = state if state is not None else ParallelState.build(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            device=args.device, shared_memory=args.shared_memory_comm)
+            device=args.device, shared_memory=args.shared_memory_comm,
+            expert_model_parallel_size=args.expert_model_parallel_size)
         dp, tp, pp = self.state.dp, self.state.tp, self.state.pp
         torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
         self.state.rng.seed(args.seed)

@@ -226,7 +226,12 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _check_device(args, local if under_torchrun() else world_size)
     _check_link(args, world_size)
-    check_sizes(world_size, tp, pp)
+    ep = args.expert_model_parallel_size
+    check_sizes(world_size, tp, pp, ep)
+    if ep > 1 and (args.num_experts is None or args.num_experts % ep):
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} splits each MoE layer's experts over {ep} "
+            f"ranks: it needs --num-experts divisible by {ep} (got {args.num_experts})")
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise ValueError(
             f"--sequence-parallel splits each sequence over the TP ranks: --seq-length="
