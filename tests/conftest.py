@@ -37,6 +37,13 @@ _REGISTERS = re.compile(r"^register\(", re.M)  # a module-level tp_helpers.regis
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        # A worker's own model code runs on one thread: the three workers' ranks and
+        # subprocesses keep the cores busy, and OpenMP threads that spin against them make
+        # tiny models many times slower (tp_helpers.one_thread; ranks set their own count).
+        import torch
+
+        torch.set_num_threads(1)
     config.addinivalue_line("markers", "serial: no other test runs at the same time under "
                             "pytest-xdist (host-wide state or timing)")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
@@ -59,9 +66,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # The longest files (pytest --durations on the dev machine) are handed out first, so that the two
 # workers finish together rather than one running a long file alone at the end. Only the order of
 # the hand-out depends on this list; a file not in it comes after, in collection order.
-_FIRST = ("test_durable_cli.py", "test_saved_run_cli.py", "test_pipeline.py", "test_gpt_tp.py",
-          "test_bench.py", "test_train_cli.py", "test_bench_pipeline.py", "test_hf_interop.py",
-          "test_train_parallel.py", "test_device_check.py", "test_shm.py", "test_torchrun.py")
+_FIRST = ("test_gpt_tp.py", "test_bench.py", "test_hf_interop.py", "test_train_cli.py",
+          "test_pipeline.py", "test_bench_pipeline.py", "test_compile.py", "test_durable_cli.py",
+          "test_train_parallel.py", "test_saved_run_cli.py", "test_shm.py", "test_device_check.py",
+          "test_checkpoint_resume.py", "test_torchrun.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

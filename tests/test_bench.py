@@ -343,12 +343,21 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert rows["nocomm"]["timeline_png"] is None
 
 
+# The ranks meet on MASTER_PORT as a process group's would (without importing torch: seconds of
+# CPU per rank), then rank 1 fails.
 _CRASHING_WORKER = """
-import datetime, os, sys, time
-import torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-if dist.get_rank() == 1:
+import os, socket, sys, time
+addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+if os.environ["RANK"] == "1":
+    for _ in range(600):
+        try:
+            socket.create_connection(addr).close()
+            break
+        except OSError:
+            time.sleep(0.1)
     sys.exit(3)
+server = socket.create_server(addr)
+peer, _ = server.accept()
 time.sleep(600)  # rank 0 would wait far longer than the test allows
 """
 

@@ -7,6 +7,7 @@ size, numeric split costs and MFU, the goal lines); timing values are never asse
 """
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -24,9 +25,13 @@ ROW = re.compile(r"^\s*(h\d+|gpt)( compiled)? (m\d+:\w+)"
 
 @pytest.fixture(scope="module")
 def run() -> tuple[str, str]:
+    # One thread (the TP=2 ranks set it themselves): on a busy 2-core host the readiness
+    # section's OpenMP threads spin against the other tests' processes, several times slower.
+    # One timed round per plan is enough for the table's shape; timings are never asserted on.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "1",
-                          "--tiny", "--peak-tflops", "1"],
-                         capture_output=True, text=True, timeout=300)
+                          "--tiny", "--peak-tflops", "1", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     return out.stdout, text

@@ -67,10 +67,22 @@ def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 120) -> 
         time.sleep(0.1)
 
 
-def test_sigkill_mid_save_loses_nothing(tmp_path: Path, data) -> None:
+@pytest.fixture(scope="module")
+def clock_run(tmp_path_factory, data) -> Path:
+    """6 uninterrupted steps, saved on the clock (every step) keeping the last 2 checkpoints:
+    test_clock_save_interval_and_keep's run, and the reference losses of the SIGKILL test
+    (saving changes no loss), one run of two ranks for both."""
+    run = tmp_path_factory.mktemp("clock") / "run"
+    flags = list(FLAGS)
+    flags[flags.index("--save-interval-minutes") + 1] = "0.000001"
+    assert main(["train", *flags, *data, "--train-iters", "6", "--save-interval", "0",
+                 "--keep-checkpoints", "2", "--save", str(run)]) == 0
+    return run
+
+
+def test_sigkill_mid_save_loses_nothing(tmp_path: Path, data, clock_run) -> None:
     common = [*FLAGS, *data, "--train-iters", "6", "--save-interval", "2"]
-    ref = tmp_path / "ref"
-    assert main(["train", *common, "--save", str(ref)]) == 0
+    ref = clock_run  # the same 6 steps, uninterrupted
     run = tmp_path / "run"
     proc = _start([*common, "--save", str(run)], {PAUSE_ENV: "4:120"})
     half = run / "checkpoints" / "step_0000004.tmp"
@@ -115,11 +127,6 @@ def test_sigterm_checkpoints_at_the_step_boundary(tmp_path: Path, data) -> None:
     assert _latest(run) == more and max(_losses(run)) == more
 
 
-def test_clock_save_interval_and_keep(tmp_path: Path, data) -> None:
-    run = tmp_path / "run"
-    flags = list(FLAGS)
-    flags[flags.index("--save-interval-minutes") + 1] = "0.000001"
-    assert main(["train", *flags, *data, "--train-iters", "4", "--save-interval", "0",
-                 "--keep-checkpoints", "2", "--save", str(run)]) == 0
-    names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert names == ["latest.json", "step_0000003", "step_0000004"]
+def test_clock_save_interval_and_keep(clock_run: Path) -> None:
+    names = sorted(p.name for p in (clock_run / "checkpoints").iterdir())
+    assert names == ["latest.json", "step_0000005", "step_0000006"]

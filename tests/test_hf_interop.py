@@ -166,8 +166,10 @@ def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer
     assert "RMSNorm" in msg
     _, folder = _ours(tmp_path / "run", config, bpe)
     assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
-    with pytest.raises(ValueError, match="Mixture-of-Experts layers .4 experts.: export"):
-        choose_architecture(_llama_config(bpe.vocab_size, num_experts=4))
+    assert choose_architecture(_llama_config(bpe.vocab_size, num_experts=4)) == "mixtral"
+    with pytest.raises(ValueError, match=r"Llama family \(Mixtral, Qwen3-MoE\).*a shared expert"):
+        choose_architecture(_llama_config(bpe.vocab_size, num_experts=4,
+                                          moe_shared_expert_intermediate_size=8))
 
 
 def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) -> None:

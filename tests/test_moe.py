@@ -7,7 +7,8 @@ the split), the expert-bias update, and the corner cases: an expert no token rea
 to one expert, top-k = all experts. Forward and every gradient within fp32 tolerance. With expert
 parallelism (EP = 2 and 4, each rank its own tokens, hot and idle experts, drops) every rank's
 outputs and input gradients, its experts' gradients and the summed router gradients equal the
-single-rank model's on all the ranks' tokens."""
+single-rank model's on all the ranks' tokens. (The model and the trainer:
+test_moe_training.py.)"""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def _naive(m: MoEMLP, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         choice = scores if r.expert_bias is None else scores + r.expert_bias
         top = sorted(range(E), key=lambda e: -float(choice[e].detach()))[:r.topk]
         w = scores[top]
-        if r.renormalize or r.score_function == "sigmoid":
-            w = w / w.sum()
+        if r.renormalize if r.score_function == "softmax" else r.topk > 1:
+            w = w / w.sum()  # a top-1 sigmoid weight stays its score (Megatron)
         chosen.append([(e, w[i] * r.scaling) for i, e in enumerate(top)])
     keep = {(t, e) for t in range(x.shape[0]) for e, _ in chosen[t]}
     dropped = 0
@@ -116,6 +117,7 @@ ROUTERS = {
                                           shared_ffn_hidden_size=8, shared_gate=True),
     "sigmoid-bias-scaled-shared": dict(score_function="sigmoid", expert_bias=True, scaling=2.5,
                                        shared_ffn_hidden_size=8, topk=3),
+    "sigmoid-top1": dict(score_function="sigmoid", topk=1),
 }
 
 
@@ -213,16 +215,19 @@ EP_CASES = {
     # Hot experts 0 and 5, expert 7 idle: uneven splits, and ranks that receive little.
     "sigmoid-skewed": dict(score_function="sigmoid", expert_bias=True, topk=3),
     "capacity-drops": dict(capacity_factor=1.0, expert_bias=True),
+    # Experts 4-7 idle: the last EP rank(s) receive no row at all, and send theirs away.
+    "idle-ranks": dict(expert_bias=True, bias=torch.tensor([0.0] * 4 + [-10.0] * 4)),
 }
 SKEW = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, -10.0])
 
 
 def _ep_model(kw: dict, ep: CommGroup | None = None) -> MoEMLP:
     kw = dict(kw)
+    bias = kw.pop("bias", SKEW)
     torch.manual_seed(0)
     m = MoEMLP(H, FFN, EP_EXPERTS, kw.pop("topk", 2), init_method_std=0.3, ep=ep, **kw)
     if m.router.expert_bias is not None:
-        m.router.expert_bias.copy_(SKEW)
+        m.router.expert_bias.copy_(bias)
     return m
 
 
@@ -275,110 +280,3 @@ def test_expert_parallel_equals_one_rank(world: int) -> None:
                 torch.testing.assert_close(total, p.grad, rtol=TOL, atol=TOL, msg=f"{name} {n}")
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert-parallel"):
         MoEMLP(H, FFN, 6, 2, ep=CommGroup(size=4, rank=0, enabled=False))
-
-
-# ---- in the model and the trainer -------------------------------------------------------------
-
-def test_the_auxiliary_losses_get_their_share_of_the_gradient() -> None:
-    """In a GPT with an MoE layer, the router's gradient is the token loss's plus
-    ``loss_scale`` x the gradient of its auxiliary losses on the tokens it routed. (One layer:
-    with more, a later layer's auxiliary losses also reach an earlier router through its
-    output.)"""
-    from domino.config import TransformerConfig
-    from domino.models.gpt import GPTModel
-    from domino.parallel_state import ParallelState
-    from domino.transformer.moe.op import moe_ops, set_loss_scale
-
-    def model(aux: float, z: float | None) -> GPTModel:
-        torch.manual_seed(0)
-        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                                vocab_size=64, num_experts=4, moe_aux_loss_coeff=aux,
-                                moe_z_loss_coeff=z, hidden_dropout=0.0, attention_dropout=0.0)
-        return GPTModel(cfg, parallel_state=ParallelState.single())
-
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
-    grads, inputs = {}, []
-    for coeffs in ((0.0, None), (0.3, 0.05)):
-        m = model(*coeffs)
-        ops = moe_ops(m)
-        hooks = [op.moe.register_forward_hook(lambda mod, a, out: inputs.append(a[0].detach()))
-                 for op in ops]
-        set_loss_scale(ops, 0.7)
-        m(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
-        grads[coeffs] = [op.moe.router.weight.grad.clone() for op in ops]
-        for h in hooks:
-            h.remove()
-    for i, op in enumerate(moe_ops(model(0.3, 0.05))):
-        x = inputs[i].reshape(-1, 32)  # the first model's inputs: the same routing
-        _, stats = op.moe.router(x)
-        balance, z = aux_losses(stats, op.topk)
-        (want,) = torch.autograd.grad(0.7 * (0.3 * balance + 0.05 * z), op.moe.router.weight)
-        torch.testing.assert_close(grads[(0.3, 0.05)][i] - grads[(0.0, None)][i], want,
-                                   rtol=1e-4, atol=1e-6)
-        assert want.abs().max() > 1e-4
-
-
-MOE_ARGS = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
-                moe_z_loss_coeff=0.001, moe_router_enable_expert_bias=True,
-                moe_router_bias_update_rate=0.01, moe_expert_capacity_factor=1.25,
-                moe_shared_expert_intermediate_size=16, moe_first_k_dense_layers=1,
-                tensor_model_parallel_size=1)
-
-
-def _moe_train(rank: int, world: int, data: str, tmp: str) -> dict:
-    from test_checkpoint_resume import _args, _train
-
-    out = {}
-    run = dict(MOE_ARGS, micro_batch_size=2, num_layers=3)  # the same micro-batches at DP=1, 2
-    out["full"] = _train(_args(data, **run), f"{tmp}/full{world}")
-    _train(_args(data, exit_interval=3, **run), f"{tmp}/cut{world}")
-    out["resumed"] = _train(_args(data, load=f"{tmp}/cut{world}", **run),
-                            f"{tmp}/resumed{world}")
-    if world == 2:  # expert parallelism: EP=2 (with ZeRO-1), its checkpoint continued at EP=1
-        ep = dict(run, expert_model_parallel_size=2)
-        out["ep2"] = _train(_args(data, **ep), f"{tmp}/ep2")
-        out["ep2_zero"] = _train(_args(data, use_distributed_optimizer=True, **ep),
-                                 f"{tmp}/ep2_zero")
-        _train(_args(data, exit_interval=3, **ep), f"{tmp}/ep2_cut")
-        out["ep2_resumed"] = _train(_args(data, load=f"{tmp}/ep2_cut", **ep),
-                                    f"{tmp}/ep2_resumed")
-        out["ep2_at_ep1"] = _train(_args(data, load=f"{tmp}/ep2_cut", **run),
-                                   f"{tmp}/ep2_at_ep1")
-    return out
-
-
-def test_moe_trains_resumes_exactly_and_is_dp_invariant(byte_dataset, tmp_path) -> None:
-    """`domino train` with MoE layers (first layer dense, capacity drops, shared expert,
-    expert bias, auxiliary losses): DP=2 follows DP=1's accumulation of the same micro-batches
-(routing, capacity and auxiliary losses are per micro-batch), a resume continues bit for
-    bit (the expert biases are in the checkpoint), the router metrics are logged; TP=2 is
-    refused before any process starts."""
-    import json
-
-    from domino.cli import main
-
-    data = byte_dataset(200_000)
-    one = run_distributed(_moe_train, 1, data, str(tmp_path))[0]
-    two = run_distributed(_moe_train, 2, data, str(tmp_path))
-    full = one["full"]
-    assert all(math.isfinite(x) for x in full["losses"])
-    for res in (one, *two):
-        assert res["resumed"]["losses"] == res["full"]["losses"][3:]
-        assert res["resumed"]["norms"] == res["full"]["norms"][3:]
-    assert two[0]["full"]["losses"] == pytest.approx(full["losses"], rel=1e-5)
-    # Expert parallelism changes where experts run, not the math; its checkpoint holds whole
-    # experts, so it resumes exactly at EP=2 and continues at EP=1.
-    for rank in two:
-        for key in ("ep2", "ep2_zero"):
-            assert rank[key]["losses"] == pytest.approx(full["losses"], rel=1e-5), key
-            assert rank[key]["norms"] == pytest.approx(full["norms"], rel=1e-5), key
-        assert rank["ep2_resumed"]["losses"] == rank["ep2"]["losses"][3:]
-        assert rank["ep2_at_ep1"]["losses"] == pytest.approx(rank["ep2_resumed"]["losses"],
-                                                             rel=1e-5)
-    logged = [json.loads(line) for line in (tmp_path / "full1" / "metrics.jsonl").read_text()
-              .splitlines()]
-    assert all(0.9 < r["moe_aux_loss"] < 4.0 and r["moe_max_load"] >= 1.0
-               and 0.0 <= r["moe_dropped"] < 1.0 for r in logged)
-    assert main(["train", "--num-experts", "4", "--data-path", data, "--tokenizer-type", "byte",
-                 "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "no")]) == 2
-    assert not (tmp_path / "no").exists()

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from dist import fit, run_distributed
+from tp_helpers import one_thread
 
 from domino.config import TransformerConfig
 from domino.plan import Plan
@@ -160,7 +161,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0) 
 
 @pytest.fixture(scope="module")
 def refs() -> dict:
-    return {tied: _reference(tied) for tied in (True, False)}
+    with one_thread():  # not OpenMP threads spinning against the other tests' processes
+        return {tied: _reference(tied) for tied in (True, False)}
 
 
 # One test per spawn, so a failure names its layout (the file's tests share one worker):

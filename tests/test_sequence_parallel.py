@@ -288,16 +288,22 @@ def test_sequence_parallel_divides_local_activations_by_tp(tp: int) -> None:
     assert sp["par"] <= plain["par"]  # the TP regions compute on the whole sequence either way
 
 
-def test_sp_memory_script_prints_the_halved_local_part() -> None:
-    import subprocess
+def test_sp_memory_script_prints_the_halved_local_part(monkeypatch, capsys) -> None:
+    import importlib.util
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "sp_memory.py"
-    out = subprocess.run([sys.executable, str(script), "--hidden-size", "128",
-                          "--num-attention-heads", "4", "--num-layers", "1", "--seq-length", "256",
-                          "--vocab-size", "128", "--micro-batch-size", "4"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    # The script's main() in this process (a fresh interpreter would import torch again).
+    path = Path(__file__).resolve().parents[1] / "scripts" / "sp_memory.py"
+    spec = importlib.util.spec_from_file_location("sp_memory_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", [str(path), "--hidden-size", "128",
+                                      "--num-attention-heads", "4", "--num-layers", "1",
+                                      "--seq-length", "256", "--vocab-size", "128",
+                                      "--micro-batch-size", "4"])
+    script.main()
+    out = capsys.readouterr().out
     rows = {line[:28].strip(): [float(v) for v in line[28:].split()]
             for line in out.splitlines() if line.startswith(("SP", "no SP"))}
     for recompute in ("none", "selective"):

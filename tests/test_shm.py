@@ -210,7 +210,10 @@ def test_every_rank_keeps_to_gloo_when_one_cannot_share(how: str) -> None:
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                     reason="needs root and unshare(1) for a network namespace")
 def test_another_network_namespace_is_another_host() -> None:
-    code = "from domino.tensor_parallel.shm import host_key; print(host_key())"
+    import inspect
+
+    # host_key's own source run there: importing it from domino would import torch (seconds).
+    code = f"import os, socket\n{inspect.getsource(shm.host_key)}\nprint(host_key())"
     here = shm.host_key() + "\n"  # this process: the test's own namespace
     there = subprocess.run(["unshare", "--net", sys.executable, "-c", code],
                            capture_output=True, text=True, check=True).stdout

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from domino.cli import main
 from domino.data import ByteTokenizer, preprocess
 from domino.data.preprocess import stdlib_corpus_files
 
@@ -20,7 +21,7 @@ def _torchrun(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_train_then_generate_under_torchrun(tmp_path: Path) -> None:
+def test_train_then_generate_under_torchrun(tmp_path: Path, capfd) -> None:
     prefix = tmp_path / "data"
     preprocess(stdlib_corpus_files(limit_bytes=100_000), prefix, ByteTokenizer(), progress=False)
     done = _torchrun("train", "--data-path", str(prefix), "--split", "90,10,0",
@@ -39,8 +40,10 @@ def test_train_then_generate_under_torchrun(tmp_path: Path) -> None:
                     "--max-new-tokens", "6", "--tensor-model-parallel-size", "2", cwd=tmp_path)
     assert gen.returncode == 0, gen.stderr[-3000:]
     ids = [int(x) for x in gen.stdout.split()]
-    local = subprocess.run([sys.executable, "-m", "domino.cli", "generate", str(run), "--prompt",
-                            "def ", "--greedy", "--ids", "--max-new-tokens", "6"],
-                           capture_output=True, text=True, timeout=120)
-    assert local.returncode == 0, local.stderr
-    assert ids == [int(x) for x in local.stdout.split()] and len(ids) >= 1
+    # The same model on one rank: in this process (as `domino generate` runs one local rank),
+    # not a third interpreter importing torch.
+    capfd.readouterr()
+    assert main(["generate", str(run), "--prompt", "def ", "--greedy", "--ids",
+                 "--max-new-tokens", "6"]) == 0
+    local = capfd.readouterr()
+    assert ids == [int(x) for x in local.out.split()] and len(ids) >= 1, local.err

@@ -87,9 +87,10 @@ def choose_architecture(config: TransformerConfig) -> str:
         if config.qk_layernorm:
             return "qwen3"
         return "qwen2" if qkv_only else "mistral" if config.window_size is not None else "llama"
-    raise ValueError("neither GPT-2 nor the Llama family (Llama, Qwen2, Qwen3, Mistral) can "
-                     "express "
-                     "this model: as GPT-2 it has " + "; ".join(gpt2) + ". As Llama it has "
+    family = "Mixtral, Qwen3-MoE" if config.num_experts is not None else \
+        "Llama, Qwen2, Qwen3, Mistral"
+    raise ValueError(f"neither GPT-2 nor the Llama family ({family}) can express this model: "
+                     "as GPT-2 it has " + "; ".join(gpt2) + ". As Llama it has "
                      + "; ".join(llama) + ".")
 
 

@@ -294,7 +294,7 @@ class Trainer:
                        f"{seconds:.1f} s (rank 0's pieces{where})")
 
     def finish(self, result: TrainResult) -> TrainResult:
-        """Final checkpoint, summary and (DP rank 0's TP group) the sample."""
+        """Final checkpoint, summary and (DP rank 0's TP and EP groups) the sample."""
         if isinstance(self.optimizer, DistributedAdamW):
             self.optimizer.wait_params()  # the last step's parameters, whatever follows
         device = self.state.device
@@ -318,7 +318,7 @@ class Trainer:
                 name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal"
                 self.log.print(f"stopped by {name} after step {result.stopped_at}; resume with "
                                f"--load {self.run_dir}")
-        elif self.args.sample_tokens and self.state.dp.rank == 0:
+        elif self.args.sample_tokens and self.state.expert_dp.rank == 0:  # EP: peers too
             result.sample = _sample(self.model, self.state, self.run.tokenizer, self.run.config,
                                     self.args, self.log, self.run_dir)
         return result
@@ -413,7 +413,7 @@ def train(run: Run, state: ParallelState | None = None,
 
 def _sample(model, state: ParallelState, tokenizer, config, args, log: RunLogger,
             run_dir: Path) -> str:
-    """Generate from the trained model (the TP group of DP rank 0); rank 0 prints it."""
+    """Generate from the trained model (DP rank 0's TP and EP groups); rank 0 prints it."""
     prompt = tokenizer.encode(args.sample_prompt) or [tokenizer.eod]
     learned = config.position_embedding_type == "learned_absolute"
     max_context = config.max_position_embeddings if learned else config.seq_length

@@ -67,11 +67,12 @@ def run_worker(run: Run) -> int:
         args.device = str(device)
         state = ParallelState.build(args.tensor_model_parallel_size,
                                     args.pipeline_model_parallel_size, device=device,
-                                    shared_memory=args.shared_memory_comm)
+                                    shared_memory=args.shared_memory_comm,
+                                    expert_model_parallel_size=args.expert_model_parallel_size)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         result = train(run, state=state, stop=stop)
         state.close()
-        world.barrier()  # DP rank 0's TP group may still be sampling: leave together
+        world.barrier()  # DP rank 0's TP/EP group may still be sampling: leave together
         if result.stopped_at is not None:
             return 128 + (stop.signum or signal.SIGTERM)
         return 0

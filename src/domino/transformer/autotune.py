@@ -22,6 +22,7 @@ from torch import nn
 from domino.parallel_state import ParallelState
 from domino.plan import SYNC, Plan
 from domino.timing import time_rotated
+from domino.transformer.moe.op import moe_ops
 from domino.transformer.stack import set_plan, stacks_of, using_plan
 
 __all__ = ["AUTO_MARGIN", "Regime", "autotune", "candidate_plans", "choose", "regime_of"]
@@ -113,6 +114,8 @@ def autotune(model: nn.Module, step: Callable[[], object], state: ParallelState,
     device = state.device
     saved_rng = (torch.get_rng_state(), state.rng.state_dict(),
                  torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    ops = moe_ops(model)
+    saved_stats = [(op.counts.clone(), op.sums.clone()) for op in ops]
 
     def run(i: int) -> None:
         with using_plan(model, candidates[i]):
@@ -122,6 +125,8 @@ def autotune(model: nn.Module, step: Callable[[], object], state: ParallelState,
         rows = time_rotated(len(candidates), run, warmup, trials, state.world, device)
     finally:
         model.zero_grad(set_to_none=True)
+        for op, (counts, sums) in zip(ops, saved_stats, strict=True):
+            op.counts, op.sums = counts, sums  # timing runs add no router statistics
         torch.set_rng_state(saved_rng[0])
         state.rng.load_state_dict(saved_rng[1])
         if saved_rng[2] is not None:

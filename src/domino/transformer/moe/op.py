@@ -5,8 +5,9 @@ bias.
 The auxiliary losses (``moe_aux_loss_coeff`` x load balancing + ``moe_z_loss_coeff`` x z-loss)
 are not returned with the model's output: each MoE op attaches them to its own output with
 :class:`_AuxGrad`, whose backward gives the loss the gradient ``loss_scale`` (PyTorch autograd,
-so the Domino schedule's backward and recomputation need nothing special). A training step sets
-``loss_scale`` to the micro-batch's share of the step's objective (:func:`set_loss_scale`), so
+so the Domino schedule's backward needs nothing special; under full recomputation only the run
+with a graph, the backward's, counts). A training step sets ``loss_scale`` to the
+micro-batch's share of the step's objective (:func:`set_loss_scale`), so
 the step minimises the mean token loss plus the token-weighted mean of the auxiliary losses, at
 any accumulation and DP size. :func:`step_end` then sums the step's router statistics over DP,
 moves the expert biases and returns the metrics a log line shows.
@@ -119,11 +120,13 @@ class MoEOp(nn.Module):
         out, stats, dropped = self.moe(x)
         if poll is not None:
             poll()
-        if not self.training:
+        # Only a forward whose backward will run counts: full recomputation runs the op twice,
+        # first without a graph (skipped here), then again with one in the backward.
+        if not self.training or not torch.is_grad_enabled():
             return out
         balance, z = aux_losses(stats, self.topk)
         aux = self.aux_coeff * balance + self.z_coeff * z
-        if torch.is_grad_enabled() and aux.requires_grad:
+        if aux.requires_grad:
             out = _AuxGrad.apply(out, aux, self)
         self.counts += stats.counts.detach().double()
         self.sums += torch.stack([balance.detach().double(), z.detach().double(),
@@ -167,6 +170,7 @@ def step_end(ops: list[MoEOp], group) -> dict[str, float]:
         out["moe_aux_loss"] += balance / n / len(ops)
         out["moe_z_loss"] += z / n / len(ops)
         out["moe_max_load"] = max(out["moe_max_load"], float(counts.max() / counts.mean()))
-        out["moe_dropped"] += dropped / max(float(counts.sum()) + dropped, 1.0) / len(ops)
+        # counts are the router's assignments, the dropped ones included
+        out["moe_dropped"] += dropped / max(float(counts.sum()), 1.0) / len(ops)
         op.reset_stats()
     return out

@@ -7,10 +7,11 @@ functions:
 * ``softmax`` (Mixtral, Qwen-MoE): probabilities over all experts; the top-k weights are
   re-normalised to sum to one when ``renormalize`` (Mixtral, Qwen3-MoE ``norm_topk_prob``), else
   kept as they are (Qwen1.5/2-MoE);
-* ``sigmoid`` (DeepSeek-V3): independent scores, the top-k weights always re-normalised, then
-  scaled by ``scaling``. With ``expert_bias`` the aux-loss-free balancing bias is added to the
-  scores for the *choice* of experts only, never to the weights; it is updated outside autograd
-  from the tokens each expert received (:func:`update_expert_bias`).
+* ``sigmoid`` (DeepSeek-V3): independent scores, the top-k weights re-normalised (with k > 1:
+  a single expert keeps its score, as Megatron does), then scaled by ``scaling``. With
+  ``expert_bias`` the aux-loss-free balancing bias is added to the scores for the *choice* of
+  experts only, never to the weights; it is updated outside autograd from the tokens each expert
+  received (:func:`update_expert_bias`).
 
 The auxiliary losses are not computed here but from :class:`RouterStats`, which add up over the
 pieces of a micro-batch: the load-balancing loss of a whole micro-batch is a product of two means
@@ -93,7 +94,7 @@ class TopKRouter(nn.Module):
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         experts = choice.topk(self.topk, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, experts)
-        if self.renormalize or self.score_function == "sigmoid":
+        if self.renormalize if self.score_function == "softmax" else self.topk > 1:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.scaling != 1.0:
             weights = weights * self.scaling
