@@ -141,7 +141,8 @@ def _write(args: argparse.Namespace, files: list[str], patterns: list[str], pare
         prefix = args.output_prefix if len(keys) == 1 else f"{args.output_prefix}_{key}_document"
         t0 = time.perf_counter()
         stats = preprocess(files, prefix, tokenizer, json_key=key, append_eod=args.append_eod,
-                           workers=args.workers, progress=args.progress, patterns=patterns)
+                           workers=args.workers, progress=args.progress, patterns=patterns,
+                           checked=True)  # run() checked every input for every key
         dt = time.perf_counter() - t0
         print(f"wrote {prefix}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens "
               f"from {stats.files} file(s), {stats.bytes / 1e6:.1f} MB in {dt:.1f} s "

@@ -127,20 +127,23 @@ def preprocess(
     workers: int = 1,
     progress: bool = True,
     patterns: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> PreprocessStats:
     """Tokenize `inputs` into `output_prefix.{bin,idx,json}`.
 
     One document per text file, JSON line (.jsonl/.json, also gzip- or zstd-compressed) or
     Parquet/Arrow row; `json_key` names the field or column. Every JSONL and table file is
-    checked for it before tokenizing starts. Writes to temporary files first so a failed run
-    never clobbers an existing dataset.
+    checked for it before tokenizing starts (``checked``: the caller already ran
+    :func:`~domino.data.readers.check_inputs` on these files). Writes to temporary files first so
+    a failed run never clobbers an existing dataset.
     """
     files = collect_files(inputs, patterns)
     if not files:
         shown = ", ".join(map(os.fspath, inputs)) or "(nothing)"
         pats = ", ".join(patterns or DEFAULT_PATTERNS)
         raise ValueError(f"no input files found in {shown} (folder patterns: {pats})")
-    check_inputs(files, [json_key])
+    if not checked:
+        check_inputs(files, [json_key])
     prefix = os.fspath(output_prefix)
     tmp = f"{prefix}.tmp{os.getpid()}"
     total_bytes = sum(os.path.getsize(f) for f in files)

@@ -241,16 +241,20 @@ class DistributedAdamW:
         collective: every rank calls it). What a checkpoint holds for the parameters."""
         self.wait_params()
         self._take_written()
-        out: dict[nn.Parameter, torch.Tensor] = {}
-        for bi, (bucket, chunk) in enumerate(zip(self.reducer.buckets, self.chunks,
-                                                 strict=True)):
-            group = self._group(bi)
-            full = chunk.new_empty(chunk.numel() * group.size)
-            group.all_gather_into(full, chunk, name="master weights (all-gather)")
-            offset = 0
-            for p in bucket.params:
-                out[p] = full[offset:offset + p.numel()].view(p.shape).clone()
-                offset += p.numel()
+        return {p: t for bi, chunk in enumerate(self.chunks)
+                for p, t in self._gathered(bi, chunk, "master weights (all-gather)")}
+
+    def _gathered(self, bucket: int, mine: torch.Tensor,
+                  name: str) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter of bucket ``bucket`` with its full tensor, from every rank's chunk
+        ``mine`` of it gathered over the bucket's group (a collective)."""
+        group = self._group(bucket)
+        full = mine.new_empty(mine.numel() * group.size)
+        group.all_gather_into(full, mine, name=name)
+        out, offset = [], 0
+        for p in self.reducer.buckets[bucket].params:
+            out.append((p, full[offset:offset + p.numel()].view(p.shape).clone()))
+            offset += p.numel()
         return out
 
     @torch.no_grad()
@@ -277,20 +281,13 @@ class DistributedAdamW:
         steps = [s for g in groups for s in g.all_gather_json(step) if s is not None]
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for slot in SLOTS:
-            for bi, (bucket, chunk) in enumerate(zip(self.reducer.buckets, self.chunks,
-                                                     strict=True)):
+            for bi, chunk in enumerate(self.chunks):
                 mine = torch.zeros_like(chunk)
                 for seg, st in zip(self.segments, local, strict=True):
                     if seg.bucket == bi and st:
                         mine[seg.local:seg.local + seg.hi - seg.lo] = st[slot]
-                group = self._group(bi)
-                full = chunk.new_empty(chunk.numel() * group.size)
-                group.all_gather_into(full, mine, name="optimizer state (all-gather)")
-                offset = 0
-                for p in bucket.params:
-                    entry = out.setdefault(p, {"step": torch.tensor(steps[0])})
-                    entry[slot] = full[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
+                for p, full in self._gathered(bi, mine, "optimizer state (all-gather)"):
+                    out.setdefault(p, {"step": torch.tensor(steps[0])})[slot] = full
         return out
 
     def load_full_state(self, entries: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:

@@ -124,8 +124,8 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
             last = i == len(batches) - 1
             with reducer.armed() if overlap and last else contextlib.nullcontext() as context:
                 lsum = forward_loss(model, batch, context)
-                # The auxiliary losses weigh as much as this micro-batch's tokens do.
-                set_loss_scale(experts, float(batch["loss_mask"].sum()) * loss_scale())
+                if experts:  # the auxiliary losses weigh as much as this micro-batch's tokens
+                    set_loss_scale(experts, float(batch["loss_mask"].sum()) * loss_scale())
                 (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:

@@ -29,6 +29,7 @@ from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import init_sharded
 from domino.tensor_parallel.placement import Placement, place
+from domino.transformer.kernels import activation
 from domino.utils import divide
 
 DROP_POLICIES = ("probs", "position")
@@ -125,12 +126,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, h] sorted by expert, ``counts`` [E] rows per expert -> [N, h]."""
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = F.grouped_mm(x, compute(self.fc1), offs=offs)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
+        h = activation(F.grouped_mm(x, compute(self.fc1), offs=offs), self.swiglu,
+                       self.gelu_approximate)
         return F.grouped_mm(h, compute(self.fc2), offs=offs)
 
 

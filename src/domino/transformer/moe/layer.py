@@ -21,6 +21,7 @@ from torch import nn
 
 from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup
+from domino.transformer.kernels import activation
 from domino.transformer.moe.dispatch import combine, dispatch
 from domino.transformer.moe.experts import GroupedExperts, capacity_of, permute, unpermute
 from domino.transformer.moe.router import RouterStats, TopKRouter
@@ -48,12 +49,7 @@ class SharedExpert(nn.Module):
         self.gate = param(1, hidden_size) if gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, compute(self.fc1))
-        if self.swiglu:
-            g, up = h.chunk(2, dim=-1)
-            h = F.silu(g) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
+        h = activation(F.linear(x, compute(self.fc1)), self.swiglu, self.gelu_approximate)
         out = F.linear(h, compute(self.fc2))
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, compute(self.gate)))
