@@ -12,7 +12,7 @@ Weight layouts it assumes (the documented contract):
 * RoPE rotates the first ``int(kv_channels * rotary_percent)`` channels of each head in two
   halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos / factor * base^(-2i/rot);
 * pre-norm layers; ``apply_residual_connection_post_layernorm`` takes the residual from the norm
-  output; the loss is ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary.
+  output; MoE layers route dropless (see ``_moe``); the loss is ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary.
 """
 
 from __future__ import annotations
@@ -97,6 +97,40 @@ def _mlp(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.T
     return _linear(h, w, name + ".dense_4h_to_h")
 
 
+def _act(h: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
+    if cfg.activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return gate * torch.sigmoid(gate) * up
+    return 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
+
+
+def _moe(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.Tensor:
+    """Dropless top-k routing written densely: every expert on every token, each token's output
+    the sum of its chosen experts' outputs times their weights (softmax scores, re-normalised
+    unless pre-softmax; sigmoid scores re-normalised for k > 1; an expert bias only chooses),
+    plus the shared expert (times its sigmoid gate)."""
+    logits = x.float() @ w[name + ".router.weight"].float().t()  # [b, s, E]
+    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    bias = w.get(name + ".router.expert_bias")
+    chosen = (scores if bias is None else scores + bias).topk(cfg.moe_router_topk, -1).indices
+    picked = scores.gather(-1, chosen)
+    if (cfg.moe_router_topk > 1) if sigmoid else not cfg.moe_router_pre_softmax:
+        picked = picked / picked.sum(-1, keepdim=True)
+    picked = picked * (cfg.moe_router_topk_scaling_factor or 1.0)
+    weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [b, s, E]
+    out = 0.0
+    for e in range(cfg.num_experts):
+        h = _act(x @ w[name + ".experts.fc1"][e], cfg)
+        out = out + (h @ w[name + ".experts.fc2"][e]) * weights[..., e:e + 1].to(x.dtype)
+    if name + ".shared.fc1" in w:
+        shared = _act(x @ w[name + ".shared.fc1"].t(), cfg) @ w[name + ".shared.fc2"].t()
+        if name + ".shared.gate" in w:
+            shared = shared * torch.sigmoid(x @ w[name + ".shared.gate"].t())
+        out = out + shared
+    return out
+
+
 def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
                      position_ids: torch.Tensor | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,6 +147,8 @@ def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
             res = ln if cfg.apply_residual_connection_post_layernorm else x
             if branch == "attn":
                 out = _attention(ln, w, f"{layer}.self_attention", cfg, pos, mask)
+            elif cfg.num_experts and cfg.is_moe_layer(i):
+                out = _moe(ln, w, f"{layer}.mlp.moe", cfg)
             else:
                 out = _mlp(ln, w, f"{layer}.mlp", cfg)
             x = res + out

@@ -14,14 +14,18 @@ from dist import run_distributed
 from domino.transformer.moe import aux_losses
 
 
-def test_the_auxiliary_losses_get_their_share_of_the_gradient() -> None:
+@pytest.mark.parametrize("plan", ["m1:none", "m3:cross:c2"])
+def test_the_auxiliary_losses_get_their_share_of_the_gradient(plan: str) -> None:
     """In a GPT with an MoE layer, the router's gradient is the token loss's plus
-    ``loss_scale`` x the gradient of its auxiliary losses on the tokens it routed. (One layer:
-    with more, a later layer's auxiliary losses also reach an earlier router through its
-    output.)"""
+    ``loss_scale`` x the gradient of its auxiliary losses on the tokens of the whole
+    micro-batch, however the Domino plan splits it (three pieces here: the load-balancing loss
+    of the whole is not the sum of the pieces'). (One layer: with more, a later layer's
+    auxiliary losses also reach an earlier router through its output.)"""
     from domino.config import TransformerConfig
     from domino.models.gpt import GPTModel
     from domino.parallel_state import ParallelState
+    from domino.plan import Plan
+    from domino.runtime import RuntimeConfig
     from domino.transformer.moe.op import moe_ops, set_loss_scale
 
     def model(aux: float, z: float | None) -> GPTModel:
@@ -29,29 +33,30 @@ def test_the_auxiliary_losses_get_their_share_of_the_gradient() -> None:
         cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                                 vocab_size=64, num_experts=4, moe_aux_loss_coeff=aux,
                                 moe_z_loss_coeff=z, hidden_dropout=0.0, attention_dropout=0.0)
-        return GPTModel(cfg, parallel_state=ParallelState.single())
+        return GPTModel(cfg, parallel_state=ParallelState.single(),
+                        runtime=RuntimeConfig(plan=Plan.parse(plan)))
 
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 64, (6, 9), generator=torch.Generator().manual_seed(4))
     grads, inputs = {}, []
     for coeffs in ((0.0, None), (0.3, 0.05)):
         m = model(*coeffs)
         ops = moe_ops(m)
-        hooks = [op.moe.register_forward_hook(lambda mod, a, out: inputs.append(a[0].detach()))
-                 for op in ops]
+        hooks = [op.moe.router.register_forward_hook(
+            lambda mod, a, out: inputs.append(a[0].detach())) for op in ops]
         set_loss_scale(ops, 0.7)
         m(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
         grads[coeffs] = [op.moe.router.weight.grad.clone() for op in ops]
         for h in hooks:
             h.remove()
-    for i, op in enumerate(moe_ops(model(0.3, 0.05))):
-        x = inputs[i].reshape(-1, 32)  # the first model's inputs: the same routing
-        _, stats = op.moe.router(x)
-        balance, z = aux_losses(stats, op.topk)
-        (want,) = torch.autograd.grad(0.7 * (0.3 * balance + 0.05 * z), op.moe.router.weight)
-        torch.testing.assert_close(grads[(0.3, 0.05)][i] - grads[(0.0, None)][i], want,
-                                   rtol=1e-4, atol=1e-6)
-        assert want.abs().max() > 1e-4
-
+    pieces = Plan.parse(plan).micro_batches
+    (op,) = moe_ops(model(0.3, 0.05))
+    x = torch.cat(inputs[:pieces])  # the first model's router inputs: the same routing
+    _, stats = op.moe.router(x)
+    balance, z = aux_losses(stats, op.topk)
+    (want,) = torch.autograd.grad(0.7 * (0.3 * balance + 0.05 * z), op.moe.router.weight)
+    torch.testing.assert_close(grads[(0.3, 0.05)][0] - grads[(0.0, None)][0], want,
+                               rtol=1e-4, atol=1e-6)
+    assert want.abs().max() > 1e-4
 
 
 def test_router_statistics_count_each_training_forward_once() -> None:
@@ -78,6 +83,8 @@ def test_router_statistics_count_each_training_forward_once() -> None:
         assert all(float(op.sums[3]) == 0 and float(op.counts.sum()) == 0 for op in ops)
         set_loss_scale(ops, 0.7)
         m(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
+        for op in ops:
+            op.close_run()  # the micro-batch's losses join the sums
         seen[granularity] = [(op.counts.clone(), op.sums.clone(),
                               op.moe.router.weight.grad.clone()) for op in ops]
     for plain, recomputed in zip(seen[None], seen["full"]):
@@ -105,6 +112,8 @@ def test_step_metrics_follow_their_definitions() -> None:
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
     m(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
     ops = moe_ops(m)
+    for op in ops:
+        op.close_run()
     stats = [(op.counts.clone(), float(op.sums[2])) for op in ops]
     assert all(float(c.sum()) == 2 * 8 * 2 for c, _ in stats)  # T x k, the dropped included
     assert all(d > 0 for _, d in stats)
@@ -115,6 +124,7 @@ def test_step_metrics_follow_their_definitions() -> None:
         assert op.moe.router.expert_bias.tolist() == pytest.approx(
             (0.1 * torch.sign(c.mean() - c)).tolist())
         assert float(op.counts.sum()) == 0 and float(op.sums.abs().sum()) == 0
+
 
 MOE_ARGS = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
                 moe_z_loss_coeff=0.001, moe_router_enable_expert_bias=True,

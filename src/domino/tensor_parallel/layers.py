@@ -80,12 +80,17 @@ def gather_full(tensor: torch.Tensor, like: torch.Tensor, group: CommGroup) -> t
 class WgradStash(list):
     """Weight-gradient GEMMs deferred by the parallel linears for a schedule to run later,
     under an all-reduce, as ``(weight, bias, grad_output, input, rows)`` items (``rows``: the
-    slice of the weight's output rows the GEMM used, or None for all)."""
+    slice of the weight's output rows the GEMM used, or None for all), or as callables that
+    accumulate a gradient themselves (an MoE layer's grouped expert GEMMs)."""
 
     @torch.no_grad()  # gradients are data: a W pass may run with grad mode on (pipelines)
     def run(self) -> None:
         """Compute and accumulate every deferred weight/bias gradient, then empty the stash."""
-        for weight, bias, grad, x, rows in self:
+        for item in self:
+            if callable(item):
+                item()
+                continue
+            weight, bias, grad, x, rows = item
             wgrad = _wgrad(grad, x, grad_dtype(weight))
             if rows is None:
                 _accumulate(weight, wgrad)

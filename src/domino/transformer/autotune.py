@@ -115,6 +115,8 @@ def autotune(model: nn.Module, step: Callable[[], object], state: ParallelState,
     saved_rng = (torch.get_rng_state(), state.rng.state_dict(),
                  torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     ops = moe_ops(model)
+    for op in ops:
+        op.close_run()
     saved_stats = [(op.counts.clone(), op.sums.clone()) for op in ops]
 
     def run(i: int) -> None:
@@ -127,6 +129,7 @@ def autotune(model: nn.Module, step: Callable[[], object], state: ParallelState,
         model.zero_grad(set_to_none=True)
         for op, (counts, sums) in zip(ops, saved_stats, strict=True):
             op.counts, op.sums = counts, sums  # timing runs add no router statistics
+            op.run = None
         torch.set_rng_state(saved_rng[0])
         state.rng.load_state_dict(saved_rng[1])
         if saved_rng[2] is not None:

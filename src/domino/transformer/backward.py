@@ -95,7 +95,8 @@ class BackwardPass:
         """Does piece k's local^T run inside piece k - 1?"""
         j, m = self.order[k]
         ex = self.ex
-        if not ex.sp or self.M == 1 or ex.plan.overlap == "none" or k == 0:
+        ahead = ex.sp or getattr(ex.exits[j], "lookahead", False)
+        if not ahead or self.M == 1 or ex.plan.overlap == "none" or k == 0:
             return False
         return m > 0 or not ex._syncs_before(j + 1)
 
@@ -144,6 +145,11 @@ class BackwardPass:
         row-parallel GEMM and the backward of its core."""
         ex, rec = self.ex, self.rec
         with Span(ex.group, f"bwd par {j}", m) as span:
+            if between is not None and getattr(ex.exits[j], "lookahead", False):
+                # An exit whose gradient's launch is work (an MoE combine): the next piece's
+                # local^T goes first, so its launch runs under this piece's whole backward.
+                span.outside(between)()
+                between = None
             parts, stash, core = rec.par.pop((j, m))
             core_in = None
             if ex.recompute:
@@ -153,7 +159,7 @@ class BackwardPass:
                     core = ex.blocks[j].op.core(rec.local[(j, m)].ln_leaf, rec.mbs[m], stash)
                     core_in = core.detach().requires_grad_() if ex.sp else core
                     parts = list(ex.exits[j].parts(
-                        core_in, ex._chunks(j, m, self.B, self.M), stash))
+                        core_in, ex._chunks(j, m, self.B, self.M), stash, m))
                 if not ex.sp:
                     core = None
             del rec.reduced[(j, m)]

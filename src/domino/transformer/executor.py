@@ -178,6 +178,12 @@ class Executor:
             return False
         return m > 0 or not self._syncs_into(j)
 
+    def _ahead(self, j: int) -> bool:
+        """Forward: may local(j, m) run inside the piece before it? Every local piece under
+        sequence parallelism; otherwise one whose entry launches work (``lookahead``: an MoE
+        layer's router and dispatch)."""
+        return self.sp or (j < len(self.blocks) and getattr(self.entries[j], "lookahead", False))
+
     def _syncs_into(self, j: int) -> bool:
         """Forward: does local(j, 0) wait for every all-reduce of the pieces before it? Under
         intra_layer at each layer boundary, and before the final norm."""
@@ -277,7 +283,7 @@ class Executor:
                 # local^T goes between them): the GEMM starts from its own leaf.
                 core_in = rec.core_leaves[(j, m)] = core.detach().requires_grad_()
             with self._span(f"fwd par {j}", m), nograd():
-                gen = self.exits[j].parts(core_in, self._chunks(j, m, B, M), stash)
+                gen = self.exits[j].parts(core_in, self._chunks(j, m, B, M), stash, m)
                 pending[(j, m)] = self.eager(self.exits[j].launch(
                     _collect(gen, parts), j, m, release=graph and not recompute))
             if graph:
@@ -292,7 +298,7 @@ class Executor:
         for k in range(1, (B + 1) * M):
             j, m = divmod(k, M)
             pj, pm = divmod(k - 1, M)
-            inside = self.sp and pj < B and self._looks_ahead(j, m, M)
+            inside = pj < B and self._ahead(j) and self._looks_ahead(j, m, M)
             if pj < B:
                 run_par(pj, pm, (lambda j=j, m=m: run_local(j, m)) if inside else None)
             if not inside:

@@ -9,7 +9,13 @@ entered (:class:`Entry`) and left (:class:`Exit`), in both directions:
   sequence shards under sequence parallelism; backward: the input gradient's all-reduce, or
   reduce-scatter) and :class:`RowParallelExit` (forward: the partial sums' all-reduce, or
   reduce-scatter, per column chunk; backward: nothing, or an all-gather);
-* an op with another exit (an MoE layer's all-to-all combine) brings its own classes.
+* an op with another exit (an MoE layer's all-to-all combine, ``moe/edges.py``) brings its
+  own classes.
+
+An entry or exit whose ``lookahead`` is true does work worth hiding where the schedule launches
+it (an MoE layer's router and dispatch; its combine's gradient): the schedule then runs the
+local piece that launches it inside the piece before, as it does for every piece under
+sequence parallelism (``executor.Executor._looks_ahead``).
 
 Every rank launches the same collectives in the same order: what a launch sends may depend on
 the data, never whether or when it is launched.
@@ -117,11 +123,12 @@ class Entry(Protocol):
 class Exit(Protocol):
     """How a block's op region is left, and what the receiving side does with the result."""
 
-    def parts(self, core: torch.Tensor, chunks: int,
-              stash: WgradStash | None) -> Iterator[torch.Tensor]:
-        """What the region sends, from the op core's output, lazily (``chunks`` parts where
-        the op can split them) so that each part's collective launches before the next part
-        is computed. With ``stash`` the weight-gradient GEMMs are deferred to it."""
+    def parts(self, core: torch.Tensor, chunks: int, stash: WgradStash | None,
+              m: int) -> Iterator[torch.Tensor]:
+        """What the region sends, from the op core's output for micro-batch ``m``, lazily
+        (``chunks`` parts where the op can split them) so that each part's collective launches
+        before the next part is computed. With ``stash`` the weight-gradient GEMMs are deferred
+        to it."""
 
     def launch(self, parts: Iterable[torch.Tensor], j: int, m: int,
                release: bool = False) -> InFlight:
@@ -185,8 +192,8 @@ class RowParallelExit(PartialSums):
         super().__init__(dense.group, sequence_parallel)
         self.dense = dense
 
-    def parts(self, core: torch.Tensor, chunks: int,
-              stash: WgradStash | None) -> Iterator[torch.Tensor]:
+    def parts(self, core: torch.Tensor, chunks: int, stash: WgradStash | None,
+              m: int = 0) -> Iterator[torch.Tensor]:
         # Row-parallel partial sums [s, b, h_c] of the core's output [s, b, width/tp].
         if chunks == 1:
             yield self.dense.partial(core, wgrad_stash=stash)

@@ -139,10 +139,15 @@ class DominoTransformer(nn.Module):
         self.input_tensor = input_tensor
 
     def effective_plan(self) -> Plan:
-        """The schedule the stack runs: :attr:`plan`, except with a single TP rank, where there
-        is no TP communication to hide and splitting would only cost (kernel launches, smaller
-        GEMMs), so the stack runs unsplit (unless the plan was set with ``force``)."""
-        return self.plan if self.state.tp.size > 1 or self._force else SYNC
+        """The schedule the stack runs: :attr:`plan`, except where there is no communication
+        to hide (a single TP rank, and no MoE layer with expert parallelism), where splitting
+        would only cost (kernel launches, smaller GEMMs), so the stack runs unsplit (unless the
+        plan was set with ``force``)."""
+        if self.state.tp.size > 1 or self._force:
+            return self.plan
+        moe = self.state.ep.size > 1 and any(
+            getattr(op, "is_moe", False) for op in (b.op for b in self.blocks()))
+        return self.plan if moe else SYNC
 
     def sequence_parallel_active(self, inference_params: InferenceParams | None = None) -> bool:
         """Does a forward run sequence parallel: its input and output [s/tp, b, h] this rank's

@@ -3,9 +3,10 @@
 :class:`GroupedExperts` holds a rank's experts as two stacked weights, ``fc1`` [E, h, f'] (f' =
 2 x ffn for SwiGLU: ``[gate | up]``) and ``fc2`` [E, ffn, h], and computes every expert's GEMM in
 one ``torch.nn.functional.grouped_mm`` over the tokens sorted by expert (``offs``: where each
-expert's rows end). On CUDA that is PyTorch's grouped GEMM kernel; on a CPU PyTorch runs it as a
-loop over the groups inside one operator (measured here: the same time as a Python loop of
-``matmul``), so the code is the same on both and a rank with many experts is one call.
+expert's rows end; :mod:`.grouped`, whose backward can defer the weight gradients). On CUDA
+that is PyTorch's grouped GEMM kernel; on a CPU PyTorch runs it as a loop over the groups inside
+one operator (measured here: the same time as a Python loop of ``matmul``), so the code is the
+same on both and a rank with many experts is one call.
 
 :func:`permute` sorts a piece's (token, slot) assignments by expert (stable: in token order
 within an expert) and applies the capacity, if any: an expert keeps at most ``capacity``
@@ -22,21 +23,21 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup
-from domino.tensor_parallel.layers import init_sharded
+from domino.tensor_parallel.layers import WgradStash, init_sharded
 from domino.tensor_parallel.placement import Placement, place
 from domino.transformer.kernels import activation
+from domino.transformer.moe.grouped import grouped_linear
 from domino.utils import divide
 
 DROP_POLICIES = ("probs", "position")
 
 
 def capacity_of(tokens: int, topk: int, num_experts: int, factor: float) -> int:
-    """Assignments an expert keeps: ``ceil(tokens * topk / num_experts * factor)``."""
+    """Assignments an expert keeps of ``tokens`` tokens (a sequence's, in a model):
+    ``ceil(tokens * topk / num_experts * factor)``."""
     if not factor > 0:
         raise ValueError(f"capacity factor {factor} must be > 0 (or None for dropless)")
     return max(1, math.ceil(tokens * topk / num_experts * factor))
@@ -57,8 +58,10 @@ class Permuted:
 
 def permute(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
             capacity: int | None = None, drop_policy: str = "probs",
-            pad: bool = False) -> Permuted:
-    """x [T, h], experts / weights [T, k] -> the rows sorted by expert (see the module doc)."""
+            pad: bool = False, sequences: int = 1) -> Permuted:
+    """x [T, h], experts / weights [T, k] -> the rows sorted by expert (see the module doc).
+    With ``sequences`` > 1 the T tokens are a flattened [s, sequences] block (token t belongs
+    to sequence ``t % sequences``) and ``capacity`` is per expert and sequence."""
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy={drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
     t, k = experts.shape
@@ -75,20 +78,28 @@ def permute(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_e
     counts = torch.bincount(flat_e, minlength=num_experts)
     dropped = 0
     if capacity is not None:
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.arange(order.numel(), device=x.device) - starts[sorted_e]
+        # Each (expert, sequence) keeps its first ``capacity`` rows in the expert's order.
+        key = sorted_e * sequences + flat_t[order] % sequences
+        by_key = torch.argsort(key, stable=True)
+        in_key = torch.bincount(key, minlength=num_experts * sequences)
+        starts = torch.cumsum(in_key, 0) - in_key
+        position = torch.empty_like(key)
+        position[by_key] = torch.arange(key.numel(), device=x.device) - starts[key[by_key]]
         keep = position < capacity
         dropped = int((~keep).sum())
         order, sorted_e, position = order[keep], sorted_e[keep], position[keep]
-        counts = counts.clamp(max=capacity)
+        counts = torch.bincount(sorted_e, minlength=num_experts)
         if pad:
-            rows = sorted_e * capacity + position  # each kept row's place in [E * capacity]
-            n = num_experts * capacity
+            # each kept row's place in [E, sequences, capacity]
+            slot = (flat_t[order] % sequences) * capacity + position
+            per_expert = capacity * sequences
+            rows = sorted_e * per_expert + slot
+            n = num_experts * per_expert
             tokens = torch.zeros(n, dtype=torch.long, device=x.device)
             tokens[rows] = flat_t[order]
             w = flat_w.new_zeros(n).index_put((rows,), flat_w[order])
             xs = x.new_zeros(n, x.shape[-1]).index_put((rows,), x[flat_t[order]])
-            full = torch.full_like(counts, capacity)
+            full = torch.full_like(counts, per_expert)
             return Permuted(xs, full, tokens, w, dropped)
     tokens = flat_t[order]
     return Permuted(x[tokens], counts, tokens, flat_w[order], dropped)
@@ -123,12 +134,14 @@ class GroupedExperts(nn.Module):
         for p in (self.fc1, self.fc2):  # reduced over expert-DP, sharded over EP by expert
             place(p, Placement(shard="ep" if ep.size > 1 else None, grad_group="expert_dp"))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, h] sorted by expert, ``counts`` [E] rows per expert -> [N, h]."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, stash: WgradStash | None = None,
+                experts: slice = slice(None)) -> torch.Tensor:
+        """x [N, h] sorted by expert, ``counts`` rows per expert of ``experts`` (this rank's;
+        all of them by default) -> [N, h]; ``stash`` defers the weight-gradient GEMMs."""
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = activation(F.grouped_mm(x, compute(self.fc1), offs=offs), self.swiglu,
+        h = activation(grouped_linear(x, self.fc1, offs, experts, stash), self.swiglu,
                        self.gelu_approximate)
-        return F.grouped_mm(h, compute(self.fc2), offs=offs)
+        return grouped_linear(h, self.fc2, offs, experts, stash)
 
 
 def _normal(std: float):

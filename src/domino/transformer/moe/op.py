@@ -2,24 +2,28 @@
 and what a training step does with its router: the auxiliary losses' gradients and the expert
 bias.
 
+A schedule drives the layer through its edges (:mod:`.edges`): the dispatch all-to-all is the
+block's entry, the experts run in its exit's parts, the combine all-to-all is its exit.
+(:class:`~.layer.MoEMLP` runs the same layer as one call, the reference the pieces are tested
+against.)
+
 The auxiliary losses (``moe_aux_loss_coeff`` x load balancing + ``moe_z_loss_coeff`` x z-loss)
-are not returned with the model's output: each MoE op attaches them to its own output with
-:class:`_AuxGrad`, whose backward gives the loss the gradient ``loss_scale`` (PyTorch autograd,
-so the Domino schedule's backward needs nothing special; under full recomputation only the run
-with a graph, the backward's, counts). A training step sets ``loss_scale`` to the
+are not returned with the model's output: each MoE op attaches them to the rows its dispatch
+sends with :class:`_AuxGrad`, whose backward gives the loss the gradient ``loss_scale`` (so the
+schedule's backward needs nothing special). A training step sets ``loss_scale`` to the
 micro-batch's share of the step's objective (:func:`set_loss_scale`), so
 the step minimises the mean token loss plus the token-weighted mean of the auxiliary losses, at
 any accumulation and DP size. :func:`step_end` then sums the step's router statistics over DP,
 moves the expert biases and returns the metrics a log line shows.
 
-For now an MoE layer runs at TP = 1 (the op refuses more): its entry and exit have no
-collective; expert parallelism is the layer's own (:mod:`.dispatch`).
+For now an MoE layer runs at TP = 1 (the op refuses more).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,46 +31,54 @@ from torch import nn
 from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel.layers import WgradStash
-from domino.transformer.exits import ColumnParallelEntry, PartialSums
 from domino.transformer.microbatch import MicroBatch
+from domino.transformer.moe.edges import MoEEntry, MoEExit, edges
 from domino.transformer.moe.layer import MoEMLP
-from domino.transformer.moe.router import aux_losses, update_expert_bias
+from domino.transformer.moe.router import RouterStats, aux_losses, update_expert_bias
+
+
+@dataclass(eq=False)
+class Run:
+    """A training micro-batch's router statistics, summed over the pieces a schedule splits it
+    into (Domino's micro-batches), so that its auxiliary losses are those of the whole
+    micro-batch whatever the split."""
+
+    stats: RouterStats | None = None  # detached
+    dropped: int = 0
+
+    def add(self, stats: RouterStats, dropped: int) -> None:
+        stats = RouterStats(stats.tokens, stats.counts.detach(), stats.score_sum.detach(),
+                            stats.z_sum.detach())
+        self.stats = stats if self.stats is None else self.stats + stats
+        self.dropped += dropped
 
 
 class _AuxGrad(torch.autograd.Function):
-    """``out`` unchanged; in backward, the auxiliary loss ``aux`` gets the gradient
-    ``op.loss_scale`` (read then: a step sets it before its backward)."""
+    """``out`` unchanged; in backward, a piece's summed scores and squared log-partitions get
+    their gradient in the auxiliary losses of the whole micro-batch (``run``, complete by then),
+    scaled by ``op.loss_scale`` (read then: a step sets it before its backward). The
+    load-balancing loss is linear in each piece's score sums (with the micro-batch's counts),
+    the z-loss in its log-partition sums, so these are exact."""
 
     @staticmethod
-    def forward(ctx, out, aux, op):
-        ctx.op = op
+    def forward(ctx, out, score_sum, z_sum, run, op):
+        ctx.run, ctx.op = run, op
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.tensor(ctx.op.loss_scale, dtype=torch.float32,
-                                  device=grad.device), None
-
-
-class _Delivered(PartialSums):
-    """The op's output as the block's result: no collective at TP = 1, no bias."""
-
-    def parts(self, core: torch.Tensor, chunks: int,
-              stash: WgradStash | None) -> Iterator[torch.Tensor]:
-        yield core
-
-    def bias(self) -> None:
-        return None
-
-    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [grad]
-
-    def replicated_parameters(self) -> list[torch.Tensor]:
-        return []
+        op, total = ctx.op, ctx.run.stats
+        n = max(total.tokens, 1)
+        e = total.counts.numel()
+        g_score = (op.loss_scale * op.aux_coeff * e / (n * n * op.topk)) * total.counts.float()
+        g_z = torch.tensor(op.loss_scale * op.z_coeff / n, device=grad.device)
+        return grad, g_score.to(grad.device), g_z, None, None
 
 
 class MoEOp(nn.Module):
     """A layer's MoE MLP (``config.num_experts`` experts, Megatron's ``moe_*`` settings)."""
+
+    is_moe = True  # its expert parallelism communicates (a stack splits for it at TP = 1)
 
     def __init__(self, config: TransformerConfig, state: ParallelState,
                  device: torch.device | None = None) -> None:
@@ -108,30 +120,51 @@ class MoEOp(nn.Module):
         self.counts = torch.zeros(self.moe.router.num_experts, dtype=torch.float64,
                                   device=device)
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # balance, z, dropped, n
+        self.run: Run | None = None  # the micro-batch being recorded
 
-    def entry(self, sequence_parallel: bool) -> ColumnParallelEntry:
-        return ColumnParallelEntry(self.group, sequence_parallel)
+    def close_run(self) -> None:
+        """Add the recorded micro-batch's auxiliary losses and dropped assignments to
+        ``sums`` (its counts are in ``counts`` already)."""
+        run, self.run = self.run, None
+        if run is None or run.stats is None:
+            return
+        balance, z = aux_losses(run.stats, self.topk)
+        self.sums += torch.stack([balance.double(), z.double(),
+                                  self.sums.new_tensor(float(run.dropped)),
+                                  self.sums.new_tensor(1.0)])
 
-    def exit(self, sequence_parallel: bool) -> _Delivered:
-        return _Delivered(self.group, sequence_parallel)
+    def entry(self, sequence_parallel: bool) -> MoEEntry:
+        """A run's dispatch (:mod:`.edges`); :meth:`exit` then returns the combine that shares
+        its state, so a schedule asks for both, entry first. A run is one micro-batch of
+        training: its router statistics add up over the run's pieces."""
+        self.close_run()
+        self.run = Run()
+        self._edges = edges(self)
+        return self._edges[0]
+
+    def exit(self, sequence_parallel: bool) -> MoEExit:
+        return self._edges[1]
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:
-        out, stats, dropped = self.moe(x)
+        """The received rows (with their weights) as they are: the experts run in the exit's
+        parts, group by group. ``poll`` first, so that the next micro-batch's dispatch goes out
+        before this one's experts run."""
         if poll is not None:
             poll()
-        # Only a forward whose backward will run counts: full recomputation runs the op twice,
-        # first without a graph (skipped here), then again with one in the backward.
-        if not self.training or not torch.is_grad_enabled():
-            return out
-        balance, z = aux_losses(stats, self.topk)
-        aux = self.aux_coeff * balance + self.z_coeff * z
-        if aux.requires_grad:
-            out = _AuxGrad.apply(out, aux, self)
+        return x
+
+    def record(self, payload: torch.Tensor, stats: RouterStats, dropped: int) -> torch.Tensor:
+        """A piece's router statistics, added to its micro-batch's; the gradient of the
+        micro-batch's auxiliary losses attached to ``payload`` (the rows the dispatch sends).
+        Only a forward whose backward will run counts (grad mode on, training)."""
+        if not self.training or not torch.is_grad_enabled() or self.run is None:
+            return payload
+        self.run.add(stats, dropped)
         self.counts += stats.counts.detach().double()
-        self.sums += torch.stack([balance.detach().double(), z.detach().double(),
-                                  self.sums.new_tensor(float(dropped)), self.sums.new_tensor(1.0)])
-        return out
+        if (self.aux_coeff or self.z_coeff) and stats.score_sum.requires_grad:
+            payload = _AuxGrad.apply(payload, stats.score_sum, stats.z_sum, self.run, self)
+        return payload
 
 
 def moe_ops(model: nn.Module) -> list[MoEOp]:
@@ -153,6 +186,8 @@ def step_end(ops: list[MoEOp], group) -> dict[str, float]:
     load over the mean (1 = balanced) and the share of assignments the capacity dropped."""
     if not ops:
         return {}
+    for op in ops:
+        op.close_run()
     flat = torch.cat([torch.cat([op.counts, op.sums]) for op in ops])
     group.all_reduce(flat, name="moe statistics")
     flat = flat.cpu()

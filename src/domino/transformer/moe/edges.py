@@ -1,0 +1,256 @@
+"""An MoE layer's edges as the Domino schedule drives them: the dispatch all-to-all is the
+block's entry, the combine all-to-all its exit (the protocol: ``transformer/exits.py``).
+
+Forward, per micro-batch m of the block:
+
+* ``entry.launch`` (at the end of the local piece, after the norm): the router, the sort of the
+  (token, expert) assignments by expert (:func:`.experts.permute`), the exchange of per-expert
+  row counts (a small blocking all-to-all), then the rows' all-to-all, launched asynchronously;
+  the shared expert runs while it is in flight. The schedule runs this local piece inside the
+  piece before it (``lookahead``): micro-batch m + 1's dispatch goes out before micro-batch m's
+  experts run, micro-batch 0's during the attention before.
+* ``core`` (the par piece): the received rows, sorted by local expert.
+* ``exit.parts`` / ``exit.launch``: the rank's experts in ``chunks`` groups of consecutive local
+  experts (a group of experts is the analogue of a column chunk); each group's weighted outputs
+  go back to their ranks in their own all-to-all as soon as they are computed, so the combine
+  of one group runs under the next group's GEMMs and the combine of micro-batch m under
+  micro-batch m + 1's work.
+* the exit's delivery (waited for in the next local piece): the rows added back into their
+  tokens, plus the shared expert's output.
+
+The routing weight travels with its row (one extra column, in the rows' dtype, as the
+single-process layer applies it) and multiplies the expert's output on the expert's rank, so
+the token's rank only adds rows up and the weight's gradient comes back with the row's. The
+backward mirrors the forward: the delivered gradient's rows go to the expert ranks
+(``exit.launch_grad``, launched in the local^T piece, which the schedule runs inside the
+previous expert backward); the experts' backward defers its weight-gradient GEMMs to the
+schedule's stash, which runs them while it would otherwise wait; the rows' gradients go back
+(``entry.launch_grad``) while the shared expert's backward runs, and the backward of the sort
+and the router finish on arrival.
+
+Every rank launches the same collectives in the same order: the splits depend on the routing,
+the calls do not (a group of experts that got no rows still exchanges, empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from domino.tensor_parallel.comm import DONE, Handle
+from domino.tensor_parallel.layers import WgradStash, column_chunks
+from domino.transformer.moe.experts import permute
+
+
+@dataclass(eq=False)
+class _Piece:
+    """One micro-batch's routing, from the entry's launch to the entry's backward."""
+
+    ln: torch.Tensor  # what the entry read [s, b, h]
+    payload: torch.Tensor  # [N, h + 1 (+ pad)] the rows sent, each with its weight (graph)
+    tokens: torch.Tensor  # [N] each sent row's token
+    counts: torch.Tensor  # [E] rows sent per global expert
+    received_counts: torch.Tensor  # [EP, E / EP] rows received per (source, local expert)
+    order: torch.Tensor | None  # received rows (per source) -> by local expert; None at EP 1
+    source: torch.Tensor | None  # each received row's source, by local expert; None at EP 1
+    sent: list[int]  # rows sent to each rank
+    received: list[int]  # rows received from each rank
+    shared: torch.Tensor | None  # the shared expert's output [T, h] (graph)
+    groups: list[tuple[slice, slice]] = field(default_factory=list)  # (experts, rows) per part
+    grad_out: torch.Tensor | None = None  # the delivered output's gradient [T, h]
+
+    def sent_positions(self, experts: slice, ep: int) -> torch.Tensor:
+        """Where the rows for the local experts ``experts`` of every rank sit among the rows
+        sent (sorted by global expert)."""
+        local = self.counts.numel() // ep
+        ends = torch.cumsum(self.counts, 0).tolist()
+        spans = []
+        for d in range(ep):
+            first, last = d * local + experts.start, d * local + experts.stop - 1
+            start = ends[first] - int(self.counts[first])
+            spans.append(torch.arange(start, ends[last], device=self.counts.device))
+        return torch.cat(spans)
+
+
+class _Arriving:
+    """Exchanges in flight and what is made of them on arrival (``finish``, run once)."""
+
+    def __init__(self, handles: list[Handle], finish: Callable[[], torch.Tensor]) -> None:
+        self.handles, self.finish, self.value = handles, finish, None
+
+    def ready(self) -> bool:
+        return all(h.ready() for h in self.handles)
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            for h in self.handles:
+                h.wait()
+            self.value = self.finish()
+            self.handles = []
+        return self.value
+
+
+class MoEEntry:
+    """The dispatch (see the module docstring); ``op`` is the layer's
+    :class:`~domino.transformer.moe.op.MoEOp`, ``pieces`` the state shared with its exit."""
+
+    lookahead = True  # launching is work: the schedule runs it inside the piece before
+
+    def __init__(self, op, pieces: dict[int, _Piece]) -> None:
+        self.op, self.pieces = op, pieces
+
+    def launch(self, x: torch.Tensor, j: int, m: int) -> _Arriving:
+        # A graph exactly when the schedule records one (its leaf ``x`` requires grad), also
+        # where this runs inside a piece recomputation runs without one.
+        with torch.set_grad_enabled(x.requires_grad):
+            return self._launch(x, j, m)
+
+    def _launch(self, x: torch.Tensor, j: int, m: int) -> _Arriving:
+        moe, ep = self.op.moe, self.op.moe.ep
+        flat = x.reshape(-1, x.shape[-1])
+        routing, stats = moe.router(flat)
+        capacity, sequences = moe.capacity(x)
+        rows = permute(flat, routing.experts, routing.weights, moe.num_experts, capacity,
+                       moe.drop_policy, moe.pad_to_capacity, sequences)
+        # [x | weight | 0...]: rows padded so the experts' GEMMs can read the x columns in place
+        # (grouped_mm needs 16-byte row strides).
+        h, step = rows.x.shape[1], max(1, 16 // rows.x.element_size())
+        pad = rows.x.new_zeros(rows.x.shape[0], -(h + 1) % step)
+        payload = torch.cat([rows.x, rows.weights.to(rows.x.dtype).unsqueeze(-1), pad], dim=-1)
+        payload = self.op.record(payload, stats, rows.dropped)
+        local = moe.num_experts // ep.size
+        tags = {"mb": m, "block": j, "chunk": 0}
+        order = source = None
+        if ep.size > 1:
+            received_counts = torch.empty_like(rows.counts)
+            ep.all_to_all(received_counts, rows.counts, name=f"fwd dispatch counts b{j}",
+                          tags=tags)
+            received_counts = received_counts.view(ep.size, local)
+            sent = rows.counts.view(ep.size, local).sum(1).tolist()
+            received = received_counts.sum(1).tolist()
+            buf = payload.new_empty(sum(received), payload.shape[1])
+            handle = ep.all_to_all(buf, payload.detach(), received, sent, async_op=True,
+                                   name=f"fwd dispatch b{j}", tags=tags)
+            # Rows arrive per source, each sorted by local expert: sort them by local expert
+            # (stable, so by source within an expert).
+            expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
+                received_counts.reshape(-1))
+            order = torch.argsort(expert_of, stable=True)
+            source = torch.arange(ep.size, device=x.device).repeat_interleave(
+                received_counts.sum(1))[order]
+        else:
+            received_counts = rows.counts.view(1, local)
+            sent = received = [payload.shape[0]]
+            buf, handle = payload.detach(), DONE
+        shared = moe.shared(flat) if moe.shared is not None else None  # under the dispatch
+        self.pieces[m] = _Piece(x, payload, rows.tokens, rows.counts, received_counts, order,
+                                source, sent, received, shared)
+        return _Arriving([handle], lambda: buf if order is None else buf[order])
+
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Arriving:
+        """The received rows' gradient back to their ranks; on arrival, the backward of the
+        sort and the router (and, while the rows travel, the shared expert's) -> the gradient
+        of what the entry read."""
+        piece, ep = self.pieces.pop(m), self.op.moe.ep
+        if ep.size > 1:
+            back = torch.empty_like(grad).index_copy_(0, piece.order, grad)
+            buf = grad.new_empty(piece.payload.shape)
+            handle = ep.all_to_all(buf, back, piece.sent, piece.received, async_op=True,
+                                   name=f"bwd dispatch b{j}", tags={"mb": m, "block": j,
+                                                                     "chunk": 0})
+        else:
+            buf, handle = grad, DONE
+        if piece.shared is not None and piece.shared.requires_grad:
+            torch.autograd.backward([piece.shared], [piece.grad_out])
+
+        def finish() -> torch.Tensor:
+            torch.autograd.backward([piece.payload], [buf])
+            return piece.ln.grad
+        return _Arriving([handle], finish)
+
+
+class MoEExit:
+    """The combine (see the module docstring); ``pieces`` is shared with the entry."""
+
+    lookahead = True  # its gradient's launch is work: the schedule runs it inside the piece before
+
+    def __init__(self, op, pieces: dict[int, _Piece]) -> None:
+        self.op, self.pieces = op, pieces
+
+    def parts(self, core: torch.Tensor, chunks: int, stash: WgradStash | None,
+              m: int) -> Iterator[torch.Tensor]:
+        """The weighted expert outputs [rows, h] of each group of local experts, in order."""
+        piece, moe = self.pieces[m], self.op.moe
+        per_expert = piece.received_counts.sum(0)
+        h = self.pieces[m].ln.shape[-1]
+        piece.groups = []
+        start = 0
+        for experts in column_chunks(per_expert.numel(), chunks):
+            n = int(per_expert[experts].sum())
+            rows = slice(start, start + n)
+            piece.groups.append((experts, rows))
+            start += n
+            y = moe.experts(core[rows, :h], per_expert[experts], stash, experts)
+            yield y * core[rows, h:h + 1]
+
+    def launch(self, parts: Iterable[torch.Tensor], j: int, m: int,
+               release: bool = False) -> _Arriving:
+        piece, ep = self.pieces[m], self.op.moe.ep
+        bufs, places, handles = [], [], []
+        for c, y in enumerate(parts):
+            experts, rows = piece.groups[c]
+            places.append(piece.sent_positions(experts, ep.size))
+            if ep.size > 1:
+                send = y.detach()[torch.argsort(piece.source[rows], stable=True)]
+                to = piece.received_counts[:, experts].sum(1).tolist()
+                back = piece.counts.view(ep.size, -1)[:, experts].sum(1).tolist()
+                buf = y.new_empty(sum(back), y.shape[1])
+                handles.append(ep.all_to_all(buf, send, back, to, async_op=True,
+                                             name=f"fwd combine b{j}",
+                                             tags={"mb": m, "block": j, "chunk": c}))
+            else:
+                buf = y.detach()
+            bufs.append(buf)
+        return _Arriving(handles, lambda: self._deliver(m, bufs, places))
+
+    def _deliver(self, m: int, bufs: list[torch.Tensor], places: list[torch.Tensor]):
+        """The returned rows added into their tokens (+ the shared expert) -> [s, b, h]."""
+        piece = self.pieces[m]  # (kept for the backward; the run's executor owns the dict)
+        h = piece.ln.shape[-1]
+        rows = bufs[0].new_empty(piece.tokens.numel(), h)
+        for buf, place in zip(bufs, places, strict=True):
+            rows.index_copy_(0, place, buf)
+        out = rows.new_zeros(piece.ln.numel() // h, h).index_add_(0, piece.tokens, rows)
+        if piece.shared is not None:
+            out = out + piece.shared.detach()
+        return out.view(piece.ln.shape)
+
+    def bias(self) -> None:
+        return None
+
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Arriving:
+        """The delivered gradient's rows to the expert ranks, by local expert on arrival."""
+        piece, ep = self.pieces[m], self.op.moe.ep
+        piece.grad_out = grad.reshape(-1, grad.shape[-1])
+        rows = piece.grad_out[piece.tokens]
+        if ep.size == 1:
+            return _Arriving([], lambda: rows)
+        buf = rows.new_empty(sum(piece.received), rows.shape[1])
+        handle = ep.all_to_all(buf, rows, piece.received, piece.sent, async_op=True,
+                               name=f"bwd combine b{j}", tags={"mb": m, "block": j, "chunk": 0})
+        return _Arriving([handle], lambda: buf[piece.order])
+
+    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch.split(grad, [p.shape[0] for p in parts]))
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        return []
+
+
+def edges(op) -> tuple[MoEEntry, MoEExit]:
+    """A run's entry and exit of ``op``, sharing their per-micro-batch state."""
+    pieces: dict[int, _Piece] = {}
+    return MoEEntry(op, pieces), MoEExit(op, pieces)
+

@@ -1,0 +1,199 @@
+"""Domino's schedule on MoE layers (``transformer/moe/edges.py``): the dispatch and combine
+all-to-alls overlapped with other micro-batches' work must not change the math.
+
+Every plan (micro-batches, overlap, groups of experts per combine), with recomputation, at
+EP = 1, 2 and 4, gives the losses, router statistics and every gradient of the single-process
+model (EP = 1, one piece) on the same micro-batches; that one equals the independent plain-PyTorch
+reference (``reference.py``) where its routing is dropless. Routing corner cases are variants:
+an expert no token reaches, tokens none of whose experts a rank holds, every token to one expert
+(a rank then receives nothing), capacity drops with padding. Every EP rank launches the same
+collectives in the same order although one rank's launches are slow.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dist import run_distributed
+from reference import reference_loss, reference_weights
+
+from domino.config import TransformerConfig
+from domino.models.gpt import GPTModel
+from domino.parallel_state import ParallelState
+from domino.plan import Plan
+from domino.runtime import RuntimeConfig
+from domino.transformer.moe.op import moe_ops
+
+PLANS = ("m1:none", "m2:intra", "m2:cross", "m4:cross:c2", "m3:cross:c4", "m2:cross+full")
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
+            max_position_embeddings=8, num_experts=8, moe_router_topk=2,
+            moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, hidden_dropout=0.0,
+            attention_dropout=0.0, init_method_std=0.2)
+VARIANTS = {
+    "dropless": {},
+    "shared_gelu": dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+                        activation="gelu", moe_first_k_dense_layers=1, num_layers=3),
+    "capacity_pad": dict(moe_expert_capacity_factor=0.6, moe_pad_expert_input_to_capacity=True,
+                         moe_token_drop_policy="position"),
+    # The bias picks expert 0 for every token and never expert 7: rank 1 of EP = 2 (experts
+    # 4..7) misses every token whose second choice is below 4.
+    "hot_expert": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_expert_capacity_factor=None),
+    # top-1, all to expert 0: every other rank receives no row at all.
+    "all_to_one": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_topk=1),
+}
+BIAS = {"hot_expert": [5.0, 0, 0, 0, 0, 0, 0, -5.0], "all_to_one": [5.0] + [0.0] * 7}
+BATCH = 12  # sequences per micro-batch
+
+
+def _model(variant: str, plan: str, state: ParallelState) -> GPTModel:
+    plan, _, recompute = plan.partition("+")
+    cfg = TransformerConfig(**{**BASE, **VARIANTS[variant]})
+    torch.manual_seed(0)
+    model = GPTModel(cfg, parallel_state=state, runtime=RuntimeConfig(
+        recompute_granularity=recompute or None))
+    # (at EP = 1 nothing communicates, so a stack splits only when told to)
+    model.language_model.encoder.set_plan(Plan.parse(plan), force=True)
+    for op in moe_ops(model):
+        if variant in BIAS:
+            op.moe.router.expert_bias.copy_(torch.tensor(BIAS[variant]))
+    return model
+
+
+def _ids(rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (BATCH, 9), generator=torch.Generator().manual_seed(50 + rank))
+
+
+def _step(model: GPTModel, ids: torch.Tensor) -> dict:
+    loss = model(ids[:, :-1], None, None, labels=ids[:, 1:])
+    loss.sum().backward()
+    ops = moe_ops(model)
+    for op in ops:
+        op.close_run()
+    return {"loss": loss.detach(), "stats": [(op.counts, op.sums) for op in ops],
+            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+
+
+class _SlowLaunches:
+    """A hook on the EP group: records each collective it launches (kind, name) and, on rank 1,
+    launches it late; the real collective then runs (``launch`` returns None)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.launched, self.events = rank, [], []
+
+    def launch(self, tensor, group, kind="all_reduce"):
+        self.launched.append((kind, tuple(tensor.shape[1:])))  # rows differ by routing
+        self.events.append(("launch", tensor.shape[-1]))
+        if self.rank == 1:
+            time.sleep(0.002)
+        return None
+
+    def finished(self, *args) -> None:
+        pass
+
+    def region(self, name: str, category: str, **tags):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def _ep_rank(rank: int, world: int) -> dict:
+    state = ParallelState.build(expert_model_parallel_size=world)
+    out = {}
+    for variant in VARIANTS:
+        for plan in PLANS:
+            model = _model(variant, plan, state)
+            state.ep.hook = hook = _SlowLaunches(rank)
+            marks = [op.moe.experts.register_forward_pre_hook(
+                lambda *a, hook=hook: hook.events.append(("experts", 0))) for op in moe_ops(model)]
+            try:
+                out[variant, plan] = _step(model, _ids(rank))
+            finally:
+                state.ep.hook = None
+                for mark in marks:
+                    mark.remove()
+            out[variant, plan]["launched"] = hook.launched
+            out[variant, plan]["events"] = hook.events
+    return out
+
+
+def _reference(variant: str, world: int) -> list[dict]:
+    """The single-process model (EP = 1, one piece) on each rank's micro-batch."""
+    return [_step(_model(variant, "m1:none", ParallelState.single()), _ids(r))
+            for r in range(world)]
+
+
+def _close(got, want, what: str, tol: float = 1e-5) -> None:
+    """Equal within fp32 rounding: the largest difference against the largest value."""
+    assert got.shape == want.shape, what
+    err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-3)
+    assert err < tol, f"{what}: relative error {err:.2e}"
+
+
+def _check_like(got: dict, ref: list[dict], rank: int, world: int, what: str) -> None:
+    """One rank's step against the reference: its loss and statistics are its micro-batch's;
+    its experts' gradients are every micro-batch's (its slice); its other gradients its own."""
+    want = ref[rank]
+    _close(got["loss"], want["loss"], f"{what} loss")
+    for (c, s), (wc, ws) in zip(got["stats"], want["stats"], strict=True):
+        _close(c, wc, f"{what} counts")
+        _close(s, ws, f"{what} balance, z, dropped, runs")
+    for name, g in got["grads"].items():
+        if ".experts." in name:
+            total = sum(r["grads"][name] for r in ref)
+            local = total.shape[0] // world
+            _close(g, total[rank * local:(rank + 1) * local], f"{what} {name}")
+        else:
+            _close(g, want["grads"][name], f"{what} {name}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_plan_equals_one_piece_on_one_rank(variant: str) -> None:
+    ref = _reference(variant, 1)
+    for plan in PLANS[1:]:
+        got = _step(_model(variant, plan, ParallelState.single()), _ids(0))
+        _check_like(got, ref, 0, 1, f"{variant} {plan}")
+    if variant in ("dropless", "shared_gelu"):
+        return
+    # The corner cases happen: drops, an expert with no token, a rank with none (EP = 2).
+    counts, sums = ref[0]["stats"][-1]
+    assert variant != "capacity_pad" or float(sums[2]) > 0
+    assert variant == "capacity_pad" or float(counts[-1]) == 0
+
+
+def test_the_one_piece_model_equals_the_plain_reference() -> None:
+    for variant in ("dropless", "shared_gelu"):
+        cfg = TransformerConfig(**{**BASE, **VARIANTS[variant], "moe_aux_loss_coeff": 0.0,
+                                   "moe_z_loss_coeff": None})
+        torch.manual_seed(0)
+        model = GPTModel(cfg, parallel_state=ParallelState.single())
+        ids = _ids(0)
+        w = reference_weights(model)
+        want = reference_loss(w, cfg, ids[:, :-1], ids[:, 1:])
+        loss = model(ids[:, :-1], None, None, labels=ids[:, 1:])
+        loss.sum().backward()
+        want.sum().backward()
+        _close(loss.detach(), want.detach(), f"{variant} loss")
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                _close(p.grad, w[name].grad, f"{variant} {name}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_plans_equal_the_reference(world: int) -> None:
+    ranks = run_distributed(_ep_rank, world)
+    for variant in VARIANTS:
+        ref = _reference(variant, world)
+        for plan in PLANS:
+            for rank, res in enumerate(ranks):
+                _check_like(res[variant, plan], ref, rank, world, f"EP={world} {variant} {plan}")
+            launched = [res[variant, plan]["launched"] for res in ranks]
+            assert len(launched[0]) >= 4 and all(x == launched[0] for x in launched), plan
+        # Overlap: micro-batch 1's dispatch (counts, then rows with their weight column) goes
+        # out before micro-batch 0's experts run; with one piece, they run right after theirs.
+        for plan, dispatched in (("m2:cross", 2), ("m4:cross:c2", 2), ("m1:none", 1)):
+            events = ranks[0][variant, plan]["events"]
+            first = events[:events.index(("experts", 0))]
+            assert [w for _, w in first] == [BASE["num_experts"], 36] * dispatched, (plan, first)
