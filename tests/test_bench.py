@@ -111,6 +111,12 @@ def test_parse_modes() -> None:
         (["--emulate-link", "1gbit", "--link-mtu", "100"], "--link-mtu=100"),
         (["--json", "/nonexistent-dir/x.json"], "does not exist"),
         (["--compile", "--modes", "sync,sync:compiled"], "drop one or the other"),
+        (["--model", "moe"], "--model moe needs MoE layers: add --num-experts"),
+        (["--expert-model-parallel-size", "2"], "needs MoE layers: add --num-experts"),
+        (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by"),
+        (["--num-experts", "4"], "tensor_model_parallel_size=2"),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "1",
+          "--expert-model-parallel-size", "2", "--simulate-link", "1gbit"], "--emulate-link"),
     ],
 )
 def test_validation_errors(extra: list[str], match: str) -> None:
@@ -399,3 +405,24 @@ def test_ranks_failing_together_are_all_named() -> None:
     late = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
     with pytest.raises(RankFailed, match=r"ranks 0, 1 exited with codes 1, 3"):
         run_ranks([first, late], [dict(os.environ)] * 2, label="test")
+
+
+def test_moe_expert_parallel_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--model moe at EP = 2 (two ranks with their own tokens, TP = 1): the MoE blocks alone
+    under sync, Domino and comm-free modes; the step all-to-alls its rows (counted), and the
+    comm-free mode sends nothing."""
+    out_json = tmp_path / "moe.json"
+    argv = TINY[:-6] + ["--steps", "2", "--warmup", "1", "--model", "moe", "--num-experts", "4",
+                        "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
+                        "--moe-router-force-load-balancing",
+                        "--modes", "sync,nocomm,domino:m2:cross:c2", "--json", str(out_json)]
+    assert main(["bench", *argv]) == 0
+    assert "domino:m2:cross:c2" in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    rows = {r["mode"]: r for r in report["results"]}
+    assert report["config"]["tokens_per_step"] == 2 * 4 * 32  # each EP rank its own tokens
+    # fwd + bwd dispatch and combine: at least 4 x the rows sent (T x k / 2 cross the link on
+    # average, 64 floats + the weight column each) - a lower bound, routing is random
+    assert rows["sync"]["allreduce_bytes_per_step"] > 4 * 32 * 4 * 64 * 4 * 0.25
+    assert rows["nocomm"]["allreduce_bytes_per_step"] == 0
+    assert all(r["step_time_s"] > 0 for r in rows.values())

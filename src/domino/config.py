@@ -134,6 +134,9 @@ class TransformerConfig:
     moe_router_enable_expert_bias: bool = field(
         default=False, metadata={"help": "Aux-loss-free balancing: a per-expert bias on the "
                                          "scores that choose experts, moved each step."})
+    moe_router_force_load_balancing: bool = field(
+        default=False, metadata={"help": "Route by random scores (about even loads): for "
+                                         "benchmarks only, the router learns nothing."})
     moe_router_bias_update_rate: float = field(
         default=1e-3, metadata={"help": "How far the expert bias moves per step."})
     moe_router_load_balancing_type: str = field(

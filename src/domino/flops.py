@@ -85,13 +85,14 @@ def _mlp_flops(config, moe: bool) -> float:
 
 
 def forward_flops_per_token(config, *, tp: int = 1, head: bool = True,
-                            layers: int | None = None) -> float:
+                            layers: int | None = None, attention: bool = True) -> float:
     """Model FLOPs of one token's forward (``head``: with the LM head over the vocabulary as
-    padded for ``tp`` ranks; ``layers``: this many transformer layers, default the config's)."""
+    padded for ``tp`` ranks; ``layers``: this many transformer layers, default the config's;
+    ``attention`` False: the layers' MLPs only)."""
     layers = config.num_layers if layers is None else layers
-    attention = sum(2.0 * i * o for i, o, _ in _layer_linears(config)[:2])
     keys = min(config.seq_length, config.window_size or config.seq_length)
-    attention += 4.0 * keys * config.num_attention_heads * config.kv_channels
+    attention = attention and (sum(2.0 * i * o for i, o, _ in _layer_linears(config)[:2])
+                               + 4.0 * keys * config.num_attention_heads * config.kv_channels)
     out = sum(attention + _mlp_flops(config, config.is_moe_layer(i)) for i in range(layers))
     if head:
         out += 2.0 * config.hidden_size * config.padded_vocab_size(tp)
@@ -99,9 +100,10 @@ def forward_flops_per_token(config, *, tp: int = 1, head: bool = True,
 
 
 def train_flops_per_step(config, tokens: int, *, tp: int = 1, head: bool = True,
-                         layers: int | None = None) -> float:
+                         layers: int | None = None, attention: bool = True) -> float:
     """Model FLOPs of a training step over ``tokens`` tokens (all ranks together): 3x forward."""
-    return 3.0 * tokens * forward_flops_per_token(config, tp=tp, head=head, layers=layers)
+    return 3.0 * tokens * forward_flops_per_token(config, tp=tp, head=head, layers=layers,
+                                                  attention=attention)
 
 
 def rank_gemms(config, tokens: int, tp: int) -> list[Gemm]:

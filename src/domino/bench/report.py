@@ -54,7 +54,8 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "compile_graphs": raw.get("compile_graphs"),
         "compile_s": raw.get("compile_s"),
         "compile_graphs_timed": raw.get("compile_graphs_timed"),
-        "tokens_per_step": args.micro_batch_size * args.seq_length,
+        "tokens_per_step": (args.micro_batch_size * args.seq_length
+                            * getattr(args, "expert_model_parallel_size", 1)),
         "timing_method": TIMING_METHOD,
         "memory_method": raw["memory_method"],
         "torch_version": torch.__version__,

@@ -45,6 +45,12 @@ def build_config(spec: dict[str, Any]) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=spec.get("attention_dropout") or 0.0,
         params_dtype=DTYPES[spec["dtype"]],
+        activation="swiglu" if spec.get("swiglu") else "gelu",
+        **({} if not spec.get("num_experts") else dict(
+            num_experts=spec["num_experts"], moe_router_topk=spec["moe_router_topk"],
+            moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"),
+            moe_aux_loss_coeff=spec.get("moe_aux_loss_coeff", 0.0),
+            moe_router_force_load_balancing=bool(spec.get("moe_router_force_load_balancing")))),
     )
 
 
@@ -95,7 +101,8 @@ def check_link(args: argparse.Namespace, spec: dict[str, Any], hosts: int) -> No
             spec["link_mtu"] = args.link_mtu
         if hosts < 2:
             raise ValueError("--emulate-link needs two or more hosts: --tensor-model-parallel-"
-                             "size >= 2 (one host per rank), or a pipeline (one per stage)")
+                             "size or --expert-model-parallel-size >= 2 (one host per rank), "
+                             "or a pipeline (one per stage)")
         if spec["device"] != "cpu":
             raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
         try:
@@ -143,19 +150,22 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     check_peak_tflops(args.peak_tflops)
     if args.model == "gpt" and args.vocab_size < 1:
         raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
-    tp = args.tensor_model_parallel_size
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     spec: dict[str, Any] = {
         k: getattr(args, k) for k in (
             "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "vocab_size", "tensor_model_parallel_size", "steps", "warmup",
             "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
             "attention_dropout", "shared_memory_comm", "peak_tflops", "compile",
-            "compile_backend")}
+            "compile_backend", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+            "moe_aux_loss_coeff", "moe_router_force_load_balancing", "swiglu")}
+    _check_moe(args)
+    spec.update(expert_model_parallel_size=ep, world_size=tp * ep, hosts=tp * ep)
     build_config(spec).validate_parallel(tp)
     build_runtime(spec)  # (its checks)
     _check_modes(modes, args)
     spec["modes"] = [m.name for m in modes]
-    spec["device"] = resolve_device(args.device, tp)
+    spec["device"] = resolve_device(args.device, tp * ep)
     _check_compile(args, spec["device"], modes)
     spec["trace"] = args.out_dir is not None
     if args.simulate_link is not None:
@@ -163,14 +173,32 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
                              "CPU-free link or emulate a real one, not both")
         spec["simulate_link"] = parse_rate(args.simulate_link)
-        if tp < 2:
-            raise ValueError("--simulate-link needs --tensor-model-parallel-size >= 2")
-    check_link(args, spec, hosts=tp)
+        if tp < 2 or ep > 1:
+            raise ValueError("--simulate-link times TP all-reduces: it needs "
+                             "--tensor-model-parallel-size >= 2 and no expert parallelism "
+                             "(use --emulate-link for the all-to-alls)")
+    check_link(args, spec, hosts=tp * ep)
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise ValueError(f"--json {args.json}: directory {parent} does not exist")
     return spec, modes
+
+
+def _check_moe(args: argparse.Namespace) -> None:
+    """The MoE flags fit together (the model config checks the rest)."""
+    ep, experts = args.expert_model_parallel_size, args.num_experts
+    if ep < 1:
+        raise ValueError(f"--expert-model-parallel-size={ep} must be >= 1")
+    if experts is None:
+        if args.model == "moe" or ep > 1:
+            what = "--model moe" if args.model == "moe" else f"--expert-model-parallel-size {ep}"
+            raise ValueError(f"{what} needs MoE layers: add --num-experts N")
+        return
+    if experts % ep:
+        raise ValueError(f"--num-experts {experts} is not divisible by "
+                         f"--expert-model-parallel-size {ep}: each EP rank holds an equal "
+                         "share of the experts; pick a multiple of EP")
 
 
 def _check_compile(args: argparse.Namespace, device: str,

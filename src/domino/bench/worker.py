@@ -33,6 +33,7 @@ from domino.gemm_rate import peak_flops
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
+from domino.transformer import DominoTransformer
 from domino.transformer.stack import compile_cost, using_plan, using_sequence_parallel
 
 __all__ = ["main", "measure"]
@@ -78,13 +79,12 @@ class _Bench:
         device, dtype = state.device, config.params_dtype
         torch.manual_seed(spec["seed"])  # the same weights for every model built
         state.rng.seed(spec["seed"])
-        # Inputs come from their own generator so every rank draws identical (replicated) data.
-        gen = torch.Generator().manual_seed(spec["seed"] + 1)
-        if spec["model"] == "stack":
-            from domino.transformer import DominoTransformer
-
-            stack = DominoTransformer(config, state, self_attn_mask_type=AttnMaskType.causal,
-                                      runtime=runtime)
+        # Inputs come from their own generator so every TP rank draws identical (replicated)
+        # data; data-parallel ranks (expert parallelism) draw their own.
+        gen = torch.Generator().manual_seed(spec["seed"] + 1 + 1000 * state.dp.rank)
+        if spec["model"] in ("stack", "moe"):
+            kind = DominoTransformer if spec["model"] == "stack" else _MoEBlocks
+            stack = kind(config, state, self_attn_mask_type=AttnMaskType.causal, runtime=runtime)
             x = torch.randn(s, b, h, generator=gen).to(device, dtype)  # [s, b, h]
             w = torch.randn(s, b, h, generator=gen).to(device, dtype)
 
@@ -112,7 +112,10 @@ class _Bench:
         """Zero grads, forward, backward under ``mode``."""
         if self.link is not None:
             self.link.free_at = 0.0  # each step starts on an idle link
-        comm = contextlib.nullcontext() if mode.comm else self.state.tp.disabled()
+        comm = contextlib.ExitStack()
+        if not mode.comm:  # every collective of the step: TP's and the experts' all-to-alls
+            comm.enter_context(self.state.tp.disabled())
+            comm.enter_context(self.state.ep.disabled())
         model = self.models[mode.compiled]
         with using_plan(model, mode.plan), comm, \
                 using_sequence_parallel(model, mode.sequence_parallel):
@@ -132,11 +135,29 @@ class _Bench:
         return tl.to_dict()
 
 
+class _MoEBlocks(DominoTransformer):
+    """``--model moe``: the stack's MoE MLP blocks only (norm, MoE layer, residual), the unit
+    Megatron's MoELayer is (its attention weights exist but never run)."""
+
+    def blocks(self):
+        return [b for b in super().blocks() if b.kind == "mlp"]
+
+
 def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> dict[str, list]:
     """Per mode, this rank's time of each measured round."""
     rows = time_rotated(len(modes), lambda i: bench.step(modes[i]), warmup, steps,
-                        bench.state.tp, bench.state.device)
+                        bench.state.world, bench.state.device)
     return {m.name: row for m, row in zip(modes, rows, strict=True)}
+
+
+def _sent(state: ParallelState) -> int:
+    """Bytes this rank's step collectives sent: TP's and the experts' (EP) all-to-alls."""
+    return state.tp.stats.bytes + (state.ep.stats.bytes if state.ep.size > 1 else 0)
+
+
+def _reset_sent(state: ParallelState) -> None:
+    state.tp.stats.reset()
+    state.ep.stats.reset()
 
 
 def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int | None]]:
@@ -149,12 +170,12 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            bench.state.tp.stats.reset()
+            _reset_sent(bench.state)
             bench.step(mode)
             torch.cuda.synchronize(device)
             out[mode.name] = {"peak_bytes": torch.cuda.max_memory_allocated(device) - base,
                               "peak_rss_bytes": None,
-                              "allreduce_bytes": bench.state.tp.stats.bytes if mode.comm else 0}
+                              "allreduce_bytes": _sent(bench.state) if mode.comm else 0}
         return out
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -169,10 +190,10 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             bench.zero_grad()
             gc.collect()
             hwm_ok = reset_peak(torch.device("cpu"))
-            bench.state.tp.stats.reset()
+            _reset_sent(bench.state)
             with record_function(f"domino-bench-mem:{mode.name}"):
                 bench.step(mode)
-            sent[mode.name] = bench.state.tp.stats.bytes if mode.comm else 0
+            sent[mode.name] = _sent(bench.state) if mode.comm else 0
             rss[mode.name] = peak_bytes(torch.device("cpu")) if hwm_ok else None
     events = list(prof.profiler.kineto_results.events())
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
@@ -197,7 +218,7 @@ def measure(spec: dict[str, Any], device: torch.device,
     modes = [parse_mode(name) for name in spec["modes"]]
     bench = _Bench(spec, state, compiled=any(m.compiled for m in modes))
     config = build_config(spec)
-    tokens = spec["micro_batch_size"] * spec["seq_length"]
+    tokens = spec["micro_batch_size"] * spec["seq_length"]  # per TP group
     state.world.barrier()  # the ranks time their GEMM shapes together, as they run (CPU)
     peak, peak_what = peak_flops(device, config.params_dtype,
                                  rank_gemms(config, tokens, state.tp.size),
@@ -225,8 +246,9 @@ def measure(spec: dict[str, Any], device: torch.device,
         "device": str(device),
         # What a step's model FLOPs are (all TP ranks), and the per-rank peak MFU is taken
         # against (the ranks' mean where each measured its own).
-        "model_flops_per_step": train_flops_per_step(config, tokens, tp=state.tp.size,
-                                                     head=spec["model"] == "gpt"),
+        "model_flops_per_step": state.dp.size * train_flops_per_step(
+            config, tokens, tp=state.tp.size, head=spec["model"] == "gpt",
+            attention=spec["model"] != "moe"),
         "peak_flops_per_s": (None if any(g["peak"] is None for g in gathered)
                              else sum(g["peak"] for g in gathered) / len(gathered)),
         "peak_what": peak_what,
@@ -264,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = ParallelState.build(spec["tensor_model_parallel_size"],
                                     spec.get("pipeline_model_parallel_size", 1), device=device,
-                                    shared_memory=spec.get("shared_memory_comm", True))
+                                    shared_memory=spec.get("shared_memory_comm", True),
+                                    expert_model_parallel_size=spec.get(
+                                        "expert_model_parallel_size", 1))
         if spec.get("kind") == "pipeline":
             from domino.bench.pipeline import measure_pipeline
 

@@ -31,8 +31,10 @@ from domino.runtime import COMPILE_BACKENDS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``domino bench`` flags to ``parser``."""
     a = parser.add_argument
-    a("--model", choices=("stack", "gpt"), default="stack",
-      help="stack: the transformer stack on random [s, b, h] input; gpt: the full GPT model")
+    a("--model", choices=("stack", "gpt", "moe"), default="stack",
+      help="stack: the transformer stack on random [s, b, h] input; gpt: the full GPT model; "
+           "moe: the stack's MoE MLP blocks only (norm, MoE layer, residual; no attention), "
+           "the unit Megatron's MoELayer is (needs --num-experts)")
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=512)
     a("--num-attention-heads", type=int, default=8)
@@ -40,6 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--micro-batch-size", type=int, default=8, help="batch per TP group and step")
     a("--vocab-size", type=int, default=32000, help="vocabulary (--model gpt only)")
     a("--tensor-model-parallel-size", type=int, default=2, help="TP size = number of ranks")
+    a("--num-experts", type=int, default=None,
+      help="MoE MLPs with this many experts in every layer (stack, gpt, moe)")
+    a("--moe-router-topk", type=int, default=2, help="experts per token")
+    a("--moe-ffn-hidden-size", type=int, default=None,
+      help="each expert's hidden size [default: 4 x hidden]")
+    a("--moe-aux-loss-coeff", type=float, default=0.01, help="load-balancing loss weight")
+    a("--moe-router-force-load-balancing", action="store_true",
+      help="route by random scores (even loads on average) instead of the router's")
+    a("--expert-model-parallel-size", type=int, default=1,
+      help="EP: the experts split over this many ranks with different tokens (the bench then "
+           "runs TP x EP ranks, one emulated host each)")
+    a("--swiglu", action="store_true", help="SwiGLU MLPs and experts instead of GELU")
     a("--modes", default=None,
       help=f"comma-separated modes: {GRAMMAR} [default: {DEFAULT_MODES}]")
     a("--steps", type=int, default=10, help="measured rounds (steps per mode)")

@@ -69,7 +69,8 @@ class MoEMLP(nn.Module):
                  pad_to_capacity: bool = False, shared_ffn_hidden_size: int | None = None,
                  shared_gate: bool = False, init_method_std: float = 0.02,
                  output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, ep: CommGroup | None = None) -> None:
+                 device: torch.device | None = None, ep: CommGroup | None = None,
+                 force_balance: bool = False) -> None:
         super().__init__()
         self.ep = ep if ep is not None else CommGroup()
         if num_experts % self.ep.size:
@@ -87,7 +88,8 @@ class MoEMLP(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, topk, score_function=score_function,
                                  renormalize=renormalize, scaling=scaling,
                                  expert_bias=expert_bias, init_method_std=init_method_std,
-                                 params_dtype=params_dtype, device=device)
+                                 params_dtype=params_dtype, device=device,
+                                 force_balance=force_balance)
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, swiglu=swiglu,
                                       gelu_approximate=gelu_approximate,
                                       init_method_std=init_method_std, output_std=output_std,

@@ -105,7 +105,8 @@ class MoEOp(nn.Module):
             shared_gate=config.moe_shared_expert_gate,
             init_method_std=config.init_method_std,
             output_std=config.init_method_std / math.sqrt(2.0 * config.num_layers),
-            params_dtype=config.params_dtype, device=device, ep=state.ep)
+            params_dtype=config.params_dtype, device=device, ep=state.ep,
+            force_balance=config.moe_router_force_load_balancing)
         balance = config.moe_router_load_balancing_type == "aux_loss"
         self.aux_coeff = config.moe_aux_loss_coeff if balance else 0.0
         self.z_coeff = config.moe_z_loss_coeff or 0.0

@@ -62,8 +62,9 @@ class TopKRouter(nn.Module):
                  score_function: str = "softmax", renormalize: bool = True,
                  scaling: float = 1.0, expert_bias: bool = False,
                  init_method_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, force_balance: bool = False) -> None:
         super().__init__()
+        self.force_balance = force_balance  # benchmarks: random logits, even loads on average
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function={score_function!r} must be one of "
                              f"{', '.join(SCORE_FUNCTIONS)}")
@@ -85,6 +86,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[Routing, RouterStats]:
         """x [T, h] -> the routing of its T tokens and their statistics."""
         logits = x.float() @ self.weight.float().t()  # [T, E]
+        if self.force_balance:
+            logits = torch.randn_like(logits)
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
             normalised = scores
