@@ -95,7 +95,7 @@ class BackwardPass:
         """Does piece k's local^T run inside piece k - 1?"""
         j, m = self.order[k]
         ex = self.ex
-        ahead = ex.sp or getattr(ex.exits[j], "lookahead", False)
+        ahead = ex.sp or ex.exits[j].lookahead
         if not ahead or self.M == 1 or ex.plan.overlap == "none" or k == 0:
             return False
         return m > 0 or not ex._syncs_before(j + 1)
@@ -145,7 +145,7 @@ class BackwardPass:
         row-parallel GEMM and the backward of its core."""
         ex, rec = self.ex, self.rec
         with Span(ex.group, f"bwd par {j}", m) as span:
-            if between is not None and getattr(ex.exits[j], "lookahead", False):
+            if between is not None and ex.exits[j].lookahead:
                 # An exit whose gradient's launch is work (an MoE combine): the next piece's
                 # local^T goes first, so its launch runs under this piece's whole backward.
                 span.outside(between)()

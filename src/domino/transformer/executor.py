@@ -182,7 +182,7 @@ class Executor:
         """Forward: may local(j, m) run inside the piece before it? Every local piece under
         sequence parallelism; otherwise one whose entry launches work (``lookahead``: an MoE
         layer's router and dispatch)."""
-        return self.sp or (j < len(self.blocks) and getattr(self.entries[j], "lookahead", False))
+        return self.sp or (j < len(self.blocks) and self.entries[j].lookahead)
 
     def _syncs_into(self, j: int) -> bool:
         """Forward: does local(j, 0) wait for every all-reduce of the pieces before it? Under

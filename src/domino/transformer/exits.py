@@ -113,6 +113,8 @@ class Entry(Protocol):
     """How a block's op region is entered (block ``j``, micro-batch ``m`` name the
     collectives)."""
 
+    lookahead: bool  # is launching work worth hiding (see the module docstring)?
+
     def launch(self, x: torch.Tensor, j: int, m: int) -> InFlight:
         """Forward: the region's input from the norm output ``x`` of the replicated stream."""
 
@@ -122,6 +124,8 @@ class Entry(Protocol):
 
 class Exit(Protocol):
     """How a block's op region is left, and what the receiving side does with the result."""
+
+    lookahead: bool  # is launching its gradient work worth hiding?
 
     def parts(self, core: torch.Tensor, chunks: int, stash: WgradStash | None,
               m: int) -> Iterator[torch.Tensor]:
@@ -158,6 +162,8 @@ class ColumnParallelEntry:
     parallel: the shards all-gathered); backward, the input gradient summed over the group
     (all-reduce; sequence parallel: reduce-scattered back to the shards)."""
 
+    lookahead = False
+
     def __init__(self, group: CommGroup, sequence_parallel: bool) -> None:
         self.group, self.sp = group, sequence_parallel
 
@@ -172,6 +178,8 @@ class PartialSums:
     """A region whose result is a sum of per-rank partial results, left by summing them over
     the group (all-reduce; sequence parallel: reduce-scatter along the sequence); backward,
     the gradient as it is (sequence parallel: the shards all-gathered). A prologue's exit."""
+
+    lookahead = False
 
     def __init__(self, group: CommGroup, sequence_parallel: bool) -> None:
         self.group, self.sp = group, sequence_parallel

@@ -34,21 +34,41 @@ class Dispatched:
     received: list[int]  # rows it received from each rank
 
 
+@dataclass
+class Layout:
+    """Who sends whom how many rows, from each rank's per-expert counts: ``received_counts``
+    [EP, E / EP] rows this rank receives per (source, local expert), ``sent`` / ``received``
+    rows per rank, ``order`` the received rows (per source) -> sorted by local expert, stable
+    (so by source within an expert)."""
+
+    received_counts: torch.Tensor
+    sent: list[int]
+    received: list[int]
+    order: torch.Tensor
+
+
+def exchange_counts(counts: torch.Tensor, group: CommGroup, name: str = "moe dispatch counts",
+                    tags: dict | None = None) -> Layout:
+    """Exchange ``counts`` [E] (rows this rank sends per global expert) over ``group`` (a small
+    blocking all-to-all) -> the exchange's :class:`Layout`."""
+    local = counts.numel() // group.size
+    received_counts = torch.empty_like(counts)
+    group.all_to_all(received_counts, counts, name=name, tags=tags)
+    received_counts = received_counts.view(group.size, local)  # [source, local expert]
+    expert_of = torch.arange(local, device=counts.device).repeat(group.size).repeat_interleave(
+        received_counts.reshape(-1))
+    return Layout(received_counts, counts.view(group.size, local).sum(1).tolist(),
+                  received_counts.sum(1).tolist(), torch.argsort(expert_of, stable=True))
+
+
 def dispatch(x: torch.Tensor, counts: torch.Tensor, group: CommGroup) -> Dispatched:
     """x [N, h] sorted by global expert with ``counts`` [E] rows per expert -> the rows of the
     experts this rank holds, from every rank of ``group``."""
-    local = counts.numel() // group.size
-    received_counts = torch.empty_like(counts)
-    group.all_to_all(received_counts, counts, name="moe dispatch counts")
-    received_counts = received_counts.view(group.size, local)  # [source, local expert]
-    sent = counts.view(group.size, local).sum(1).tolist()
-    received = received_counts.sum(1).tolist()
-    rows = all_to_all_rows(x, group, received, sent, name="moe dispatch")
-    # Rows arrive per source, each sorted by local expert: sort them by local expert (stable).
-    expert_of = torch.arange(local, device=x.device).repeat(group.size).repeat_interleave(
-        received_counts.reshape(-1))
-    order = torch.argsort(expert_of, stable=True)
-    return Dispatched(rows[order], received_counts.sum(0), order, sent, received)
+    layout = exchange_counts(counts, group)
+    rows = all_to_all_rows(x, group, layout.received, layout.sent, name="moe dispatch")
+    # Rows arrive per source, each sorted by local expert: sort them by local expert.
+    return Dispatched(rows[layout.order], layout.received_counts.sum(0), layout.order,
+                      layout.sent, layout.received)
 
 
 def combine(y: torch.Tensor, d: Dispatched, group: CommGroup) -> torch.Tensor:

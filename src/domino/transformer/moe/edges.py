@@ -41,7 +41,7 @@ import torch
 
 from domino.tensor_parallel.comm import DONE, Handle
 from domino.tensor_parallel.layers import WgradStash, column_chunks
-from domino.transformer.moe.experts import permute
+from domino.transformer.moe.dispatch import exchange_counts
 
 
 @dataclass(eq=False)
@@ -65,13 +65,11 @@ class _Piece:
         """Where the rows for the local experts ``experts`` of every rank sit among the rows
         sent (sorted by global expert)."""
         local = self.counts.numel() // ep
-        ends = torch.cumsum(self.counts, 0).tolist()
-        spans = []
-        for d in range(ep):
-            first, last = d * local + experts.start, d * local + experts.stop - 1
-            start = ends[first] - int(self.counts[first])
-            spans.append(torch.arange(start, ends[last], device=self.counts.device))
-        return torch.cat(spans)
+        ends = torch.cumsum(self.counts, 0)
+        starts = ends - self.counts
+        return torch.cat([torch.arange(int(starts[d * local + experts.start]),
+                                       int(ends[d * local + experts.stop - 1]),
+                                       device=self.counts.device) for d in range(ep)])
 
 
 class _Arriving:
@@ -109,39 +107,27 @@ class MoEEntry:
 
     def _launch(self, x: torch.Tensor, j: int, m: int) -> _Arriving:
         moe, ep = self.op.moe, self.op.moe.ep
-        flat = x.reshape(-1, x.shape[-1])
-        routing, stats = moe.router(flat)
-        capacity, sequences = moe.capacity(x)
-        rows = permute(flat, routing.experts, routing.weights, moe.num_experts, capacity,
-                       moe.drop_policy, moe.pad_to_capacity, sequences)
+        flat, rows, stats = moe.route(x)
         # [x | weight | 0...]: rows padded so the experts' GEMMs can read the x columns in place
         # (grouped_mm needs 16-byte row strides).
         h, step = rows.x.shape[1], max(1, 16 // rows.x.element_size())
         pad = rows.x.new_zeros(rows.x.shape[0], -(h + 1) % step)
         payload = torch.cat([rows.x, rows.weights.to(rows.x.dtype).unsqueeze(-1), pad], dim=-1)
         payload = self.op.record(payload, stats, rows.dropped)
-        local = moe.num_experts // ep.size
         tags = {"mb": m, "block": j, "chunk": 0}
         order = source = None
         if ep.size > 1:
-            received_counts = torch.empty_like(rows.counts)
-            ep.all_to_all(received_counts, rows.counts, name=f"fwd dispatch counts b{j}",
-                          tags=tags)
-            received_counts = received_counts.view(ep.size, local)
-            sent = rows.counts.view(ep.size, local).sum(1).tolist()
-            received = received_counts.sum(1).tolist()
+            layout = exchange_counts(rows.counts, ep, f"fwd dispatch counts b{j}", tags)
+            received_counts, sent, received = layout.received_counts, layout.sent, layout.received
             buf = payload.new_empty(sum(received), payload.shape[1])
             handle = ep.all_to_all(buf, payload.detach(), received, sent, async_op=True,
                                    name=f"fwd dispatch b{j}", tags=tags)
-            # Rows arrive per source, each sorted by local expert: sort them by local expert
-            # (stable, so by source within an expert).
-            expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
-                received_counts.reshape(-1))
-            order = torch.argsort(expert_of, stable=True)
+            # Rows arrive per source, each sorted by local expert: by local expert on arrival.
+            order = layout.order
             source = torch.arange(ep.size, device=x.device).repeat_interleave(
-                received_counts.sum(1))[order]
+                torch.tensor(received, device=x.device))[order]
         else:
-            received_counts = rows.counts.view(1, local)
+            received_counts = rows.counts.view(1, -1)
             sent = received = [payload.shape[0]]
             buf, handle = payload.detach(), DONE
         shared = moe.shared(flat) if moe.shared is not None else None  # under the dispatch
@@ -174,7 +160,7 @@ class MoEEntry:
 class MoEExit:
     """The combine (see the module docstring); ``pieces`` is shared with the entry."""
 
-    lookahead = True  # its gradient's launch is work: the schedule runs it inside the piece before
+    lookahead = True  # its gradient's launch is work: the schedule runs it in the piece before
 
     def __init__(self, op, pieces: dict[int, _Piece]) -> None:
         self.op, self.pieces = op, pieces
@@ -184,7 +170,7 @@ class MoEExit:
         """The weighted expert outputs [rows, h] of each group of local experts, in order."""
         piece, moe = self.pieces[m], self.op.moe
         per_expert = piece.received_counts.sum(0)
-        h = self.pieces[m].ln.shape[-1]
+        h = piece.ln.shape[-1]
         piece.groups = []
         start = 0
         for experts in column_chunks(per_expert.numel(), chunks):

@@ -23,7 +23,13 @@ from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup
 from domino.transformer.kernels import activation
 from domino.transformer.moe.dispatch import combine, dispatch
-from domino.transformer.moe.experts import GroupedExperts, capacity_of, permute, unpermute
+from domino.transformer.moe.experts import (
+    GroupedExperts,
+    Permuted,
+    capacity_of,
+    permute,
+    unpermute,
+)
 from domino.transformer.moe.router import RouterStats, TopKRouter
 
 
@@ -101,23 +107,24 @@ class MoEMLP(nn.Module):
                                        init_method_std=init_method_std,
                                        params_dtype=params_dtype, device=device)
 
-    def capacity(self, x: torch.Tensor) -> tuple[int | None, int]:
-        """(capacity per expert and sequence or None, sequences) of x [T, h] (one sequence of
-        T tokens) or [s, b, h] (b sequences): per sequence, so a token is kept or dropped
-        whatever else its micro-batch holds (the same at any DP size and Domino split)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, Permuted, RouterStats]:
+        """x [T, h] (one sequence of T tokens) or [s, b, h] (b sequences) -> (the tokens
+        [T', h], their assignments sorted by expert, the router's statistics). The capacity is
+        per expert and sequence, so a token is kept or dropped whatever else its micro-batch
+        holds (the same at any DP size and Domino split)."""
+        flat = x.reshape(-1, x.shape[-1])
+        routing, stats = self.router(flat)
         s, b = (x.shape[0], x.shape[1]) if x.dim() == 3 else (x.shape[0], 1)
-        if self.capacity_factor is None:
-            return None, b
-        return capacity_of(s, self.topk, self.num_experts, self.capacity_factor), b
+        capacity = (None if self.capacity_factor is None else
+                    capacity_of(s, self.topk, self.num_experts, self.capacity_factor))
+        rows = permute(flat, routing.experts, routing.weights, self.num_experts, capacity,
+                       self.drop_policy, self.pad_to_capacity, b)
+        return flat, rows, stats
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats, int]:
         """x [..., h] -> (output [..., h], the router's statistics, assignments dropped)."""
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        routing, stats = self.router(flat)
-        capacity, sequences = self.capacity(x)
-        rows = permute(flat, routing.experts, routing.weights, self.num_experts, capacity,
-                       self.drop_policy, self.pad_to_capacity, sequences)
+        flat, rows, stats = self.route(x)
         if self.ep.size > 1:
             sent = dispatch(rows.x, rows.counts, self.ep)
             y = combine(self.experts(sent.x, sent.counts), sent, self.ep)

@@ -88,7 +88,6 @@ class MoEOp(nn.Module):
                 f"num_experts={config.num_experts} with tensor_model_parallel_size="
                 f"{state.tp.size}: MoE layers run at TP=1 for now (tensor parallelism inside "
                 "the experts is not built yet); use TP=1, with DP for scale")
-        self.group = state.tp
         self.topk = config.moe_router_topk
         self.moe = MoEMLP(
             config.hidden_size, config.moe_ffn_hidden_size, config.num_experts, self.topk,
