@@ -24,16 +24,34 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # scripts/: what the comparisons share
+
+from peer_compare import (  # noqa: E402
+    LOOPBACK,
+    OurRounds,
+    best_domino,
+    check_peer_python,
+    domino_version,
+    fmt_ms,
+    fmt_ratio,
+    ours_from_report,
+    peer_env,
+    run_bench,
+    run_peer_ranks,
+)
+from peer_compare import format_best_modes as _format_best_modes  # noqa: E402
+from peer_compare import order_for_round as _order_for_round  # noqa: E402
+from peer_compare import parse_links as _parse_links  # noqa: E402
+
 WORKER = os.path.join(HERE, "ds_worker.py")
 DEFAULT_DS_VENV = os.path.join(REPO, ".venv-deepspeed")
 SETUP_CMD = "bash scripts/compare_deepspeed/setup.sh"
@@ -41,7 +59,6 @@ SETUP_CMD = "bash scripts/compare_deepspeed/setup.sh"
 DEFAULT_MODES = ("sync,nocomm,domino:m2:cross,domino:m4:cross,domino:m2:cross:c2,"
                  "domino:m4:cross:c2")
 DEFAULT_TP1_MODES = "sync,nocomm,domino:m2:cross"
-LOOPBACK = "loopback"
 TP1 = "TP=1"  # the single-process row's key
 HEADER = ("link", "our sync", "our nocomm", "our best Domino", "DeepSpeed Domino",
           "DeepSpeed / ours")
@@ -51,110 +68,34 @@ HEADER = ("link", "our sync", "our nocomm", "our best Domino", "DeepSpeed Domino
 
 
 def parse_links(text: str) -> list[str]:
-    """``"loopback,1gbit,500MBit"`` -> ``["loopback", "1gbit", "500mbit"]`` (rates validated,
-    repeats dropped, order kept)."""
-    from domino.netem import parse_rate
-
-    links: list[str] = []
-    for part in text.split(","):
-        name = part.strip().lower()
-        if not name:
-            continue
-        if name != LOOPBACK:
-            name = parse_rate(name)  # ValueError naming the accepted units
-        if name not in links:
-            links.append(name)
-    if not links:
-        raise ValueError("--links is empty; give e.g. loopback,1gbit,500mbit")
-    return links
+    """``"loopback,1gbit,500MBit"`` -> ``["loopback", "1gbit", "500mbit"]``."""
+    return _parse_links(text, "loopback,1gbit,500mbit")
 
 
 def order_for_round(index: int) -> tuple[str, str]:
     """Which system runs first in round ``index`` (0-based): ours on even rounds."""
-    return ("ours", "deepspeed") if index % 2 == 0 else ("deepspeed", "ours")
-
-
-def best_domino(step_times: dict[str, float]) -> tuple[str, float] | None:
-    """The fastest comm-enabled Domino mode (``domino:*``) of one run, or None without one."""
-    domino = {m: t for m, t in step_times.items() if m.startswith("domino:")}
-    if not domino:
-        return None
-    mode = min(domino, key=domino.__getitem__)
-    return mode, domino[mode]
-
-
-def ours_from_report(report: dict[str, Any]) -> dict[str, float]:
-    """``domino bench --json`` report -> {mode: median step seconds of that run}."""
-    return {r["mode"]: float(r["step_time_s"]) for r in report["results"]}
-
-
-def summarize(values: Sequence[float]) -> dict[str, float] | None:
-    """Median, min and max of the per-round figures (None for no rounds)."""
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "rounds": len(values)}
-
-
-def fmt_ms(summary: dict[str, float] | None) -> str:
-    """Seconds summary -> ``"812 (670-1013)"`` in ms; a single round has no range."""
-    if summary is None:
-        return "-"
-    med, lo, hi = (round(summary[k] * 1e3) for k in ("median", "min", "max"))
-    return f"{med}" if summary["rounds"] < 2 else f"{med} ({lo}-{hi})"
-
-
-def fmt_ratio(ratio: float | None, per_round: Sequence[float]) -> str:
-    """``"1.52x (1.31-1.70)"``: the ratio of medians, then the range of per-round ratios."""
-    if ratio is None:
-        return "-"
-    text = f"{ratio:.2f}x"
-    if len(per_round) >= 2:
-        text += f" ({min(per_round):.2f}-{max(per_round):.2f})"
-    return text
+    return _order_for_round(index, "deepspeed")
 
 
 @dataclass
-class LinkRounds:
+class LinkRounds(OurRounds):
     """Every round's figures for one row of the table (one link, or the TP=1 row)."""
 
     link: str
     tp: int
     gloo: bool = False  # our side with --no-shared-memory-comm (loopback only)
-    sync: list[float] = field(default_factory=list)
-    nocomm: list[float] = field(default_factory=list)
-    best: list[float] = field(default_factory=list)
-    best_mode: list[str] = field(default_factory=list)
-    deepspeed: list[float] = field(default_factory=list)
-    transports: list[str] = field(default_factory=list)  # how our TP group moved bytes
 
-    def add_ours(self, step_times: dict[str, float]) -> None:
-        if "sync" in step_times:
-            self.sync.append(step_times["sync"])
-        if "nocomm" in step_times:
-            self.nocomm.append(step_times["nocomm"])
-        best = best_domino(step_times)
-        if best is not None:
-            self.best_mode.append(best[0])
-            self.best.append(best[1])
+    @property
+    def deepspeed(self) -> list[float]:
+        return self.peer
 
     def add_deepspeed(self, step_times_s: Sequence[float]) -> None:
-        self.deepspeed.append(statistics.median(step_times_s))
+        self.peer.append(statistics.median(step_times_s))
 
     def summary(self) -> dict[str, Any]:
-        best, ds = summarize(self.best), summarize(self.deepspeed)
-        ratio = ds["median"] / best["median"] if best and ds else None
-        # Per-round ratios pair runs made in the same round (next to each other in time).
-        per_round = [d / b for d, b in zip(self.deepspeed, self.best)]
-        counts: dict[str, int] = {}
-        for m in self.best_mode:
-            counts[m] = counts.get(m, 0) + 1
         return {"link": self.link, "tp": self.tp, "gloo": self.gloo,
                 "our_tp_transport": sorted(set(self.transports)),
-                "our_sync": summarize(self.sync),
-                "our_nocomm": summarize(self.nocomm), "our_best_domino": best,
-                "deepspeed_domino": ds, "deepspeed_over_ours": ratio,
-                "deepspeed_over_ours_per_round": per_round, "best_mode_counts": counts}
+                **self.figures("deepspeed_domino", "deepspeed_over_ours")}
 
 
 def row_label(link: str, tp: int, gloo: bool = False) -> str:
@@ -178,13 +119,8 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
 
 def format_best_modes(summaries: Sequence[dict[str, Any]]) -> str:
     """Which of our domino:* modes was fastest, per row, over the rounds."""
-    parts = []
-    for s in summaries:
-        counts = sorted(s["best_mode_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
-        if counts:
-            modes = ", ".join(f"{m.removeprefix('domino:')} x{n}" for m, n in counts)
-            parts.append(f"{row_label(s['link'], s['tp'], s.get('gloo', False))}: {modes}")
-    return "our best Domino mode per round: " + "; ".join(parts) if parts else ""
+    return _format_best_modes(
+        summaries, lambda s: row_label(s["link"], s["tp"], s.get("gloo", False)))
 
 
 def format_transports(summaries: Sequence[dict[str, Any]]) -> str:
@@ -197,18 +133,6 @@ def format_transports(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 # ---- running the two systems -------------------------------------------------------------------
-
-
-class RunFailed(RuntimeError):
-    pass
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def size_flags(args: argparse.Namespace) -> list[str]:
@@ -233,83 +157,37 @@ def run_ours(args: argparse.Namespace, link: str, tp: int, modes: str, workdir: 
         cmd += ["--emulate-link", link]
     if gloo:
         cmd += ["--no-shared-memory-comm"]
-    with open(log, "w") as f:
-        f.write("$ " + shlex.join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, check=False)
-    if proc.returncode != 0:
-        raise RunFailed(f"domino bench failed (exit {proc.returncode}); log {log}:\n{_tail(log)}")
-    with open(out) as f:
-        report = json.load(f)
+    report = run_bench(cmd, out, log, REPO)
     transports = report["config"].get("transports") or {}
     return ours_from_report(report), transports.get("tp", "-")
 
 
 def _ds_env(base: dict[str, str]) -> dict[str, str]:
     """The DeepSpeed ranks' environment: nothing from our venv may leak into theirs."""
-    env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["DS_ACCELERATOR"] = "cpu"
-    return env
+    return peer_env(base, DS_ACCELERATOR="cpu")
 
 
 def run_deepspeed(args: argparse.Namespace, link: str, tp: int, workdir: str,
                   tag: str) -> list[float]:
     """One DeepSpeed run of ``tp`` ranks (one per emulated host on an emulated link); the step
     times (max over ranks)."""
-    from domino.netem import EmulatedLink
-    from domino.supervisor import RankFailed, local_env, run_ranks
-    from domino.utils import free_port
-
     out = os.path.join(workdir, f"ds_{tag}.json")
     logs = [os.path.join(workdir, f"ds_{tag}_rank{r}.log") for r in range(tp)]
-    threads = str(args.threads_per_rank)
-
-    def launch(emulated: EmulatedLink | None) -> None:
-        # A fresh namespace has every port free; on loopback pick one that is free now.
-        port = 29500 if emulated is not None else free_port()
-        commands, envs = [], []
-        for rank in range(tp):
-            env = _ds_env(local_env(rank, tp, port, OMP_NUM_THREADS=threads,
-                                    MKL_NUM_THREADS=threads))
-            argv = [args.ds_python, WORKER, *size_flags(args), "--out", out, "--log", logs[rank]]
-            if emulated is not None:
-                env.update(emulated.env_for(rank, port))
-                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-                argv = emulated.wrap(rank, argv)
-            else:
-                env["GLOO_SOCKET_IFNAME"] = "lo"
-            commands.append(argv)
-            envs.append(env)
-        run_ranks(commands, envs, label="deepspeed domino", straggler_s=args.timeout)
-
-    try:
-        if link == LOOPBACK:
-            launch(None)
-        else:
-            # The same class, rate and defaults (burst, latency, MTU) domino bench uses.
-            with EmulatedLink(num_hosts=tp, rate=link) as emulated:
-                launch(emulated)
-    except RankFailed as err:
-        tails = "\n".join(f"--- {p}:\n{_tail(p)}" for p in logs)
-        raise RunFailed(f"{err}\n{tails}") from err
+    run_peer_ranks(tp, link, lambda rank: [args.ds_python, WORKER, *size_flags(args), "--out",
+                                           out, "--log", logs[rank]],
+                   logs, "deepspeed domino", args.timeout, args.threads_per_rank,
+                   DS_ACCELERATOR="cpu")
     with open(out) as f:
         return json.load(f)["step_times_s"]
 
 
 def deepspeed_info(ds_python: str) -> dict[str, str]:
     """Versions in the DeepSpeed venv; SystemExit naming the setup command when it is missing."""
-    if not os.path.exists(ds_python):
-        raise SystemExit(f"compare.py: the DeepSpeed venv's python {ds_python} does not exist; "
-                         f"create the venv with: {SETUP_CMD} (or pass --ds-python)")
     probe = ("import json, torch, deepspeed; from deepspeed.runtime.domino.transformer import "
              "DominoTransformer; print(json.dumps({'deepspeed': deepspeed.__version__, "
              "'torch': torch.__version__}))")
-    proc = subprocess.run([ds_python, "-c", probe], capture_output=True, text=True,
-                          env=_ds_env(dict(os.environ)), check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"compare.py: {ds_python} cannot import deepspeed's DominoTransformer "
-                         f"({proc.stderr.strip().splitlines()[-1:]}); rerun: {SETUP_CMD}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return check_peer_python(ds_python, probe, "deepspeed's DominoTransformer", SETUP_CMD,
+                             "--ds-python", _ds_env(dict(os.environ)))
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -469,15 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
-
-
-def domino_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("domino-lm")
-    except Exception:  # only a label
-        return "?"
 
 
 if __name__ == "__main__":

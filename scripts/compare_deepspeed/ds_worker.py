@@ -25,13 +25,10 @@ writes a JSON report to ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import math
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +38,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
+from peer_worker import gather_rows, timed_steps, write_report  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -173,28 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         return loss.item()
 
-    times: list[float] = []
-    loss = float("nan")
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(args.warmup + args.steps):
-            tdist.barrier()
-            t0 = time.perf_counter()
-            loss = step()
-            dt = time.perf_counter() - t0
-            if i >= args.warmup:
-                times.append(dt)
-            gc.collect()
-    finally:
-        gc.enable()
-
+    times, loss = timed_steps(step, args.warmup, args.steps)
     # A step's time is its slowest rank's: the TP group moves at that pace.
-    mine = torch.tensor(times, dtype=torch.float64)
-    per_rank = [torch.zeros_like(mine) for _ in range(world)]
-    tdist.all_gather(per_rank, mine)
+    rows = gather_rows(times, world)
     if rank == 0:
-        rows = [r.tolist() for r in per_rank]
         report = {
             "system": "deepspeed",
             "model": "deepspeed.runtime.domino.transformer.DominoTransformer "
@@ -214,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_times_s": [max(col) for col in zip(*rows)],
             "step_times_s_per_rank": rows,
         }
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, args.out)
+        write_report(args.out, report)
     tdist.barrier()
     tdist.destroy_process_group()
     return 0

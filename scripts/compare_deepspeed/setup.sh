@@ -20,30 +20,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 venv="${1:-$repo/.venv-deepspeed}"
-python="${PYTHON:-python3}"
-torch_version="${TORCH_VERSION:-2.13.0}"
 ds_version="${DEEPSPEED_VERSION:-0.19.8}"
 
-echo "== creating $venv (python: $($python --version 2>&1))"
-"$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install --upgrade pip setuptools wheel
-
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_version" >"$constraints"
-extra=()
-if [[ -n "${TORCH_INDEX_URL:-}" ]]; then extra=(--extra-index-url "$TORCH_INDEX_URL"); fi
-
-echo "== torch $torch_version first"
-"${pip[@]}" install "${extra[@]}" "torch==$torch_version"
-"$venv/bin/python" - <<'EOF'
-import sys, torch
-if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
-    sys.exit(f"setup.sh: got torch {torch.__version__} (CUDA {torch.version.cuda}); wanted the "
-             "CPU build: set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu and rerun")
-print("torch", torch.__version__)
-EOF
+source "$here/../peer_venv.sh"
+peer_venv "$venv"
 
 # DeepSpeed ships an sdist whose setup.py imports torch: --no-build-isolation makes it build
 # against the torch just installed (an isolated build env would download another torch).
@@ -54,10 +34,9 @@ DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${pip[@]}" install --no-build-isolation \
     -c "$constraints" "${extra[@]}" "deepspeed==$ds_version"
 
 echo "== checking"
+check_torch_still_cpu deepspeed
 DS_ACCELERATOR=cpu "$venv/bin/python" - <<'EOF'
-import sys, torch
-if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
-    sys.exit(f"setup.sh: torch changed to {torch.__version__} while installing deepspeed")
+import torch
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.domino.transformer import DominoTransformer  # noqa: F401

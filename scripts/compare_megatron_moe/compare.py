@@ -26,7 +26,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,12 +35,32 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # scripts/: what the comparisons share
+
+from peer_compare import (  # noqa: E402
+    LOOPBACK,
+    OurRounds,
+    best_domino,
+    check_peer_python,
+    domino_version,
+    fmt_ms,
+    fmt_ratio,
+    ours_from_report,
+    package_version,
+    peer_env,
+    run_bench,
+    run_peer_ranks,
+)
+from peer_compare import format_best_modes as _format_best_modes  # noqa: E402
+from peer_compare import git_commit as _git_commit  # noqa: E402
+from peer_compare import order_for_round as _order_for_round  # noqa: E402
+from peer_compare import parse_links as _parse_links  # noqa: E402
+
 WORKER = os.path.join(HERE, "mcore_worker.py")
 DEFAULT_MCORE_VENV = os.path.join(REPO, ".venv-megatron")
 SETUP_CMD = "bash scripts/compare_megatron_moe/setup.sh"
 
 DEFAULT_MODES = "sync,nocomm,domino:m2:cross,domino:m4:cross,domino:m2:cross:c2"
-LOOPBACK = "loopback"
 HEADER = ("link", "our sync", "our nocomm", "our best Domino", "Megatron alltoall",
           "Megatron / ours")
 
@@ -50,41 +69,13 @@ HEADER = ("link", "our sync", "our nocomm", "our best Domino", "Megatron alltoal
 
 
 def parse_links(text: str) -> list[str]:
-    """``"loopback,1GBit,500mbit"`` -> ``["loopback", "1gbit", "500mbit"]`` (rates validated,
-    repeats dropped, order kept)."""
-    from domino.netem import parse_rate
-
-    links: list[str] = []
-    for part in text.split(","):
-        name = part.strip().lower()
-        if not name:
-            continue
-        if name != LOOPBACK:
-            name = parse_rate(name)  # ValueError naming the accepted units
-        if name not in links:
-            links.append(name)
-    if not links:
-        raise ValueError("--links is empty; give e.g. loopback,1gbit")
-    return links
+    """``"loopback,1GBit,500mbit"`` -> ``["loopback", "1gbit", "500mbit"]``."""
+    return _parse_links(text, "loopback,1gbit")
 
 
 def order_for_round(index: int) -> tuple[str, str]:
     """Which system runs first in round ``index`` (0-based): ours on even rounds."""
-    return ("ours", "megatron") if index % 2 == 0 else ("megatron", "ours")
-
-
-def best_domino(step_times: dict[str, float]) -> tuple[str, float] | None:
-    """The fastest comm-enabled Domino mode (``domino:*``) of one run, or None without one."""
-    domino = {m: t for m, t in step_times.items() if m.startswith("domino:")}
-    if not domino:
-        return None
-    mode = min(domino, key=domino.__getitem__)
-    return mode, domino[mode]
-
-
-def ours_from_report(report: dict[str, Any]) -> dict[str, float]:
-    """``domino bench --json`` report -> {mode: median step seconds of that run}."""
-    return {r["mode"]: float(r["step_time_s"]) for r in report["results"]}
+    return _order_for_round(index, "megatron")
 
 
 def transports_label(report: dict[str, Any]) -> str:
@@ -96,84 +87,37 @@ def transports_label(report: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(transports.items())) or "-"
 
 
-def summarize(values: Sequence[float]) -> dict[str, float] | None:
-    """Median, min and max of the per-round figures (None for no rounds)."""
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "rounds": len(values)}
-
-
-def fmt_ms(summary: dict[str, float] | None) -> str:
-    """Seconds summary -> ``"812 (670-1013)"`` in ms; a single round has no range."""
-    if summary is None:
-        return "-"
-    med, lo, hi = (round(summary[k] * 1e3) for k in ("median", "min", "max"))
-    return f"{med}" if summary["rounds"] < 2 else f"{med} ({lo}-{hi})"
-
-
-def fmt_ratio(ratio: float | None, per_round: Sequence[float]) -> str:
-    """``"1.52x (1.31-1.70)"``: the ratio of medians, then the range of per-round ratios."""
-    if ratio is None:
-        return "-"
-    text = f"{ratio:.2f}x"
-    if len(per_round) >= 2:
-        text += f" ({min(per_round):.2f}-{max(per_round):.2f})"
-    return text
-
-
 def copies_summary(copies: dict[str, Sequence[int]]) -> dict[str, float]:
     """Megatron's per-step dispatch token copies per direction -> the median per direction."""
     return {k: statistics.median(v) for k, v in sorted(copies.items()) if v}
 
 
 @dataclass
-class LinkRounds:
+class LinkRounds(OurRounds):
     """Every round's figures for one row of the table (one link)."""
 
     link: str
     gloo: bool = False  # our side with --no-shared-memory-comm (loopback only)
-    sync: list[float] = field(default_factory=list)
-    nocomm: list[float] = field(default_factory=list)
-    best: list[float] = field(default_factory=list)
-    best_mode: list[str] = field(default_factory=list)
-    megatron: list[float] = field(default_factory=list)
-    transports: list[str] = field(default_factory=list)  # how our groups moved bytes
     copies: list[dict[str, float]] = field(default_factory=list)  # Megatron's, per round
 
-    def add_ours(self, step_times: dict[str, float]) -> None:
-        if "sync" in step_times:
-            self.sync.append(step_times["sync"])
-        if "nocomm" in step_times:
-            self.nocomm.append(step_times["nocomm"])
-        best = best_domino(step_times)
-        if best is not None:
-            self.best_mode.append(best[0])
-            self.best.append(best[1])
+    @property
+    def megatron(self) -> list[float]:
+        return self.peer
 
     def add_megatron(self, report: dict[str, Any]) -> float:
         """One worker report (rank 0's JSON); that run's median step seconds."""
         median = statistics.median(report["step_times_s"])
-        self.megatron.append(median)
+        self.peer.append(median)
         self.copies.append(copies_summary(report.get("dispatch_token_copies_per_step", {})))
         return median
 
     def summary(self) -> dict[str, Any]:
-        best, mc = summarize(self.best), summarize(self.megatron)
-        ratio = mc["median"] / best["median"] if best and mc else None
-        # Per-round ratios pair runs made in the same round (next to each other in time).
-        per_round = [m / b for m, b in zip(self.megatron, self.best)]
-        counts: dict[str, int] = {}
-        for m in self.best_mode:
-            counts[m] = counts.get(m, 0) + 1
         directions = sorted({k for c in self.copies for k in c})
         copies = {d: statistics.median([c[d] for c in self.copies if d in c]) for d in directions}
         return {"link": self.link, "gloo": self.gloo,
                 "our_transports": sorted(set(self.transports)),
-                "our_sync": summarize(self.sync), "our_nocomm": summarize(self.nocomm),
-                "our_best_domino": best, "megatron_alltoall": mc,
-                "megatron_over_ours": ratio, "megatron_over_ours_per_round": per_round,
-                "best_mode_counts": counts, "megatron_dispatch_copies_per_step": copies}
+                **self.figures("megatron_alltoall", "megatron_over_ours"),
+                "megatron_dispatch_copies_per_step": copies}
 
 
 def row_label(link: str, gloo: bool = False) -> str:
@@ -196,13 +140,7 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
 
 def format_best_modes(summaries: Sequence[dict[str, Any]]) -> str:
     """Which of our domino:* modes was fastest, per row, over the rounds."""
-    parts = []
-    for s in summaries:
-        counts = sorted(s["best_mode_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
-        if counts:
-            modes = ", ".join(f"{m.removeprefix('domino:')} x{n}" for m, n in counts)
-            parts.append(f"{row_label(s['link'], s.get('gloo', False))}: {modes}")
-    return "our best Domino mode per round: " + "; ".join(parts) if parts else ""
+    return _format_best_modes(summaries, lambda s: row_label(s["link"], s.get("gloo", False)))
 
 
 def format_transports(summaries: Sequence[dict[str, Any]]) -> str:
@@ -267,22 +205,10 @@ def megatron_command(args: argparse.Namespace, out: str, log: str) -> list[str]:
 
 def megatron_env(base: dict[str, str]) -> dict[str, str]:
     """A Megatron rank's environment: nothing from our venv may leak into theirs."""
-    return {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    return peer_env(base)
 
 
 # ---- running the two systems -------------------------------------------------------------------
-
-
-class RunFailed(RuntimeError):
-    pass
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def run_ours(args: argparse.Namespace, link: str, workdir: str, tag: str,
@@ -291,76 +217,29 @@ def run_ours(args: argparse.Namespace, link: str, workdir: str, tag: str,
     bytes)."""
     out = os.path.join(workdir, f"ours_{tag}.json")
     log = os.path.join(workdir, f"ours_{tag}.log")
-    cmd = ours_command(args, link, out, gloo)
-    with open(log, "w") as f:
-        f.write("$ " + shlex.join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, check=False)
-    if proc.returncode != 0:
-        raise RunFailed(f"domino bench failed (exit {proc.returncode}); log {log}:\n{_tail(log)}")
-    with open(out) as f:
-        report = json.load(f)
+    report = run_bench(ours_command(args, link, out, gloo), out, log, REPO)
     return ours_from_report(report), transports_label(report)
 
 
 def run_megatron(args: argparse.Namespace, link: str, workdir: str, tag: str) -> dict[str, Any]:
     """One Megatron run of EP ranks (one per emulated host on an emulated link); rank 0's
     report (step times as the max over ranks)."""
-    from domino.netem import EmulatedLink
-    from domino.supervisor import RankFailed, local_env, run_ranks
-    from domino.utils import free_port
-
     world = args.expert_model_parallel_size
     out = os.path.join(workdir, f"megatron_{tag}.json")
     logs = [os.path.join(workdir, f"megatron_{tag}_rank{r}.log") for r in range(world)]
-    threads = str(args.threads_per_rank)
-
-    def launch(emulated: EmulatedLink | None) -> None:
-        # A fresh namespace has every port free; on loopback pick one that is free now.
-        port = 29500 if emulated is not None else free_port()
-        commands, envs = [], []
-        for rank in range(world):
-            env = megatron_env(local_env(rank, world, port, OMP_NUM_THREADS=threads,
-                                         MKL_NUM_THREADS=threads))
-            argv = megatron_command(args, out, logs[rank])
-            if emulated is not None:
-                env.update(emulated.env_for(rank, port))
-                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-                argv = emulated.wrap(rank, argv)
-            else:
-                env["GLOO_SOCKET_IFNAME"] = "lo"
-            commands.append(argv)
-            envs.append(env)
-        run_ranks(commands, envs, label="megatron moe", straggler_s=args.timeout)
-
-    try:
-        if link == LOOPBACK:
-            launch(None)
-        else:
-            # The same class, rate and defaults (burst, latency, MTU) domino bench uses.
-            with EmulatedLink(num_hosts=world, rate=link) as emulated:
-                launch(emulated)
-    except RankFailed as err:
-        tails = "\n".join(f"--- {p}:\n{_tail(p)}" for p in logs)
-        raise RunFailed(f"{err}\n{tails}") from err
+    run_peer_ranks(world, link, lambda rank: megatron_command(args, out, logs[rank]), logs,
+                   "megatron moe", args.timeout, args.threads_per_rank)
     with open(out) as f:
         return json.load(f)
 
 
 def megatron_info(mcore_python: str) -> dict[str, str]:
     """Versions in the Megatron venv; SystemExit naming the setup command when it is missing."""
-    if not os.path.exists(mcore_python):
-        raise SystemExit(f"compare.py: the Megatron venv's python {mcore_python} does not exist; "
-                         f"create the venv with: {SETUP_CMD} (or pass --mcore-python)")
     probe = ("import json, torch, megatron.core; from megatron.core.transformer.moe.moe_layer "
              "import MoELayer; print(json.dumps({'megatron_core': megatron.core.__version__, "
              "'torch': torch.__version__}))")
-    proc = subprocess.run([mcore_python, "-c", probe], capture_output=True, text=True,
-                          env=megatron_env(dict(os.environ)), check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"compare.py: {mcore_python} cannot import megatron-core's MoELayer "
-                         f"({proc.stderr.strip().splitlines()[-1:]}); rerun: {SETUP_CMD}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return check_peer_python(mcore_python, probe, "megatron-core's MoELayer", SETUP_CMD,
+                             "--mcore-python", megatron_env(dict(os.environ)))
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -484,7 +363,7 @@ def measure(args: argparse.Namespace, workdir: str) -> list[LinkRounds]:
     for row in rows:
         if row.gloo:
             loop = next(x for x in rows if x.link == LOOPBACK and not x.gloo)
-            row.megatron, row.copies = list(loop.megatron), list(loop.copies)
+            row.peer, row.copies = list(loop.peer), list(loop.copies)
     return rows
 
 
@@ -616,25 +495,7 @@ def write_latest(report: dict[str, Any], text: str, progress: Sequence[str]) -> 
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
-def package_version(name: str) -> str:
-    """An installed package's version, as a label ("?" when unknown)."""
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:  # only a label
-        return "?"
-
-
-def domino_version() -> str:
-    return package_version("domino-lm")
+    return _git_commit(REPO)
 
 
 if __name__ == "__main__":

@@ -42,17 +42,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import platform
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
+from peer_worker import gather_rows, timed_steps, write_report  # noqa: E402
 
 DTYPES = {"fp32": torch.float32}
 
@@ -257,47 +258,29 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         return loss.item()
 
-    times: list[float] = []
     sent: list[list[int]] = []  # per measured step: token copies this rank sent to EP rank j
-    loss = float("nan")
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(args.warmup + args.steps):
-            tdist.barrier()
-            t0 = time.perf_counter()
-            loss = step()
-            dt = time.perf_counter() - t0
-            if i >= args.warmup:
-                times.append(dt)
-                splits = dispatcher.input_splits  # None without EP or TP: all stays here
-                sent.append([int(v) for v in splits] if splits is not None
-                            else [s * b * args.moe_router_topk])
-            clear_aux_losses_tracker()
-            gc.collect()
-    finally:
-        gc.enable()
 
+    def after(measured: bool) -> None:
+        if measured:
+            splits = dispatcher.input_splits  # None without EP or TP: all stays here
+            sent.append([int(v) for v in splits] if splits is not None
+                        else [s * b * args.moe_router_topk])
+        clear_aux_losses_tracker()
+
+    times, loss = timed_steps(step, args.warmup, args.steps, after)
     # A step's time is its slowest rank's: the EP group moves at that pace.
-    mine = torch.tensor(times, dtype=torch.float64)
-    per_rank = [torch.zeros_like(mine) for _ in range(world)]
-    tdist.all_gather(per_rank, mine)
-    my_sent = torch.tensor(sent, dtype=torch.int64)  # [steps, ep]
-    sent_all = [torch.zeros_like(my_sent) for _ in range(world)]
-    tdist.all_gather(sent_all, my_sent)
+    rows = gather_rows(times, world)
+    sent_all = gather_rows(sent, world, torch.int64)  # per rank [steps, ep]
     # Which global rank each of a rank's split indices is (its EP group, in EP order).
-    mine_group = torch.tensor(tdist.get_process_group_ranks(pg.ep), dtype=torch.int64)
-    groups = [torch.zeros_like(mine_group) for _ in range(world)]
-    tdist.all_gather(groups, mine_group)
+    groups = gather_rows(tdist.get_process_group_ranks(pg.ep), world, torch.int64)
     if rank == 0:
-        rows = [r.tolist() for r in per_rank]
         # "rank i -> rank j" (global ranks; j's EP index is the split's index) per step; the
         # combine all-to-all sends the same counts back, and backward repeats both exchanges.
         copies: dict[str, list[int]] = {}
         for src in range(world):
-            for j, dst in enumerate(groups[src].tolist()):
+            for j, dst in enumerate(groups[src]):
                 if dst != src:
-                    copies[f"rank{src}->rank{dst}"] = sent_all[src][:, j].tolist()
+                    copies[f"rank{src}->rank{dst}"] = [row[j] for row in sent_all[src]]
         report = {
             "system": "megatron-core",
             "model": "megatron.core.transformer.moe.moe_layer.MoELayer (TopKRouter softmax "
@@ -325,12 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_times_s_per_rank": rows,
             "dispatch_token_copies_per_step": copies,
         }
-        text = json.dumps(report, indent=2)
-        if args.out is not None:
-            tmp = args.out + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, args.out)
+        text = (write_report(args.out, report) if args.out is not None
+                else json.dumps(report, indent=2))
         print(text, flush=True)
     tdist.barrier()
     parallel_state.destroy_model_parallel()

@@ -22,33 +22,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 venv="${1:-$repo/.venv-megatron}"
-python="${PYTHON:-python3}"
-torch_version="${TORCH_VERSION:-2.13.0}"
 mcore_version="${MCORE_VERSION:-0.16.*}"
 
-echo "== creating $venv (python: $($python --version 2>&1))"
-"$python" -m venv "$venv"
-# Keep the venv out of git wherever it lives (the repository's .gitignore does not name it);
-# Python >= 3.13's venv writes the same file itself.
-printf '# created by scripts/compare_megatron_moe/setup.sh\n*\n' >"$venv/.gitignore"
-pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install --upgrade pip setuptools wheel
-
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_version" >"$constraints"
-extra=()
-if [[ -n "${TORCH_INDEX_URL:-}" ]]; then extra=(--extra-index-url "$TORCH_INDEX_URL"); fi
-
-echo "== torch $torch_version first"
-"${pip[@]}" install "${extra[@]}" "torch==$torch_version"
-"$venv/bin/python" - <<'PY'
-import sys, torch
-if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
-    sys.exit(f"setup.sh: got torch {torch.__version__} (CUDA {torch.version.cuda}); wanted the "
-             "CPU build: set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu and rerun")
-print("torch", torch.__version__)
-PY
+source "$here/../peer_venv.sh"
+peer_venv "$venv"
 
 # megatron-core ships binary wheels (its only required dependencies are torch, numpy and
 # packaging); no extras: [dev]/[lts] would pull Transformer Engine and other CUDA packages.
@@ -56,10 +33,9 @@ echo "== megatron-core $mcore_version (torch held at $torch_version)"
 "${pip[@]}" install -c "$constraints" "${extra[@]}" "megatron-core==$mcore_version"
 
 echo "== checking"
+check_torch_still_cpu megatron-core
 "$venv/bin/python" - <<'PY'
-import sys, torch
-if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
-    sys.exit(f"setup.sh: torch changed to {torch.__version__} while installing megatron-core")
+import torch
 import megatron.core
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: F401
 from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: F401
