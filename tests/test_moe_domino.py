@@ -12,6 +12,7 @@ collectives in the same order although one rank's launches are slow.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -95,7 +96,6 @@ class _SlowLaunches:
         pass
 
     def region(self, name: str, category: str, **tags):
-        import contextlib
         return contextlib.nullcontext()
 
 
