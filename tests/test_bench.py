@@ -114,7 +114,7 @@ def test_parse_modes() -> None:
         (["--model", "moe"], "--model moe needs MoE layers: add --num-experts"),
         (["--expert-model-parallel-size", "2"], "needs MoE layers: add --num-experts"),
         (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by"),
-        (["--num-experts", "4"], "tensor_model_parallel_size=2"),
+        (["--num-experts", "4", "--modes", "sync:sp,nocomm"], "nocomm lack it; end them in"),
         (["--num-experts", "4", "--tensor-model-parallel-size", "1",
           "--expert-model-parallel-size", "2", "--simulate-link", "1gbit"], "--emulate-link"),
     ],

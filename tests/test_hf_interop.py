@@ -316,11 +316,27 @@ def _moe_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn
     return folder, model.eval()
 
 
+def _moe_parallel(rank: int, world: int, run: str, ids: torch.Tensor, prompt: list[int],
+                  vocab: int) -> dict:
+    """Four ranks: the imported TP=2 checkpoint at TP=2 x EP=2 and at TP=1 x EP=4 (resharded
+    as it loads): logits, and greedy generation at TP=2 x EP=2."""
+    out = {}
+    for tp, ep in ((2, 2), (1, 4)):
+        state = ParallelState.build(tp, expert_model_parallel_size=ep)
+        model, config, _, _ = load_saved_model(open_checkpoint(run)[0], state)
+        with torch.no_grad():
+            part = model(ids, None, None)
+        out[tp, ep] = state.tp.all_gather_last_dim(part)[..., :vocab]
+        if tp == 2:
+            out["generated"] = generate(model, state, prompt, 10, vocab, 32)
+    return out
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch: str) -> None:
     """Mixtral and Qwen3-MoE (random weights, the Hub's per-expert files) import with the
-    original's logits and greedy generation, export back to the same logits, and refuse TP=2
-    (MoE layers run at TP=1 for now)."""
+    original's logits and greedy generation, export back to the same logits; imported at TP=2
+    they give the same logits at TP=2 x EP=2 and TP=1 x EP=4, and the same greedy tokens."""
     folder, original = _moe_folder(tmp_path, bpe, arch)
     ids = torch.tensor([bpe.encode(TEXT)[:30]])
     with torch.no_grad():
@@ -340,8 +356,12 @@ def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch:
     assert export_hf(step_dir, meta, tmp_path / "back") == arch
     torch.testing.assert_close(_hf_logits(tmp_path / "back", ids), expected, rtol=1e-5,
                                atol=1e-5)
-    with pytest.raises(ValueError, match="MoE layers run at TP=1 for now"):
-        import_hf(folder, tmp_path / "tp2", 2)
+    import_hf(folder, tmp_path / "tp2", 2)
+    for res in run_distributed(_moe_parallel, 4, str(tmp_path / "tp2"), ids, prompt,
+                               config.vocab_size):
+        for sizes in ((2, 2), (1, 4)):
+            torch.testing.assert_close(res[sizes], expected, rtol=1e-5, atol=1e-5)
+        assert res["generated"] == hf_ids
 
 
 class _Boom:

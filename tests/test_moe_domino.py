@@ -50,12 +50,12 @@ BIAS = {"hot_expert": [5.0, 0, 0, 0, 0, 0, 0, -5.0], "all_to_one": [5.0] + [0.0]
 BATCH = 12  # sequences per micro-batch
 
 
-def _model(variant: str, plan: str, state: ParallelState) -> GPTModel:
+def _model(variant: str, plan: str, state: ParallelState, **variant_kw) -> GPTModel:
     plan, _, recompute = plan.partition("+")
-    cfg = TransformerConfig(**{**BASE, **VARIANTS[variant]})
+    cfg = TransformerConfig(**{**BASE, **VARIANTS.get(variant, {}), **variant_kw})
     torch.manual_seed(0)
     model = GPTModel(cfg, parallel_state=state, runtime=RuntimeConfig(
-        recompute_granularity=recompute or None))
+        recompute_granularity=recompute or None, sequence_parallel=state.tp.size > 1))
     # (at EP = 1 nothing communicates, so a stack splits only when told to)
     model.language_model.encoder.set_plan(Plan.parse(plan), force=True)
     for op in moe_ops(model):
@@ -197,3 +197,63 @@ def test_expert_parallel_plans_equal_the_reference(world: int) -> None:
             events = ranks[0][variant, plan]["events"]
             first = events[:events.index(("experts", 0))]
             assert [w for _, w in first] == [BASE["num_experts"], 36] * dispatched, (plan, first)
+
+
+# TP = 2 x EP = 2 on four ranks (DP = 2): each TP rank routes its sequence shard to whole
+# experts; "probs" capacity decides on both shards' routing.
+TP_PLANS = ("m1:none", "m2:cross", "m4:cross:c2", "m2:cross+full")
+TP_VARIANTS = {**VARIANTS, "capacity_probs": dict(moe_expert_capacity_factor=0.6)}
+
+
+def _tp_ep_rank(rank: int, world: int) -> dict:
+    from domino.tensor_parallel.layers import gather_full
+    from domino.tensor_parallel.placement import placement_of
+
+    state = ParallelState.build(2, expert_model_parallel_size=2)
+    # Gradient groups never share a process group with the schedule's (same ranks here: the
+    # TP pair reduces experts, the DP pair is the EP group): their launch orders differ.
+    assert state.expert_dp.group is not state.tp.group
+    assert state.dp_cp.group is not state.ep.group
+    out = {}
+    for variant in TP_VARIANTS:
+        for plan in TP_PLANS:
+            model = _model(variant, plan, state, **TP_VARIANTS.get(variant, {}))
+            res = _step(model, _ids(state.dp.rank))
+            # TP shards gathered whole (every rank, in one order: a collective)
+            res["grads"] = {n: gather_full(p.grad, p, state.tp)
+                            if placement_of(p).shard == "tp" else p.grad
+                            for n, p in model.named_parameters() if p.grad is not None}
+            out[variant, plan] = res
+    out["ranks"] = (state.dp.rank, state.tp.rank, state.ep.rank)
+    return out
+
+
+def test_tensor_and_expert_parallel_plans_equal_the_reference() -> None:
+    """TP = 2 (sequence parallel) x EP = 2 x DP = 2: each DP rank's losses, router statistics
+    and gradients are its micro-batch's in the single-process model, for every variant and
+    plan; the experts' gradients, summed over the TP pair (as expert-DP x TP reduces them), are
+    every micro-batch's."""
+    ranks = run_distributed(_tp_ep_rank, 4)
+    for variant in TP_VARIANTS:
+        ref = [_step(_model(variant, "m1:none", ParallelState.single(),
+                            **TP_VARIANTS.get(variant, {})), _ids(d)) for d in range(2)]
+        for plan in TP_PLANS:
+            what = f"TP=2 x EP=2 {variant} {plan}"
+            for res in ranks:
+                dp, tp, ep = res["ranks"]
+                got, want = res[variant, plan], ref[dp]
+                _close(got["loss"], want["loss"], f"{what} loss")
+                for (c, s), (wc, ws) in zip(got["stats"], want["stats"], strict=True):
+                    _close(c, wc, f"{what} counts")
+                    _close(s, ws, f"{what} balance, z, dropped, runs")
+                for name, g in got["grads"].items():
+                    full = want["grads"][name]
+                    if ".experts." in name:
+                        pair = sum(r[variant, plan]["grads"][name] for r in ranks
+                                   if r["ranks"][2] == ep)
+                        total = sum(r["grads"][name] for r in ref)
+                        local = total.shape[0] // 2
+                        _close(pair, total[ep * local:(ep + 1) * local], f"{what} {name}")
+                    else:  # a vocabulary table's padding differs with TP: the real rows
+                        _close(g[tuple(slice(0, n) for n in full.shape)], full,
+                               f"{what} {name}")

@@ -159,6 +159,21 @@ def _moe_train(rank: int, world: int, data: str, tmp: str) -> dict:
 
 
 
+def _moe_tp_ep(rank: int, world: int, data: str, tmp: str) -> dict:
+    """Four ranks: TP=2 (sequence parallel) x EP=2 x DP=2 with ZeRO-1, and its checkpoint
+    continued at TP=4 x EP=1."""
+    from test_checkpoint_resume import _args, _train
+
+    run = dict(MOE_ARGS, micro_batch_size=2, num_layers=3, sequence_parallel=True,
+               tensor_model_parallel_size=2, expert_model_parallel_size=2,
+               use_distributed_optimizer=True)
+    out = {"tp2ep2": _train(_args(data, **run), f"{tmp}/tp2ep2")}
+    _train(_args(data, exit_interval=3, **run), f"{tmp}/tp2ep2_cut")
+    tp4 = dict(run, tensor_model_parallel_size=4, expert_model_parallel_size=1)
+    out["at_tp4"] = _train(_args(data, load=f"{tmp}/tp2ep2_cut", **tp4), f"{tmp}/at_tp4")
+    return out
+
+
 def _moe_recompute(rank: int, world: int, data: str, tmp: str) -> dict:
     import json
 
@@ -194,8 +209,8 @@ def test_moe_trains_resumes_exactly_and_is_dp_invariant(byte_dataset, tmp_path) 
     """`domino train` with MoE layers (first layer dense, capacity drops, shared expert,
     expert bias, auxiliary losses): DP=2 follows DP=1's accumulation of the same micro-batches
 (routing, capacity and auxiliary losses are per micro-batch), a resume continues bit for
-    bit (the expert biases are in the checkpoint), the router metrics are logged; TP=2 is
-    refused before any process starts."""
+    bit (the expert biases are in the checkpoint), the router metrics are logged; TP=2 x EP=2
+    follows too, and TP=2 without sequence parallelism is refused before any process starts."""
     import json
 
     from domino.cli import main
@@ -224,6 +239,12 @@ def test_moe_trains_resumes_exactly_and_is_dp_invariant(byte_dataset, tmp_path) 
               .splitlines()]
     assert all(0.9 < r["moe_aux_loss"] < 4.0 and r["moe_max_load"] >= 1.0
                and 0.0 <= r["moe_dropped"] < 1.0 for r in logged)
+    # TP = 2 x EP = 2 (sequence parallel, ZeRO-1): the same math; its checkpoint goes on at
+    # TP = 4. Without sequence parallelism TP = 2 is refused before any process starts.
+    for rank in run_distributed(_moe_tp_ep, 4, data, str(tmp_path)):
+        for key in ("losses", "norms"):
+            assert rank["tp2ep2"][key] == pytest.approx(full[key], rel=1e-5), key
+            assert rank["at_tp4"][key] == pytest.approx(full[key][3:], rel=1e-5), key
     assert main(["train", "--num-experts", "4", "--data-path", data, "--tokenizer-type", "byte",
                  "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "no")]) == 2
     assert not (tmp_path / "no").exists()

@@ -96,6 +96,20 @@ def test_norm_counts_each_element_once() -> None:
             assert counts_in_norm(sharded, state) == (ep == 0)
             # Summed over a gradient group holding EP first (ZeRO's chunks): TP decides.
             assert counts_in_norm(replicated, state, skip=("ep",)) == (tp == 0)
+            # Expert chunks summed over expert-DP x TP: every rank's counts.
+            assert counts_in_norm(expert, state, skip=("tp",))
+
+
+def test_mesh_cuts_experts_out_of_dp_and_reduces_them_over_tp() -> None:
+    """TP=2 x DP=2 x EP=2 (ranks: TP innermost): EP groups are DP peers at one TP position;
+    expert gradients are summed over expert-DP x TP, i.e. every rank with the same experts."""
+    from domino.parallel_state import ParallelSizes
+
+    groups = ParallelSizes.for_world(8, tp=2, ep=2).rank_groups()
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["ep"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["expert_dp"] == [[0, 4, 1, 5], [2, 6, 3, 7]]
 
 
 def test_global_norm_at_tp2_equals_the_full_norm() -> None:

@@ -256,11 +256,6 @@ class TransformerConfig:
 
     def validate_parallel(self, tp_size: int) -> None:
         """Raise ValueError if this model cannot be split over ``tp_size`` ranks."""
-        if self.num_experts is not None and tp_size > 1:
-            raise ValueError(
-                f"num_experts={self.num_experts} at tensor_model_parallel_size={tp_size}: models "
-                "with MoE layers run at TP=1 for now (tensor parallelism inside the experts is "
-                "not built yet); use TP=1")
         rules = (
             ("num_attention_heads", self.num_attention_heads),
             ("num_query_groups", self.num_query_groups),

@@ -21,11 +21,14 @@ from domino.tensor_parallel.random import RNGTracker
 
 # The mesh's axes, outermost first: TP innermost, so a TP group holds consecutive ranks (one
 # host when ranks are packed per node), then CP, DP, PP. Experts re-cut the DP x CP ranks of
-# each (PP, TP) position into EP x expert-DP, EP innermost, as Megatron lays them out.
+# each (PP, TP) position into EP x expert-DP, EP innermost, as Megatron lays them out with
+# expert tensor parallelism 1: experts are whole on a rank (replicated over TP), so their
+# gradients are reduced over expert-DP x TP.
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 # Every group a state holds, in the order every rank builds them (torch.distributed requires
 # one order): the named dimensions, then the derived ones: ``dp_cp`` reduces dense gradients
-# (DP x CP), ``ep`` shards experts, ``expert_dp`` reduces expert gradients.
+# (DP x CP), ``ep`` shards experts, ``expert_dp`` reduces expert gradients (over the TP ranks
+# too: under sequence parallelism each TP rank routes its own tokens to whole experts).
 GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_dp")
 _SIZE_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
@@ -84,11 +87,12 @@ class ParallelSizes:
             flat = t.permute(*rest, *axes).reshape(-1, math.prod(t.shape[a] for a in axes))
             return flat.tolist()
 
-        # Experts: each (PP, TP) position's DP x CP ranks as [expert_dp, ep], EP innermost.
+        # Experts: each (PP, TP) position's DP x CP ranks as [expert_dp, ep], EP innermost;
+        # expert gradients are reduced over expert-DP x TP.
         experts = mesh.permute(0, 3, 1, 2).reshape(self.pp, self.tp, -1, self.ep)
         return {"tp": along(mesh, 3), "cp": along(mesh, 2), "dp": along(mesh, 1),
                 "pp": along(mesh, 0), "dp_cp": along(mesh, 1, 2), "ep": along(experts, 3),
-                "expert_dp": along(experts, 2)}
+                "expert_dp": along(experts, 1, 2)}
 
 
 @dataclass(eq=False)
@@ -101,7 +105,8 @@ class ParallelState:
     tables' gradients are summed over it), the device and the dropout RNG streams.
 
     A derived group left unset is its base group where they coincide (``dp_cp`` = ``dp`` while
-    CP is 1, ``expert_dp`` = ``dp_cp`` while EP is 1).
+    CP is 1, ``expert_dp`` = ``dp_cp`` while EP is 1: a hand-built state for a dense model;
+    :meth:`from_sizes` gives MoE models their expert-DP x TP group at any TP size).
     """
 
     tp: CommGroup = field(default_factory=CommGroup)
@@ -177,7 +182,11 @@ class ParallelState:
         device = torch.device(device) if device is not None else default_device()
         me, built, seen = dist.get_rank(), {}, {}
         for name, lists in sizes.rank_groups().items():
-            key = str(sorted(lists))
+            # A group is shared only within its use: the schedule's groups launch at fixed
+            # places, the gradient groups where a backward's sums happen to be final (under
+            # sequence parallelism, when the TP sums finish); one process group carrying both
+            # would order their collectives differently on different ranks.
+            key = str((name in _GRADIENT_GROUPS, sorted(lists)))
             if key not in seen:  # every rank decides alike: the lists are the same everywhere
                 seen[key] = _group_of(me, lists, device)
             built[name] = seen[key]
@@ -217,6 +226,8 @@ class ParallelState:
                 g.transport = None
 
 
+# The groups gradients are summed over (by a reducer, as blocks become final).
+_GRADIENT_GROUPS = ("dp", "dp_cp", "expert_dp")
 # The groups whose collectives carry bulk data (the embedding group: the tied word table's
 # gradient, once a step); pp moves its data point to point, world only small agreements.
 _SHARED = ("tp", "dp", "embedding")

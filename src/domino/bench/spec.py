@@ -138,7 +138,17 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
         raise ValueError(f"{', '.join(given)} {verb} only to a pipeline comparison: add "
                          "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
                          "modes to compare are chosen with --modes)")
+    moe_sp = args.num_experts is not None and args.tensor_model_parallel_size > 1
+    if args.modes is None and moe_sp:  # MoE at TP > 1 runs sequence parallel
+        args.modes = ",".join(f"{m}:sp" for m in DEFAULT_MODES.split(","))
     modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
+    plain = [m.name for m in modes if not m.sequence_parallel]
+    if moe_sp and plain:
+        raise ValueError(
+            f"--num-experts at --tensor-model-parallel-size {args.tensor_model_parallel_size} "
+            f"trains with sequence parallelism (each TP rank routes its own tokens): the modes "
+            f"{', '.join(plain)} lack it; end them in ':sp' (e.g. sync:sp,nocomm:sp,"
+            "domino:m2:cross:sp)")
     if args.compile and any(m.compiled for m in modes):
         raise ValueError("--compile runs every mode on the compiled model; ':compiled' modes "
                          "run a compiled twin beside the eager one: drop one or the other")

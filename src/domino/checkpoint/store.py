@@ -95,7 +95,7 @@ def _rank_tensors(model: nn.Module, opt_state: dict | None, state: ParallelState
         placement = placement_of(p)
         if placement.tied_copy:
             continue  # the last stage's copy of the word table: the first stage writes it
-        if placement.shard is not None or tp.rank == 0:
+        if placement.shard == "tp" or tp.rank == 0:  # (experts are whole on every TP rank)
             value = experts[0].get(p, (masters or {}).get(p, p)).detach()
             weights[name] = value
             specs[name] = describe(value, p, tp.size, model_files, name)

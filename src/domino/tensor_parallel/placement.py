@@ -29,7 +29,8 @@ GRAD_GROUPS = ("dp_cp", "expert_dp")
 NORM_GROUPS = ("tp", "pp", "ep")
 # Norm groups that lie inside a gradient group (see above): a sum over the gradient group (the
 # distributed optimizer's chunks) already spans their ranks.
-WITHIN = {"dp_cp": ("ep",), "expert_dp": ()}
+# (Expert-DP spans the TP ranks too: experts are whole on a rank, replicated over TP.)
+WITHIN = {"dp_cp": ("ep",), "expert_dp": ("tp",)}
 
 
 @dataclass(frozen=True)

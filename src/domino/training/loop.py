@@ -318,7 +318,8 @@ class Trainer:
                 name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal"
                 self.log.print(f"stopped by {name} after step {result.stopped_at}; resume with "
                                f"--load {self.run_dir}")
-        elif self.args.sample_tokens and self.state.expert_dp.rank == 0:  # EP: peers too
+        elif self.args.sample_tokens and self.state.dp_cp.rank < self.state.ep.size:
+            # the first replica: its TP ranks and EP peers (their experts) take part
             result.sample = _sample(self.model, self.state, self.run.tokenizer, self.run.config,
                                     self.args, self.log, self.run_dir)
         return result

@@ -243,12 +243,16 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
         args.max_position_embeddings = args.seq_length
     _check_batches(args, world_size // (tp * pp))
     _check_pipeline(args, world_size // (tp * pp), progress)
-    if args.num_experts is not None and (tp > 1 or pp > 1):
+    if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
         raise ValueError(
-            f"--num-experts {args.num_experts} with --tensor-model-parallel-size {tp} and "
-            f"--pipeline-model-parallel-size {pp}: MoE models train at TP=1 and PP=1 for now "
-            "(tensor parallelism inside the experts and MoE pipeline stages are not built "
-            "yet); scale them with data parallelism (--nproc)")
+            f"--num-experts {args.num_experts} at --tensor-model-parallel-size {tp} needs "
+            "--sequence-parallel (as in Megatron): each TP rank then routes its own shard of "
+            "the tokens to whole experts; add --sequence-parallel or use TP=1")
+    if args.num_experts is not None and pp > 1:
+        raise ValueError(
+            f"--num-experts {args.num_experts} with --pipeline-model-parallel-size {pp}: MoE "
+            "models train at PP=1 for now (MoE pipeline stages are not built yet); scale them "
+            "with tensor, expert and data parallelism")
 
     # Data first: the vocabulary size comes from the tokenizer.
     if args.tokenizer_type is None:

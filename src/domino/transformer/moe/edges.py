@@ -107,7 +107,7 @@ class MoEEntry:
 
     def _launch(self, x: torch.Tensor, j: int, m: int) -> _Arriving:
         moe, ep = self.op.moe, self.op.moe.ep
-        flat, rows, stats = moe.route(x)
+        flat, rows, stats = moe.route(x, self.op.shards)
         # [x | weight | 0...]: rows padded so the experts' GEMMs can read the x columns in place
         # (grouped_mm needs 16-byte row strides).
         h, step = rows.x.shape[1], max(1, 16 // rows.x.element_size())
@@ -232,7 +232,7 @@ class MoEExit:
         return list(torch.split(grad, [p.shape[0] for p in parts]))
 
     def replicated_parameters(self) -> list[torch.Tensor]:
-        return []
+        return self.op.replicated_parameters()
 
 
 def edges(op) -> tuple[MoEEntry, MoEExit]:

@@ -56,42 +56,74 @@ class Permuted:
     dropped: int
 
 
+def _sorted(flat_e: torch.Tensor, flat_w: torch.Tensor, capacity: int | None,
+            drop_policy: str) -> torch.Tensor:
+    """The (token, slot) assignments in expert order: within an expert in token order, or with
+    a capacity under ``"probs"`` best weight first (ties: token order), so the capacity keeps
+    the first ones."""
+    if capacity is not None and drop_policy == "probs":
+        rank_in = torch.argsort(flat_w.detach(), descending=True, stable=True)
+        return rank_in[torch.argsort(flat_e[rank_in], stable=True)]
+    return torch.argsort(flat_e, stable=True)
+
+
+def _positions(key: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Each element's place among the elements of its key, in the order given."""
+    by_key = torch.argsort(key, stable=True)
+    in_key = torch.bincount(key, minlength=num_keys)
+    starts = torch.cumsum(in_key, 0) - in_key
+    position = torch.empty_like(key)
+    position[by_key] = torch.arange(key.numel(), device=key.device) - starts[key[by_key]]
+    return position
+
+
+def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                  capacity: int, drop_policy: str = "probs", sequences: int = 1) -> torch.Tensor:
+    """Which of the assignments ``experts`` / ``weights`` [T, k] an expert keeps (bool [T x k],
+    in (token, slot) order): the rule :func:`permute` applies, decided for all T tokens of a
+    block. Ranks that hold parts of the same sequences (sequence parallelism) decide on the
+    gathered routing and keep their own part."""
+    t, k = experts.shape
+    flat_e, flat_t = experts.reshape(-1), torch.arange(t, device=experts.device).repeat_interleave(k)
+    order = _sorted(flat_e, weights.reshape(-1), capacity, drop_policy)
+    key = flat_e[order] * sequences + flat_t[order] % sequences
+    keep = torch.empty(t * k, dtype=torch.bool, device=experts.device)
+    keep[order] = _positions(key, num_experts * sequences) < capacity
+    return keep
+
+
 def permute(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
             capacity: int | None = None, drop_policy: str = "probs",
-            pad: bool = False, sequences: int = 1) -> Permuted:
+            pad: bool = False, sequences: int = 1, keep: torch.Tensor | None = None) -> Permuted:
     """x [T, h], experts / weights [T, k] -> the rows sorted by expert (see the module doc).
     With ``sequences`` > 1 the T tokens are a flattened [s, sequences] block (token t belongs
-    to sequence ``t % sequences``) and ``capacity`` is per expert and sequence."""
+    to sequence ``t % sequences``) and ``capacity`` is per expert and sequence. ``keep`` (bool
+    [T x k], :func:`capacity_keep`): the capacity's decision, made where more tokens are seen
+    (every rank's part of the sequences); padding then fills this block's rows up to it."""
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy={drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
     t, k = experts.shape
     flat_e = experts.reshape(-1)
     flat_w = weights.reshape(-1)
     flat_t = torch.arange(t, device=x.device).repeat_interleave(k)
-    if capacity is not None and drop_policy == "probs":
-        # Best weight first within an expert (ties: token order), so the capacity keeps them.
-        rank_in = torch.argsort(flat_w.detach(), descending=True, stable=True)
-        order = rank_in[torch.argsort(flat_e[rank_in], stable=True)]
-    else:
-        order = torch.argsort(flat_e, stable=True)
+    order = _sorted(flat_e, flat_w, capacity, drop_policy)
     sorted_e = flat_e[order]
     counts = torch.bincount(flat_e, minlength=num_experts)
     dropped = 0
     if capacity is not None:
         # Each (expert, sequence) keeps its first ``capacity`` rows in the expert's order.
-        key = sorted_e * sequences + flat_t[order] % sequences
-        by_key = torch.argsort(key, stable=True)
-        in_key = torch.bincount(key, minlength=num_experts * sequences)
-        starts = torch.cumsum(in_key, 0) - in_key
-        position = torch.empty_like(key)
-        position[by_key] = torch.arange(key.numel(), device=x.device) - starts[key[by_key]]
-        keep = position < capacity
-        dropped = int((~keep).sum())
-        order, sorted_e, position = order[keep], sorted_e[keep], position[keep]
+        n_keys = num_experts * sequences
+        if keep is None:
+            kept = _positions(sorted_e * sequences + flat_t[order] % sequences, n_keys) < capacity
+        else:
+            kept = keep[order]
+        dropped = int((~kept).sum())
+        order, sorted_e = order[kept], sorted_e[kept]
         counts = torch.bincount(sorted_e, minlength=num_experts)
         if pad:
             # each kept row's place in [E, sequences, capacity]
-            slot = (flat_t[order] % sequences) * capacity + position
+            sequence = flat_t[order] % sequences
+            slot = sequence * capacity + _positions(sorted_e * sequences + sequence, n_keys)
             per_expert = capacity * sequences
             rows = sorted_e * per_expert + slot
             n = num_experts * per_expert

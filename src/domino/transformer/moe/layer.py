@@ -9,8 +9,10 @@ gate of the token (Qwen's ``shared_expert_gate``); its output is added to the ro
 
 With expert parallelism (``ep``, a group of ranks with different tokens) a rank holds 1/EP of
 the experts and the sorted rows go to the ranks holding their experts and back
-(:mod:`.dispatch`); routing, the capacity and the shared expert stay on the token's rank. (TP
-inside the experts and the Domino schedule's overlap of the exchange build on these pieces.)
+(:mod:`.dispatch`); routing, the capacity and the shared expert stay on the token's rank. At
+TP > 1 the experts are whole on each rank (expert tensor parallelism 1) and, under sequence
+parallelism, each TP rank routes the tokens of its own sequence shard (``route(shards=...)``);
+the schedule's edges (:mod:`.edges`) overlap the exchanges.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from domino.transformer.moe.dispatch import combine, dispatch
 from domino.transformer.moe.experts import (
     GroupedExperts,
     Permuted,
+    capacity_keep,
     capacity_of,
     permute,
     unpermute,
@@ -107,19 +110,38 @@ class MoEMLP(nn.Module):
                                        init_method_std=init_method_std,
                                        params_dtype=params_dtype, device=device)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, Permuted, RouterStats]:
+    def route(self, x: torch.Tensor, shards: CommGroup | None = None
+              ) -> tuple[torch.Tensor, Permuted, RouterStats]:
         """x [T, h] (one sequence of T tokens) or [s, b, h] (b sequences) -> (the tokens
         [T', h], their assignments sorted by expert, the router's statistics). The capacity is
         per expert and sequence, so a token is kept or dropped whatever else its micro-batch
-        holds (the same at any DP size and Domino split)."""
+        holds (the same at any DP size and Domino split). ``shards``: x is this rank's part
+        [s / size, b, h] of the sequences (sequence parallelism over that group); the capacity
+        is then decided on the whole sequences' routing, gathered (a small collective)."""
         flat = x.reshape(-1, x.shape[-1])
         routing, stats = self.router(flat)
         s, b = (x.shape[0], x.shape[1]) if x.dim() == 3 else (x.shape[0], 1)
-        capacity = (None if self.capacity_factor is None else
-                    capacity_of(s, self.topk, self.num_experts, self.capacity_factor))
+        parts = shards.size if shards is not None else 1
+        capacity = keep = None
+        if self.capacity_factor is not None:
+            capacity = capacity_of(s * parts, self.topk, self.num_experts, self.capacity_factor)
+            if parts > 1:
+                keep = self._gathered_keep(routing.experts, routing.weights, capacity, b, shards)
         rows = permute(flat, routing.experts, routing.weights, self.num_experts, capacity,
-                       self.drop_policy, self.pad_to_capacity, b)
+                       self.drop_policy, self.pad_to_capacity, b, keep)
         return flat, rows, stats
+
+    def _gathered_keep(self, experts: torch.Tensor, weights: torch.Tensor, capacity: int,
+                       sequences: int, shards: CommGroup) -> torch.Tensor:
+        """The capacity's decision for this rank's assignments, made on every rank's routing
+        (gathered in sequence order: rank r holds positions [r s/size, (r+1) s/size))."""
+        k = experts.shape[1]
+        mine = torch.cat([experts.double(), weights.detach().double()], dim=1)
+        every = mine.new_empty(mine.shape[0] * shards.size, 2 * k)
+        shards.all_gather_into(every, mine.contiguous(), name="moe capacity routing")
+        keep = capacity_keep(every[:, :k].long(), every[:, k:].float(), self.num_experts,
+                             capacity, self.drop_policy, sequences)
+        return keep.view(shards.size, -1)[shards.rank]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats, int]:
         """x [..., h] -> (output [..., h], the router's statistics, assignments dropped)."""

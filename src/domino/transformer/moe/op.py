@@ -16,7 +16,12 @@ the step minimises the mean token loss plus the token-weighted mean of the auxil
 any accumulation and DP size. :func:`step_end` then sums the step's router statistics over DP,
 moves the expert biases and returns the metrics a log line shows.
 
-For now an MoE layer runs at TP = 1 (the op refuses more).
+At TP > 1 the experts are whole on every rank (replicated over TP, sharded over EP; their
+gradients reduced over expert-DP x TP, ``parallel_state``). Training needs sequence parallelism
+there, as Megatron's does: each TP rank routes its own shard of the sequences, so no expert
+GEMM runs twice; the router statistics of a piece are summed over TP, and the router's and the
+shared expert's gradients, like a norm's, too (the exit's ``replicated_parameters``). Without
+it (generation, evaluation) every TP rank routes all tokens alike.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
+from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.moe.edges import MoEEntry, MoEExit, edges
@@ -83,11 +89,8 @@ class MoEOp(nn.Module):
     def __init__(self, config: TransformerConfig, state: ParallelState,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        if state.tp.size > 1:
-            raise ValueError(
-                f"num_experts={config.num_experts} with tensor_model_parallel_size="
-                f"{state.tp.size}: MoE layers run at TP=1 for now (tensor parallelism inside "
-                "the experts is not built yet); use TP=1, with DP for scale")
+        self.tp = state.tp
+        self.shards: CommGroup | None = None  # the TP group while a run is sequence parallel
         self.topk = config.moe_router_topk
         self.moe = MoEMLP(
             config.hidden_size, config.moe_ffn_hidden_size, config.num_experts, self.topk,
@@ -139,6 +142,7 @@ class MoEOp(nn.Module):
         training: its router statistics add up over the run's pieces."""
         self.close_run()
         self.run = Run()
+        self.shards = self.tp if sequence_parallel and self.tp.size > 1 else None
         self._edges = edges(self)
         return self._edges[0]
 
@@ -160,11 +164,40 @@ class MoEOp(nn.Module):
         Only a forward whose backward will run counts (grad mode on, training)."""
         if not self.training or not torch.is_grad_enabled() or self.run is None:
             return payload
-        self.run.add(stats, dropped)
-        self.counts += stats.counts.detach().double()
+        if self.tp.size > 1 and self.shards is None:
+            raise ValueError(
+                f"an MoE layer trains at tensor_model_parallel_size={self.tp.size} only with "
+                "sequence parallelism (--sequence-parallel; RuntimeConfig(sequence_parallel="
+                "True)), as in Megatron: each TP rank then routes its own tokens to whole "
+                "experts; without it every TP rank would compute every expert again")
+        whole = stats
+        if self.shards is not None:  # the piece's tokens are spread over the TP ranks
+            whole, dropped = self._summed_over_tp(stats, dropped)
+        self.run.add(whole, dropped)
+        self.counts += whole.counts.detach().double()
+        # (each rank's own score and z sums: their gradients are summed with the router's)
         if (self.aux_coeff or self.z_coeff) and stats.score_sum.requires_grad:
             payload = _AuxGrad.apply(payload, stats.score_sum, stats.z_sum, self.run, self)
         return payload
+
+    def _summed_over_tp(self, stats: RouterStats, dropped: int) -> tuple[RouterStats, int]:
+        """The piece's statistics and drops over every TP rank's shard of its tokens, detached
+        (one small all-reduce): the auxiliary losses are the whole micro-batch's."""
+        e = stats.counts.numel()
+        flat = torch.cat([stats.counts.double(), stats.score_sum.detach().double(),
+                          stats.z_sum.detach().double().view(1),
+                          stats.counts.new_tensor([stats.tokens, dropped], dtype=torch.float64)])
+        self.shards.all_reduce(flat, name="moe router statistics")
+        z, tokens, dropped = flat[2 * e:].tolist()
+        return (RouterStats(int(tokens), flat[:e].to(stats.counts.dtype),
+                            flat[e:2 * e].to(stats.score_sum.dtype),
+                            flat.new_tensor(z, dtype=stats.z_sum.dtype)), int(dropped))
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters replicated over TP whose gradients are partial under sequence
+        parallelism (each rank's tokens): the router's and the shared expert's."""
+        shared = list(self.moe.shared.parameters()) if self.moe.shared is not None else []
+        return [self.moe.router.weight, *shared]
 
 
 def moe_ops(model: nn.Module) -> list[MoEOp]:
