@@ -108,7 +108,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"domino bench: {c['model']}, {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']} heads, seq {c['seq_length']}, batch {c['micro_batch_size']}, "
-        f"TP={c['tensor_model_parallel_size']}, {c['dtype']}, {c['device']}, "
+        f"TP={c['tensor_model_parallel_size']}"
+        + (f" x EP={c['expert_model_parallel_size']} ({c['num_experts']} experts, top-"
+           f"{c['moe_router_topk']})" if (c.get("expert_model_parallel_size") or 1) > 1 else "")
+        + f", {c['dtype']}, {c['device']}, "
         f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
         + (f" MTU {c['link_mtu']}" if c.get("link_mtu") else "")
         + (f", TP over {c['transports']['tp']}" if c.get("transports") else "")

@@ -125,13 +125,17 @@ class _Bench:
     def traced_step(self, mode: Mode, rank: int) -> dict[str, Any]:
         """One step of ``mode`` recorded on a timeline (as a dict)."""
         tl = Timeline(rank)
-        before = self.state.tp.hook
-        self.state.tp.hook = BenchHook(timeline=tl, link=self.link)
+        state = self.state
+        groups = [state.tp, *([state.ep] if state.ep.size > 1 else [])]  # TP's and EP's comm
+        before = [g.hook for g in groups]
+        for g in groups:
+            g.hook = BenchHook(timeline=tl, link=self.link if g is state.tp else None)
         try:
-            self.state.tp.barrier()
+            state.world.barrier()  # every rank starts the traced step together
             self.step(mode)
         finally:
-            self.state.tp.hook = before
+            for g, hook in zip(groups, before, strict=True):
+                g.hook = hook
         return tl.to_dict()
 
 

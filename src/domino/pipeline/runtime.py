@@ -20,6 +20,7 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.schedules import Action, build
 from domino.tensor_parallel.comm import Handle
 from domino.transformer import BackwardContext
+from domino.transformer.moe.op import moe_ops, set_loss_scale
 
 
 def _tag(kind: str, vstage: int, mb: int) -> int:
@@ -62,6 +63,10 @@ class PipelineRunner:
         self.dtype = model.activation_dtype
         self.lookahead = lookahead
         self.record = record  # keep (action, start, end) spans of the last step
+        self.experts = [moe_ops(chunk) for chunk in model.chunks]  # each chunk's MoE ops
+        config = model.config
+        # Does any stage hold an MoE layer (then every stage joins the router metrics' sum)?
+        self.has_moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
 
     # -- messages -------------------------------------------------------------------------
     def _vstage(self, a: Action) -> int:
@@ -112,10 +117,11 @@ class PipelineRunner:
              reducer=None) -> tuple[torch.Tensor, StepStats]:
         """Forward and backward of every pipeline micro-batch (``batches``, this DP rank's);
         gradients accumulate in ``.grad``, the loss being summed over tokens and multiplied by
-        ``loss_scale`` before its backward. With ``reducer`` (a begun ``GradReducer``; needs
-        :attr:`overlaps_dp`) each chunk's last backward launches the DP buckets of the blocks
-        it finishes. Returns (the step's summed loss, on every pipeline rank; this rank's
-        stats)."""
+        ``loss_scale`` before its backward (the auxiliary losses of MoE layers by ``loss_scale``
+        x the micro-batch's loss tokens: their share of the step). With ``reducer`` (a begun
+        ``GradReducer``; needs :attr:`overlaps_dp`) each chunk's last backward launches the DP
+        buckets of the blocks it finishes. Returns (the step's summed loss, on every pipeline
+        rank; this rank's stats)."""
         if reducer is not None and not self.overlaps_dp:
             raise ValueError("zero-bubble's W passes finish the weight gradients after the "
                              "backwards: reduce DP after the step instead")
@@ -131,6 +137,11 @@ class PipelineRunner:
         contexts: dict[tuple[int, int], BackwardContext] = {}  # of the forwards not yet B
         loss = torch.zeros(1, dtype=torch.float64, device=self.state.device)
         held = 0
+        # Each micro-batch's auxiliary losses weigh as much as its loss tokens, as without a
+        # pipeline: every stage has the batches (one host sync per step). Set before each B:
+        # 1F1B runs other micro-batches' forwards between a forward and its backward.
+        tokens = (torch.stack([b["loss_mask"].sum() for b in batches]).tolist()
+                  if any(self.experts) else [])
         for i, a in enumerate(self.actions):
             self._post(i, posted)
             key, k = (a.chunk, a.mb), self._vstage(a)
@@ -166,6 +177,8 @@ class PipelineRunner:
                 grad = None if k == self.last else self._take(a, posted, stats)
                 t0 = time.perf_counter()
                 out = outputs.pop(key)
+                if self.experts[a.chunk]:
+                    set_loss_scale(self.experts[a.chunk], tokens[a.mb] * loss_scale)
                 torch.autograd.backward(out, grad)
                 context = contexts.pop(key)
                 if self.zero_bubble:

@@ -248,11 +248,6 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
             f"--num-experts {args.num_experts} at --tensor-model-parallel-size {tp} needs "
             "--sequence-parallel (as in Megatron): each TP rank then routes its own shard of "
             "the tokens to whole experts; add --sequence-parallel or use TP=1")
-    if args.num_experts is not None and pp > 1:
-        raise ValueError(
-            f"--num-experts {args.num_experts} with --pipeline-model-parallel-size {pp}: MoE "
-            "models train at PP=1 for now (MoE pipeline stages are not built yet); scale them "
-            "with tensor, expert and data parallelism")
 
     # Data first: the vocabulary size comes from the tokenizer.
     if args.tokenizer_type is None:

@@ -162,8 +162,10 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         optimizer.step()
     if scaler is not None:
         scaler.update(overflow)
+    # A pipeline's stages hold different MoE layers: the metrics are summed over them.
+    stages = state.pp if runner is not None and runner.has_moe else None
     return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait,
-                       exposed_dp, step_end(experts, dp))
+                       exposed_dp, step_end(experts, dp, stages))
 
 
 def _distinct(groups: list[CommGroup]) -> list[CommGroup]:

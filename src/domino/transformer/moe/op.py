@@ -207,24 +207,31 @@ def moe_ops(model: nn.Module) -> list[MoEOp]:
 
 def set_loss_scale(ops: Iterable[MoEOp], scale: float) -> None:
     """The gradient the auxiliary losses of the next backward get (a micro-batch's share of
-    the step's objective)."""
+    the step's objective). A pipeline sets it on a stage's ops right before each micro-batch's
+    backward there (1F1B runs other micro-batches' forwards in between)."""
     for op in ops:
         op.loss_scale = scale
 
 
-def step_end(ops: list[MoEOp], group) -> dict[str, float]:
+def step_end(ops: list[MoEOp], group, stages: CommGroup | None = None) -> dict[str, float]:
     """After a step's optimizer update: its router statistics summed over ``group`` (DP: every
     rank's tokens), the expert biases moved, the statistics reset. Returns the step's metrics:
     the mean load-balancing loss and z-loss of its MoE layers' forwards, the busiest expert's
-    load over the mean (1 = balanced) and the share of assignments the capacity dropped."""
-    if not ops:
+    load over the mean (1 = balanced) and the share of assignments the capacity dropped.
+    ``stages``: the pipeline group, whose stages hold different layers; every stage calls this
+    then, with MoE ops of its own or none, and gets the metrics over all the model's layers
+    (one more small collective)."""
+    if not ops and stages is None:
         return {}
     for op in ops:
         op.close_run()
-    flat = torch.cat([torch.cat([op.counts, op.sums]) for op in ops])
-    group.all_reduce(flat, name="moe statistics")
-    flat = flat.cpu()
-    out = {"moe_aux_loss": 0.0, "moe_z_loss": 0.0, "moe_max_load": 0.0, "moe_dropped": 0.0}
+    # Summed over layers: the balance and z losses, the dropped shares, the layers; the busiest
+    # expert's load over all of them.
+    sums, max_load = [0.0, 0.0, 0.0, float(len(ops))], 0.0
+    if ops:
+        flat = torch.cat([torch.cat([op.counts, op.sums]) for op in ops])
+        group.all_reduce(flat, name="moe statistics")
+        flat = flat.cpu()
     offset = 0
     for op in ops:
         e = op.counts.numel()
@@ -235,10 +242,21 @@ def step_end(ops: list[MoEOp], group) -> dict[str, float]:
             update_expert_bias(op.moe.router.expert_bias, counts.float().to(
                 op.moe.router.expert_bias.device), op.bias_rate)
         n = max(forwards, 1.0)
-        out["moe_aux_loss"] += balance / n / len(ops)
-        out["moe_z_loss"] += z / n / len(ops)
-        out["moe_max_load"] = max(out["moe_max_load"], float(counts.max() / counts.mean()))
+        sums[0] += balance / n
+        sums[1] += z / n
         # counts are the router's assignments, the dropped ones included
-        out["moe_dropped"] += dropped / max(float(counts.sum()), 1.0) / len(ops)
+        sums[2] += dropped / max(float(counts.sum()), 1.0)
+        max_load = max(max_load, float(counts.max() / counts.mean()))
         op.reset_stats()
-    return out
+    if stages is not None and stages.size > 1:
+        # One sum: each stage's busiest load in a slot of its own, the max taken after.
+        t = torch.zeros(4 + stages.size, dtype=torch.float64, device=stages.device)
+        t[:4], t[4 + stages.rank] = torch.tensor(sums, dtype=torch.float64), max_load
+        stages.all_reduce(t, name="moe metrics over stages")
+        values = t.tolist()
+        sums, max_load = values[:4], max(values[4:])
+    layers = sums[3]
+    if not layers:
+        return {}
+    return {"moe_aux_loss": sums[0] / layers, "moe_z_loss": sums[1] / layers,
+            "moe_max_load": max_load, "moe_dropped": sums[2] / layers}
