@@ -207,11 +207,19 @@ def test_expert_parallel_plans_equal_the_reference(world: int) -> None:
                 for rank, res in enumerate(ranks):
                     _check_like(res[name], one, rank, world, f"EP=2 {name}", tol)
         # Overlap: micro-batch 1's dispatch (counts, then rows with their weight column) goes
-        # out before micro-batch 0's experts run; with one piece, they run right after theirs.
-        for plan, dispatched in (("m2:cross", 2), ("m4:cross:c2", 2), ("m1:none", 1)):
+        # out before micro-batch 0's experts run; with groups of experts its rows go right
+        # after the first group's combine (its counts travel under that group); with one
+        # piece, the experts run right after their own dispatch.
+        e, h = BASE["num_experts"], BASE["hidden_size"]
+        for plan, before, between in (("m2:cross", [e, 36, e, 36], None),
+                                      ("m4:cross:c2", [e, 36, e], [h, 36]),
+                                      ("m1:none", [e, 36], None)):
             events = ranks[0][variant, plan]["events"]
-            first = events[:events.index(("experts", 0))]
-            assert [w for _, w in first] == [BASE["num_experts"], 36] * dispatched, (plan, first)
+            first = events.index(("experts", 0))
+            second = events.index(("experts", 0), first + 1)
+            assert [w for _, w in events[:first]] == before, (plan, events[:first])
+            got = [w for _, w in events[first + 1:second]]
+            assert between is None or got == between, (plan, got)
 
 
 # TP = 2 x EP = 2 on four ranks (DP = 2): each TP rank routes its sequence shard to whole

@@ -163,9 +163,9 @@ class BackwardPass:
                 if not ex.sp:
                     core = None
             del rec.reduced[(j, m)]
-            g = self._fill(self.exit_grads.pop((j, m))).wait()
             # The dW GEMMs land in the stash.
-            torch.autograd.backward(parts, ex.exits[j].part_grads(g, parts))
+            for step in ex.exits[j].grad_steps(self.exit_grads.pop((j, m)), parts):
+                torch.autograd.backward(step.parts, step.cut(self._fill(step.grad).wait()))
             if core is not None:  # sequence parallel: the core's backward on its own
                 leaf = core_in if ex.recompute else rec.core_leaves.pop((j, m))
                 if between is not None:

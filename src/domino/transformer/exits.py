@@ -23,7 +23,7 @@ the data, never whether or when it is launched.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,6 +109,16 @@ def gather_seq(group: CommGroup, t: torch.Tensor, direction: str, j: int, m: int
     return Pending([buf], [handle])
 
 
+@dataclass(eq=False)
+class GradStep:
+    """One step of a region's backward (:meth:`Exit.grad_steps`): once ``grad`` arrives,
+    ``cut(grad.wait())`` gives the gradients of ``parts``."""
+
+    grad: InFlight
+    parts: list[torch.Tensor]
+    cut: Callable[[torch.Tensor], list[torch.Tensor]]
+
+
 class Entry(Protocol):
     """How a block's op region is entered (block ``j``, micro-batch ``m`` name the
     collectives)."""
@@ -146,10 +156,13 @@ class Exit(Protocol):
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
         """Backward: from the gradient of what was delivered, what the parts' gradients are
-        cut from (:meth:`part_grads`)."""
+        cut from (:meth:`grad_steps`)."""
 
-    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each part's gradient from what :meth:`launch_grad` delivered."""
+    def grad_steps(self, grad: InFlight, parts: list[torch.Tensor]) -> list[GradStep]:
+        """The parts' backward in steps, from what :meth:`launch_grad` returned: the schedule
+        waits each step's result (filling the wait with deferred work) and runs the backward
+        of its parts (one step, or one per part where parts arrive apart and share no graph:
+        an MoE layer's groups of experts)."""
 
     def replicated_parameters(self) -> list[torch.Tensor]:
         """Replicated parameters the receiving side applies (:meth:`bias`; under sequence
@@ -212,10 +225,13 @@ class RowParallelExit(PartialSums):
     def bias(self) -> torch.Tensor | None:
         return compute(self.dense.bias)
 
-    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        if len(parts) == 1:
-            return [grad]
-        return list(torch.split(grad, [p.shape[-1] for p in parts], dim=-1))
+    def grad_steps(self, grad: InFlight, parts: list[torch.Tensor]) -> list[GradStep]:
+        # One step: the column chunks' backwards share the core's graph.
+        def cut(g: torch.Tensor) -> list[torch.Tensor]:
+            if len(parts) == 1:
+                return [g]
+            return list(torch.split(g, [p.shape[-1] for p in parts], dim=-1))
+        return [GradStep(grad, parts, cut)]
 
     def replicated_parameters(self) -> list[torch.Tensor]:
         return [] if self.dense.bias is None else [self.dense.bias]

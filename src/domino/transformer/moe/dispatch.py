@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.comm import CommGroup, Handle
 from domino.tensor_parallel.mappings import all_to_all_rows
 
 
@@ -47,18 +47,32 @@ class Layout:
     order: torch.Tensor
 
 
+def launch_counts(counts: torch.Tensor, group: CommGroup, name: str = "moe dispatch counts",
+                  tags: dict | None = None) -> tuple[torch.Tensor, Handle]:
+    """Start exchanging ``counts`` [E] (rows this rank sends per global expert) over ``group``
+    (a small all-to-all) -> (what arrives: rows each rank sends here per local expert, the
+    handle); :func:`layout` once it is there."""
+    received = torch.empty_like(counts)
+    return received, group.all_to_all(received, counts, async_op=True, name=name, tags=tags)
+
+
+def layout(counts: torch.Tensor, received: torch.Tensor, size: int) -> Layout:
+    """The exchange's :class:`Layout` from this rank's ``counts`` [E] and the ``received``
+    counts of :func:`launch_counts` (over a group of ``size`` ranks)."""
+    local = counts.numel() // size
+    received_counts = received.view(size, local)  # [source, local expert]
+    expert_of = torch.arange(local, device=counts.device).repeat(size).repeat_interleave(
+        received_counts.reshape(-1))
+    return Layout(received_counts, counts.view(size, local).sum(1).tolist(),
+                  received_counts.sum(1).tolist(), torch.argsort(expert_of, stable=True))
+
+
 def exchange_counts(counts: torch.Tensor, group: CommGroup, name: str = "moe dispatch counts",
                     tags: dict | None = None) -> Layout:
-    """Exchange ``counts`` [E] (rows this rank sends per global expert) over ``group`` (a small
-    blocking all-to-all) -> the exchange's :class:`Layout`."""
-    local = counts.numel() // group.size
-    received_counts = torch.empty_like(counts)
-    group.all_to_all(received_counts, counts, name=name, tags=tags)
-    received_counts = received_counts.view(group.size, local)  # [source, local expert]
-    expert_of = torch.arange(local, device=counts.device).repeat(group.size).repeat_interleave(
-        received_counts.reshape(-1))
-    return Layout(received_counts, counts.view(group.size, local).sum(1).tolist(),
-                  received_counts.sum(1).tolist(), torch.argsort(expert_of, stable=True))
+    """Exchange ``counts`` [E] over ``group`` and wait -> the exchange's :class:`Layout`."""
+    received, handle = launch_counts(counts, group, name, tags)
+    handle.wait()
+    return layout(counts, received, group.size)
 
 
 def dispatch(x: torch.Tensor, counts: torch.Tensor, group: CommGroup) -> Dispatched:

@@ -41,7 +41,8 @@ import torch
 
 from domino.tensor_parallel.comm import DONE, Handle
 from domino.tensor_parallel.layers import WgradStash, column_chunks
-from domino.transformer.moe.dispatch import exchange_counts
+from domino.transformer.exits import GradStep
+from domino.transformer.moe.dispatch import launch_counts, layout
 
 
 @dataclass(eq=False)
@@ -52,14 +53,16 @@ class _Piece:
     payload: torch.Tensor  # [N, h + 1 (+ pad)] the rows sent, each with its weight (graph)
     tokens: torch.Tensor  # [N] each sent row's token
     counts: torch.Tensor  # [E] rows sent per global expert
-    received_counts: torch.Tensor  # [EP, E / EP] rows received per (source, local expert)
-    order: torch.Tensor | None  # received rows (per source) -> by local expert; None at EP 1
-    source: torch.Tensor | None  # each received row's source, by local expert; None at EP 1
-    sent: list[int]  # rows sent to each rank
-    received: list[int]  # rows received from each rank
     shared: torch.Tensor | None  # the shared expert's output [T, h] (graph)
+    # Once the counts are exchanged (the rows' launch):
+    received_counts: torch.Tensor | None = None  # [EP, E / EP] per (source, local expert)
+    order: torch.Tensor | None = None  # received rows (per source) -> by local expert (EP > 1)
+    source: torch.Tensor | None = None  # each received row's source, by local expert (EP > 1)
+    sent: list[int] = field(default_factory=list)  # rows sent to each rank
+    received: list[int] = field(default_factory=list)  # rows received from each rank
     groups: list[tuple[slice, slice]] = field(default_factory=list)  # (experts, rows) per part
     grad_out: torch.Tensor | None = None  # the delivered output's gradient [T, h]
+    then: Callable[[], None] | None = None  # the next micro-batch's rows, sent from parts()
 
     def sent_positions(self, experts: slice, ep: int) -> torch.Tensor:
         """Where the rows for the local experts ``experts`` of every rank sit among the rows
@@ -73,21 +76,48 @@ class _Piece:
 
 
 class _Arriving:
-    """Exchanges in flight and what is made of them on arrival (``finish``, run once)."""
+    """Exchanges in flight and what is made of them on arrival (``finish``, run once);
+    ``handles`` None: not launched yet (``start`` launches them)."""
 
-    def __init__(self, handles: list[Handle], finish: Callable[[], torch.Tensor]) -> None:
-        self.handles, self.finish, self.value = handles, finish, None
+    def __init__(self, handles: list[Handle] | None, finish: Callable[[], torch.Tensor] | None,
+                 start: Callable[[], None] | None = None) -> None:
+        self.handles, self.finish, self.value, self.start = handles, finish, None, start
 
     def ready(self) -> bool:
-        return all(h.ready() for h in self.handles)
+        return self.handles is not None and all(h.ready() for h in self.handles)
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
+            if self.handles is None:
+                self.start()
             for h in self.handles:
                 h.wait()
             self.value = self.finish()
             self.handles = []
         return self.value
+
+
+class _Groups:
+    """One :class:`_Arriving` per group of experts (waited for all at once where a schedule
+    overlaps nothing)."""
+
+    def __init__(self, groups: list[_Arriving]) -> None:
+        self.groups = groups
+
+    def ready(self) -> bool:
+        return all(g.ready() for g in self.groups)
+
+    def wait(self) -> None:
+        for g in self.groups:
+            g.wait()
+
+
+def _by_expert(counts: torch.Tensor) -> torch.Tensor:
+    """Rows received per source, each sorted by expert (``counts`` [source, expert]) ->
+    the order that sorts them by expert (stable: by source within an expert)."""
+    expert = torch.arange(counts.shape[1], device=counts.device).repeat(
+        counts.shape[0]).repeat_interleave(counts.reshape(-1))
+    return torch.argsort(expert, stable=True)
 
 
 class MoEEntry:
@@ -115,25 +145,44 @@ class MoEEntry:
         payload = torch.cat([rows.x, rows.weights.to(rows.x.dtype).unsqueeze(-1), pad], dim=-1)
         payload = self.op.record(payload, stats, rows.dropped)
         tags = {"mb": m, "block": j, "chunk": 0}
-        order = source = None
         if ep.size > 1:
-            layout = exchange_counts(rows.counts, ep, f"fwd dispatch counts b{j}", tags)
-            received_counts, sent, received = layout.received_counts, layout.sent, layout.received
-            buf = payload.new_empty(sum(received), payload.shape[1])
-            handle = ep.all_to_all(buf, payload.detach(), received, sent, async_op=True,
-                                   name=f"fwd dispatch b{j}", tags=tags)
-            # Rows arrive per source, each sorted by local expert: by local expert on arrival.
-            order = layout.order
-            source = torch.arange(ep.size, device=x.device).repeat_interleave(
-                torch.tensor(received, device=x.device))[order]
-        else:
-            received_counts = rows.counts.view(1, -1)
-            sent = received = [payload.shape[0]]
-            buf, handle = payload.detach(), DONE
+            arrived, counted = launch_counts(rows.counts, ep, f"fwd dispatch counts b{j}", tags)
         shared = moe.shared(flat) if moe.shared is not None else None  # under the dispatch
-        self.pieces[m] = _Piece(x, payload, rows.tokens, rows.counts, received_counts, order,
-                                source, sent, received, shared)
-        return _Arriving([handle], lambda: buf if order is None else buf[order])
+        piece = self.pieces[m] = _Piece(x, payload, rows.tokens, rows.counts, shared)
+        if ep.size == 1:
+            piece.received_counts = rows.counts.view(1, -1)
+            piece.sent = piece.received = [payload.shape[0]]
+            return _Arriving([DONE], lambda: payload.detach())
+        arriving, counts = _Arriving(None, None), rows.counts  # (not rows: its x copy is freed)
+        del rows, flat
+
+        def send() -> None:
+            """The rows' all-to-all, once the counts are in (once)."""
+            if arriving.handles is not None:
+                return
+            counted.wait()
+            plan = layout(counts, arrived, ep.size)
+            piece.received_counts, piece.sent, piece.received = (
+                plan.received_counts, plan.sent, plan.received)
+            buf = payload.new_empty(sum(plan.received), payload.shape[1])
+            handle = ep.all_to_all(buf, payload.detach(), plan.received, plan.sent,
+                                   async_op=True, name=f"fwd dispatch b{j}", tags=tags)
+            # Rows arrive per source, each sorted by local expert: by local expert on arrival.
+            piece.order = plan.order
+            piece.source = torch.arange(ep.size, device=x.device).repeat_interleave(
+                torch.tensor(plan.received, device=x.device))[plan.order]
+            arriving.handles, arriving.finish = [handle], lambda: buf[plan.order]
+
+        # The counts travel while the micro-batch before computes its first group of experts
+        # (its exit starts the rows then), or - with none pending - the rows go now. Where is
+        # fixed by the schedule, not by timing: every rank launches in one order.
+        before = self.pieces.get(m - 1)
+        if before is not None and before.then is None and not before.groups:
+            before.then = send
+        else:
+            send()
+        arriving.start = send
+        return arriving
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Arriving:
         """The received rows' gradient back to their ranks; on arrival, the backward of the
@@ -173,7 +222,13 @@ class MoEExit:
         h = piece.ln.shape[-1]
         piece.groups = []
         start = 0
-        for experts in column_chunks(per_expert.numel(), chunks):
+        groups = column_chunks(per_expert.numel(), chunks)
+        for c, experts in enumerate(groups):
+            if c == min(1, len(groups) - 1) and piece.then is not None:
+                # The next micro-batch's rows go out after this one's first group's combine
+                # (with one group, before it): its counts arrived meanwhile.
+                send, piece.then = piece.then, None
+                send()
             n = int(per_expert[experts].sum())
             rows = slice(start, start + n)
             piece.groups.append((experts, rows))
@@ -216,20 +271,32 @@ class MoEExit:
     def bias(self) -> None:
         return None
 
-    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Arriving:
-        """The delivered gradient's rows to the expert ranks, by local expert on arrival."""
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Groups:
+        """The delivered gradient's rows to the expert ranks, one all-to-all per group of
+        experts (the forward's groups), in order, so that a group's backward starts once its
+        own rows are in; by local expert on arrival."""
         piece, ep = self.pieces[m], self.op.moe.ep
         piece.grad_out = grad.reshape(-1, grad.shape[-1])
-        rows = piece.grad_out[piece.tokens]
-        if ep.size == 1:
-            return _Arriving([], lambda: rows)
-        buf = rows.new_empty(sum(piece.received), rows.shape[1])
-        handle = ep.all_to_all(buf, rows, piece.received, piece.sent, async_op=True,
-                               name=f"bwd combine b{j}", tags={"mb": m, "block": j, "chunk": 0})
-        return _Arriving([handle], lambda: buf[piece.order])
+        groups = []
+        for c, (experts, rows) in enumerate(piece.groups):
+            if ep.size == 1:  # the rows stay: sent order is the experts' order
+                groups.append(_Arriving([], lambda rows=rows: piece.grad_out[
+                    piece.tokens[rows]]))
+                continue
+            send = piece.grad_out[piece.tokens[piece.sent_positions(experts, ep.size)]]
+            to = piece.counts.view(ep.size, -1)[:, experts].sum(1).tolist()
+            back = piece.received_counts[:, experts]
+            buf = send.new_empty(int(back.sum()), send.shape[1])
+            handle = ep.all_to_all(buf, send, back.sum(1).tolist(), to, async_op=True,
+                                   name=f"bwd combine b{j}",
+                                   tags={"mb": m, "block": j, "chunk": c})
+            groups.append(_Arriving([handle], lambda buf=buf, back=back: buf[_by_expert(back)]))
+        return _Groups(groups)
 
-    def part_grads(self, grad: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(torch.split(grad, [p.shape[0] for p in parts]))
+    def grad_steps(self, grad: _Groups, parts: list[torch.Tensor]) -> list[GradStep]:
+        """One step per group of experts: their rows arrive apart, and the groups' graphs
+        share nothing but the received rows (a leaf)."""
+        return [GradStep(g, [p], lambda t: [t]) for g, p in zip(grad.groups, parts, strict=True)]
 
     def replicated_parameters(self) -> list[torch.Tensor]:
         return self.op.replicated_parameters()
