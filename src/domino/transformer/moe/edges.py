@@ -93,7 +93,9 @@ class _Arriving:
             for h in self.handles:
                 h.wait()
             self.value = self.finish()
-            self.handles = []
+            # Drop what made it (receive buffers) and the launch (which refers back to this
+            # object: a cycle only the garbage collector would free, buffers and all).
+            self.handles, self.finish, self.start = [], None, None
         return self.value
 
 
