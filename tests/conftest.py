@@ -78,16 +78,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))
 
 
+# Files that share a session fixture costing processes run on one worker too, so it is built
+# once: the saved `domino train` run (``clock_run``) of the durability tests and of what starts
+# from a saved run.
+_TOGETHER = {"test_durable_cli.py": "saved runs", "test_saved_run_cli.py": "saved runs"}
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadFileScheduling
 
     shared = {f"{_TESTS.name}/{f.name}" for f in _TESTS.glob("test_*.py")
               if _REGISTERS.search(f.read_text(encoding="utf-8"))}
+    together = {f"{_TESTS.name}/{name}": group for name, group in _TOGETHER.items()}
 
     class ByFile(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = super()._split_scope(nodeid)
-            return "tensor-parallel spawns" if file in shared else file
+            return "tensor-parallel spawns" if file in shared else together.get(file, file)
 
     config.option.loadscopereorder = False  # collection order (longest first, above)
     return ByFile(config, log)
@@ -139,3 +146,23 @@ def byte_dataset(tmp_path_factory):
         return made[limit_bytes]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def clock_run(tmp_path_factory, byte_dataset) -> Path:
+    """A `domino train` run of 6 uninterrupted steps (2 local ranks, TP=2), saved on the clock
+    (every step) keeping the last 2 checkpoints: test_durable_cli's clock and keep-K check and
+    the reference losses of its SIGKILL test (saving changes no loss), and the saved run that
+    test_saved_run_cli's diverging, converting, generating and evaluating start from (a test
+    that writes into it works on a copy). One run of two ranks for all of them (both files
+    run on one worker: ``_TOGETHER``)."""
+    from test_durable_cli import FLAGS, data_flags
+
+    from domino.cli import main
+
+    run = tmp_path_factory.mktemp("clock") / "run"
+    flags = list(FLAGS)
+    flags[flags.index("--save-interval-minutes") + 1] = "0.000001"
+    assert main(["train", *flags, *data_flags(byte_dataset), "--train-iters", "6",
+                 "--save-interval", "0", "--keep-checkpoints", "2", "--save", str(run)]) == 0
+    return run

@@ -1,19 +1,25 @@
 """The prepared accelerator check runs on CPU here: its TP=2 section reports every schedule as
 exact, and its readiness section (tiny sizes) prints its whole table.
 
-One run of the whole script (``--section all``, what the GPU run uses) serves both checks; the
-section selection is checked in-process. Only the table's shape is checked (a row per plan and
-size, numeric split costs and MFU, the goal lines); timing values are never asserted on.
+One run of the whole script's ``main`` (``--section all``, what the GPU run uses) serves both
+checks; the section selection is checked in-process too. Only the table's shape is checked (a
+row per plan and size, numeric split costs and MFU, the goal lines); timing values are never
+asserted on.
 """
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
-import subprocess
 import sys
+import tempfile
+import types
 from pathlib import Path
 
 import pytest
+import torch
+from tp_helpers import one_thread
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
 PLANS = ("m1:none", "m2:cross", "m4:cross")
@@ -23,18 +29,68 @@ ROW = re.compile(r"^\s*(h\d+|gpt)( compiled)? (m\d+:\w+)"
                  r"\s+MFU\s+(\S+)", re.M)
 
 
+def _writing_to(rank: int, fn, folder: str, args: tuple) -> None:
+    """``fn(rank, *args)`` with this process's stdout and stderr in ``folder``: a rank forked
+    from the fork server writes to the server's, not to the test's."""
+    with open(f"{folder}/{rank}.out", "w") as out, open(f"{folder}/{rank}.err", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            fn(rank, *args)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def _forked_spawn(fn, args=(), nprocs=1, join=True):
+    """``torch.multiprocessing.spawn`` with the ranks forked from the session's fork server
+    (torch imported there once: tests/dist.py) instead of fresh interpreters importing it; what
+    they print is printed here afterwards (rank order), to this process's ``sys.stdout``."""
+    import torch.multiprocessing as mp
+    from dist import PRELOAD
+
+    mp.set_forkserver_preload(PRELOAD)  # the session's server (read when it first starts)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            return mp.start_processes(_writing_to, args=(fn, folder, args), nprocs=nprocs,
+                                      join=join, start_method="forkserver")
+        finally:
+            for rank in range(nprocs):
+                for suffix, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                    path = Path(folder) / f"{rank}.{suffix}"
+                    if path.exists():
+                        stream.write(path.read_text())
+                        stream.flush()
+
+
 @pytest.fixture(scope="module")
 def run() -> tuple[str, str]:
-    # One thread (the TP=2 ranks set it themselves): on a busy 2-core host the readiness
-    # section's OpenMP threads spin against the other tests' processes, several times slower.
-    # One timed round per plan is enough for the table's shape; timings are never asserted on.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "1",
-                          "--tiny", "--peak-tflops", "1", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300, env=env)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
-    return out.stdout, text
+    # The script's main in this process and its TP=2 ranks forked from the session's fork
+    # server: three interpreters importing torch fewer than `python device_check.py`. The ranks
+    # import the script by name, so it is loaded as `device_check` from scripts/ on sys.path
+    # (which they inherit). One thread (the TP=2 ranks set it themselves): on a busy 2-core
+    # host the readiness section's OpenMP threads spin against the other tests' processes,
+    # several times slower. One timed round per plan and a short sequence are enough for the
+    # table's shape; timings are never asserted on. The global RNG the script seeds is
+    # restored afterwards.
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = script
+    try:
+        spec.loader.exec_module(script)
+        out, err = io.StringIO(), io.StringIO()
+        with pytest.MonkeyPatch.context() as mp, one_thread(), torch.random.fork_rng(), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            mp.setattr(script, "mp", types.SimpleNamespace(spawn=_forked_spawn))
+            rc = script.main(["--device", "cpu", "--steps", "1", "--tiny", "--peak-tflops", "1",
+                              "--rounds", "1", "--seq", "16"])
+    finally:
+        sys.modules.pop("device_check", None)
+        sys.path.remove(str(SCRIPT.parent))
+    text = out.getvalue() + err.getvalue()
+    assert rc == 0, text
+    return out.getvalue(), text
 
 
 def test_tp2_section_on_cpu(run) -> None:

@@ -1,6 +1,7 @@
 """Durable runs through the real `domino train` command (2 local ranks, TP=2): a SIGKILL in the
 middle of a save loses nothing, SIGTERM checkpoints at the step boundary, and the clock-based save
-interval and keep-K work (what starts from a saved run: test_saved_run_cli.py)."""
+interval and keep-K work (what starts from a saved run: test_saved_run_cli.py, which shares
+this file's worker and its 6-step run: conftest.py's ``clock_run``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--mi
 
 @pytest.fixture(scope="module")
 def data(byte_dataset) -> list[str]:
+    return data_flags(byte_dataset)
+
+
+def data_flags(byte_dataset) -> list[str]:
+    """The dataset of this file's runs (and of conftest.py's ``clock_run``)."""
     return ["--data-path", byte_dataset(400_000), "--split", "90,10,0"]
 
 
@@ -65,19 +71,6 @@ def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 120) -> 
         assert proc.poll() is None, f"the run ended before {what}: {_stderr(proc)}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def clock_run(tmp_path_factory, data) -> Path:
-    """6 uninterrupted steps, saved on the clock (every step) keeping the last 2 checkpoints:
-    test_clock_save_interval_and_keep's run, and the reference losses of the SIGKILL test
-    (saving changes no loss), one run of two ranks for both."""
-    run = tmp_path_factory.mktemp("clock") / "run"
-    flags = list(FLAGS)
-    flags[flags.index("--save-interval-minutes") + 1] = "0.000001"
-    assert main(["train", *flags, *data, "--train-iters", "6", "--save-interval", "0",
-                 "--keep-checkpoints", "2", "--save", str(run)]) == 0
-    return run
 
 
 def test_sigkill_mid_save_loses_nothing(tmp_path: Path, data, clock_run) -> None:

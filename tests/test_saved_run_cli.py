@@ -1,6 +1,7 @@
-"""What starts from a run `domino train` saved (2 local ranks, TP=2; trained once per module): a
-diverged loss stops without overwriting the last good checkpoint; `domino convert` to TP=1 and
-TP=4, `domino generate` (greedy, nucleus, top-k, seeded sampling) and `domino eval` on it."""
+"""What starts from a run `domino train` saved (2 local ranks, TP=2, 6 steps: conftest.py's
+``clock_run``, trained once for this file and test_durable_cli.py): a diverged loss stops without
+overwriting the last good checkpoint; `domino convert` to TP=1 and TP=4, `domino generate`
+(greedy, nucleus, top-k, seeded sampling) and `domino eval` on it."""
 
 from __future__ import annotations
 
@@ -22,12 +23,9 @@ def data(byte_dataset) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory, data) -> Path:
-    """A 3-step run, trained once for the tests that start from one (a test that writes into
-    it works on a copy)."""
-    run = tmp_path_factory.mktemp("saved") / "run"
-    assert main(["train", *FLAGS, *data, "--train-iters", "3", "--save", str(run)]) == 0
-    return run
+def saved_run(clock_run) -> Path:
+    """The saved 6-step run (a test that writes into it works on a copy)."""
+    return clock_run
 
 
 def test_diverged_loss_stops_without_overwriting(tmp_path: Path, data, saved_run, capfd) -> None:
@@ -42,7 +40,7 @@ def test_diverged_loss_stops_without_overwriting(tmp_path: Path, data, saved_run
     err = capfd.readouterr().err
     assert rc == 1, err
     assert "NaN/inf for 3 consecutive steps" in err and "stopped without saving" in err
-    assert _latest(run) == 3
+    assert _latest(run) == 6
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest()
             for p in (run / "checkpoints").rglob("*") if p.is_file()} == files
 
@@ -71,7 +69,7 @@ def test_convert_generate_and_eval_a_saved_run(tmp_path: Path, data, saved_run, 
     for tp in ("1", "4"):
         assert main(["convert", str(run), str(tmp_path / f"tp{tp}"),
                      "--tensor-model-parallel-size", tp]) == 0
-    names = {p.name for p in (tmp_path / "tp1" / "checkpoints" / "step_0000003").iterdir()}
+    names = {p.name for p in (tmp_path / "tp1" / "checkpoints" / "step_0000006").iterdir()}
     assert {"model-tp00-pp00.safetensors", "optim-tp00-pp00.safetensors"} <= names
     assert "model-tp01-pp00.safetensors" not in names  # one consolidated file set
     capfd.readouterr()

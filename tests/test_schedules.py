@@ -59,6 +59,7 @@ def key_padding(lengths, sq: int, sk: int) -> torch.Tensor:
 # ---- model families: build (with a dropout twin for eval checks), set plan, run -----------------
 
 class _GPT:
+    loss_gives_outputs = False  # its loss pass returns the per-token loss, not the logits
     over = dict(hidden_size=32, num_attention_heads=8, num_query_groups=4, activation="swiglu",
                 position_embedding_type="rope")
 
@@ -93,6 +94,7 @@ class _GPT:
 
 
 class _EncDec:
+    loss_gives_outputs = True  # its loss pass returns the training-mode outputs themselves
     over = dict(hidden_size=32, num_attention_heads=4, decoder_num_layers=2)
 
     def __init__(self, state: ParallelState) -> None:
@@ -144,7 +146,8 @@ def _matrix(family, eval_checks: bool) -> dict:
     ref_loss, ref_outs = family.loss()
     ref_grads = snapshot_grads(model)
     if eval_checks:  # the model's outputs (GPT: logits) in training mode, with a graph
-        ref_logits = [o.detach() for o in family.outputs(model)]
+        ref_logits = ref_outs if family.loss_gives_outputs else \
+            [o.detach() for o in family.outputs(model)]
     res = {}
     for plan in PLANS:
         family.set_plan(plan)
@@ -155,7 +158,8 @@ def _matrix(family, eval_checks: bool) -> dict:
         res[plan] = {"scalars": errs, "grads": grads_vs(model, ref_grads), "modes": {}}
         if not eval_checks:
             continue
-        modes = {"train_grad": family.outputs(model)}
+        # (The encoder-decoder's loss pass ran exactly this forward: its outputs are reused.)
+        modes = {"train_grad": outs if family.loss_gives_outputs else family.outputs(model)}
         with torch.no_grad():
             modes["train_no_grad"] = family.outputs(model)
             dropped.eval()
