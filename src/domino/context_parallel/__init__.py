@@ -1,0 +1,41 @@
+"""Context parallelism: every sequence sharded over a CP group, attention computed across it.
+
+* :mod:`~domino.context_parallel.sharding`: the load-balanced layout (rank r holds chunks r and
+  2*CP-1-r of 2*CP), true positions, sharding and reassembling sequences;
+* :func:`context_attention`: attention of a rank's shard against the whole sequence, like
+  ``kernels.attention`` on the unsharded sequence (causal, sliding window, key padding,
+  document masks, GQA), by one of :data:`KINDS`: ``ring`` (K/V blocks around a ring, transfer
+  overlapped with compute, online-softmax merge; :mod:`~domino.context_parallel.ring`),
+  ``allgather`` (gather K/V) or ``alltoall`` (Ulysses, by heads;
+  :mod:`~domino.context_parallel.gathered`);
+* :func:`check_context_parallel`: the configuration rules, as ValueErrors naming the flag.
+
+The group is always passed in (a ``torch.distributed`` ProcessGroup); nothing here holds state.
+"""
+
+from domino.context_parallel.attention import (
+    KINDS,
+    check_context_parallel,
+    check_dropout,
+    check_heads,
+    context_attention,
+)
+from domino.context_parallel.gathered import allgather_attention, alltoall_attention
+from domino.context_parallel.masks import Masking, dense_attention
+from domino.context_parallel.ring import ring_attention
+from domino.context_parallel.sharding import (
+    check_sequence_length,
+    chunk_ids,
+    gather_sequence,
+    local_positions,
+    shard_order,
+    shard_sequence,
+    unshard_sequence,
+)
+
+__all__ = [
+    "KINDS", "Masking", "allgather_attention", "alltoall_attention", "check_context_parallel",
+    "check_dropout", "check_heads", "check_sequence_length", "chunk_ids", "context_attention",
+    "dense_attention", "gather_sequence", "local_positions", "ring_attention", "shard_order",
+    "shard_sequence", "unshard_sequence",
+]

@@ -1,0 +1,126 @@
+"""``context_attention``: one call for every context-parallel attention variant, and the checks
+a configuration must pass before it runs one."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from domino.context_parallel.gathered import allgather_attention, alltoall_attention
+from domino.context_parallel.masks import Masking, dense_attention
+from domino.context_parallel.ring import ring_attention
+from domino.context_parallel.sharding import check_sequence_length, gather_sequence
+
+KINDS = ("ring", "allgather", "alltoall")
+
+
+def check_kind(kind: str) -> None:
+    """Raise ValueError unless ``kind`` is one of :data:`KINDS`."""
+    if kind not in KINDS:
+        raise ValueError(f"context-parallel attention kind {kind!r} is not one of "
+                         f"{', '.join(KINDS)}.")
+
+
+def check_heads(num_heads: int, num_groups: int, cp: int) -> None:
+    """Raise ValueError unless all-to-all (Ulysses) can give each of ``cp`` ranks whole query
+    heads and whole K/V groups."""
+    if num_heads % cp or num_groups % cp:
+        raise ValueError(
+            f"all-to-all context parallelism gives each rank whole heads: --num-attention-heads "
+            f"{num_heads} and --num-query-groups {num_groups} must both be divisible by "
+            f"--context-parallel-size {cp}. Change those sizes, or use ring attention (which "
+            "has no such rule).")
+
+
+def check_dropout(attention_dropout: float, cp: int) -> None:
+    """Raise ValueError for attention dropout, which context-parallel attention lacks."""
+    if attention_dropout:
+        raise ValueError(
+            f"--attention-dropout {attention_dropout} is not supported with context parallelism "
+            f"(--context-parallel-size {cp}): context-parallel attention draws no dropout "
+            "masks. Set --attention-dropout 0, or --context-parallel-size 1.")
+
+
+def check_context_parallel(*, seq_length: int, context_parallel_size: int,
+                           num_attention_heads: int, num_query_groups: int | None = None,
+                           attention_dropout: float = 0.0, kind: str = "ring") -> None:
+    """Every configuration rule of context-parallel attention (ValueError naming the flag to
+    change); nothing to check at ``context_parallel_size`` 1."""
+    cp = context_parallel_size
+    check_kind(kind)
+    if cp == 1:
+        return
+    check_sequence_length(seq_length, cp)
+    check_dropout(attention_dropout, cp)
+    if kind == "alltoall":
+        check_heads(num_attention_heads, num_query_groups or num_attention_heads, cp)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      group: dist.ProcessGroup | None, kind: str = "ring",
+                      causal: bool = True, q_per_group: int = 1,
+                      key_padding: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None, window: int | None = None,
+                      softmax_scale: float | None = None,
+                      dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention of this rank's share of a sequence sharded over ``group`` (load-balanced:
+    see :func:`shard_sequence`), like ``kernels.attention`` on the whole sequence.
+
+    q [s/cp, b, n, d], k/v [s/cp, b, n / q_per_group, d] -> [s/cp, b, n*d]. ``kind``: ``ring``
+    (overlapped K/V ring), ``allgather`` (gather K/V) or ``alltoall`` (Ulysses: heads).
+    ``causal`` applies the causal rule by true position, ``window`` (with ``causal``) masks
+    keys ``window`` or more positions back; ``key_padding`` (bool, True = pad) and
+    ``document_ids`` (attention stays within a document) are [b, s] over the whole sequence
+    (no communication), or this rank's shard [b, s/cp] of it, sharded like the tokens (then
+    all-gathered here: a model that calls this per layer saves those by passing the whole
+    masks). ``softmax_scale`` defaults to 1/sqrt(d). Every rank of ``group`` must call it with
+    the same kind and the same kinds and shapes of masks. ``group`` None (or of one rank) is
+    plain attention on the local sequence.
+
+    A query that sees no key at all (masked scores take the dtype's minimum) gets the mean of
+    every value; its backward takes each key's probability as 1, as PyTorch's fused CPU kernel
+    does (what ``kernels.attention`` runs in fp32 on a CPU; see ``ring``).
+    """
+    check_kind(kind)
+    cp = 1 if group is None else dist.get_world_size(group)
+    s, b, n, d = q.shape
+    if n % q_per_group or k.shape != (s, b, n // q_per_group, d) or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} with q_per_group {q_per_group} needs k and v of "
+                         f"shape {(s, b, n // q_per_group, d)}; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    check_dropout(dropout_p, cp)
+    if window is not None and window < 1:
+        raise ValueError(f"the attention window {window} must be a positive number of tokens")
+    for name, t in (("key_padding", key_padding), ("document_ids", document_ids)):
+        if t is not None and tuple(t.shape) not in ((b, s), (b, s * cp)):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: give this rank's shard "
+                             f"[{b}, {s}] or the whole sequence's [{b}, {s * cp}]")
+    if cp > 1:
+        check_sequence_length(s * cp, cp)
+        if kind == "alltoall":
+            check_heads(n, n // q_per_group, cp)
+    masking = Masking(causal=causal, window=window,
+                      key_padding=_whole(None if key_padding is None else key_padding.bool(),
+                                         s * cp, group),
+                      document_ids=_whole(document_ids, s * cp, group))
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    if cp == 1:
+        pos = torch.arange(s, device=q.device)
+        mask = None if masking.only_causal else masking.mask(pos, pos)
+        return dense_attention(q, k, v, mask, is_causal=masking.only_causal, scale=scale,
+                               q_per_group=q_per_group)
+    variant = {"ring": ring_attention, "allgather": allgather_attention,
+               "alltoall": alltoall_attention}[kind]
+    return variant(q, k, v, group=group, masking=masking, scale=scale)
+
+
+def _whole(mask: torch.Tensor | None, seq: int,
+           group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """A [b, s] mask over the whole sequence: ``mask`` itself, or its shards gathered."""
+    if mask is None:
+        return None
+    if mask.shape[1] == seq:
+        return mask
+    return gather_sequence(mask, group, dim=1)

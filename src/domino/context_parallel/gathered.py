@@ -1,0 +1,97 @@
+"""The two gathering variants of context-parallel attention: all-gather K/V (a simple
+baseline) and all-to-all over heads (Ulysses). Neither overlaps its communication.
+
+* all-gather: every rank gathers the whole sequence's K and V (in shard order) and attends its
+  own queries to them, masks by true positions; backward reduce-scatters dK/dV to their owners.
+* all-to-all: one all-to-all turns sequence-sharded q/k/v into head-sharded, full-sequence
+  q/k/v (each rank gets whole heads; needs heads and KV groups divisible by CP); the sequence is
+  put in true order, attended as one dense block, put back in shard order and sent back by a
+  second all-to-all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from domino.context_parallel.masks import Masking, dense_attention
+from domino.context_parallel.sharding import local_positions, shard_order
+
+
+class _GatherShards(torch.autograd.Function):
+    """x (this rank's shard) -> [cp, *x.shape], every rank's; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group), *x.shape))
+        dist.all_gather_single(out.view(-1), x.view(-1), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
+        return out, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """[cp, ...]: slice i goes to rank i, and slice i of the result came from rank i. Its own
+    adjoint, so backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        group: dist.ProcessGroup, masking: Masking,
+                        scale: float) -> torch.Tensor:
+    """Attention of this rank's queries q [s/cp, b, n, d] to every rank's K/V [s/cp, b, g, d],
+    all-gathered over ``group`` -> [s/cp, b, n*d]."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    s, b, n, d = q.shape
+    g, seq = k.shape[2], s * cp
+    kv = _GatherShards.apply(torch.stack([k, v]), group)  # [cp, 2, s, b, g, d]
+    kv = kv.transpose(0, 1).reshape(2, seq, b, g, d)  # keys in shard order
+    mask = masking.mask(local_positions(seq, rank, cp, q.device),
+                        shard_order(seq, cp, q.device))
+    return dense_attention(q, kv[0], kv[1], mask, is_causal=False, scale=scale,
+                           q_per_group=n // g)
+
+
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       group: dist.ProcessGroup, masking: Masking,
+                       scale: float) -> torch.Tensor:
+    """Attention by head: all-to-all over ``group`` gives each rank n/cp query heads (and
+    g/cp K/V heads) of the whole sequence, attended in true order -> [s/cp, b, n*d]."""
+    cp = dist.get_world_size(group)
+    s, b, n, d = q.shape
+    g, seq = k.shape[2], s * cp
+    order = shard_order(seq, cp, q.device)  # true position of each gathered token
+    inverse = torch.argsort(order)
+    # One exchange for q, k and v: rank i's heads of each, side by side.
+    x = torch.cat([t.reshape(s, b, cp, t.shape[2] // cp, d) for t in (q, k, v)], dim=3)
+    x = _AllToAll.apply(x.permute(2, 0, 1, 3, 4), group)  # [cp (source rank), s, b, h, d]
+    x = x.reshape(seq, b, -1, d).index_select(0, inverse)  # the whole sequence, true order
+    qh, kh, vh = x.split([n // cp, g // cp, g // cp], dim=2)
+    pos = torch.arange(seq, device=q.device)
+    mask = None if masking.only_causal else masking.mask(pos, pos)
+    out = dense_attention(qh, kh, vh, mask, is_causal=masking.only_causal, scale=scale,
+                          q_per_group=n // g)  # [seq, b, n/cp * d]
+    out = out.index_select(0, order).reshape(cp, s, b, n // cp, d)  # shard order, by owner
+    out = _AllToAll.apply(out, group)  # [cp (head group), s, b, n/cp, d]
+    return out.permute(1, 2, 0, 3, 4).reshape(s, b, n * d)

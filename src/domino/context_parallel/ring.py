@@ -1,0 +1,260 @@
+"""Ring attention: K/V blocks travel around the context-parallel group while each rank
+attends its local queries to the block in hand.
+
+Forward, step t of CP: rank r holds the K/V of rank r - t. It first launches the exchange that
+brings the next block (send the block in hand to r + 1, receive from r - 1), then attends to the
+block in hand, so the transfer runs under the compute, and merges the partial result into
+running softmax statistics (row max ``m``, sum ``z``, unnormalised output) in fp32. Backward
+recomputes each block's probabilities from the rows' saved log-sum-exp: dQ accumulates locally;
+each block's dK/dV accumulator travels with its K/V (one step behind it) and a last exchange
+brings it home to its owner. Every rank launches the same exchanges in the same order whatever
+the masks; only the compute of a block is skipped.
+
+Each rank's queries and each block's keys are two chunks (head and tail, see ``sharding``), so
+attention runs per pair of chunks: a pair that the positions mask completely (a later chunk's
+keys for a causal query chunk, or keys out of the window) or the data mask completely is not
+computed. Masked scores take the fp32 minimum as in ``kernels.attention``: a row whose keys are
+all masked then averages every key uniformly. A skipped pair still contributes that uniform
+share (its keys' V sum, at score "minimum"), which is exactly zero for every row that sees any
+key; in backward it is computed only when some local row sees no key at all. Such a row's
+log-sum-exp is the minimum itself (log S is below its rounding), so its backward takes each
+key's probability as exp(0) = 1, as PyTorch's fused attention kernel (what ``kernels.attention``
+runs in fp32) does: the gradient of a padding query, whose loss weight is zero in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from domino.context_parallel.masks import Masking
+from domino.context_parallel.sharding import chunk_ids
+
+MIN = torch.finfo(torch.float32).min  # the masked score: kernels.attention's convention
+BLIND = MIN / 2  # a row's log-sum-exp below this: the row sees no key
+KV, GRAD = 0, 1  # p2p tags: a K/V block and a dK/dV accumulator can share one exchange
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """This rank's place in the ring of ``group``: global ranks of the next and previous."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    next: int
+    prev: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> _Ring:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        return cls(group, rank, size, dist.get_global_rank(group, (rank + 1) % size),
+                   dist.get_global_rank(group, (rank - 1) % size))
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]],
+                 recvs: list[tuple[int, torch.Tensor]]) -> list:
+        """Launch (tag, tensor) sends to the next rank and receives from the previous one;
+        returns the works to wait on."""
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for tag, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in recvs]
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+# ---- layouts: heads outer, chunk (head / tail) next, so that a chunk is one slice ----------
+
+def _q_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[s, b, n, d] -> [b, g, 2, q_per_group * c, d]: a group's query rows per chunk."""
+    s, b, n, d = x.shape
+    qpg, c = n // groups, s // 2
+    return x.reshape(2, c, b, groups, qpg, d).permute(2, 3, 0, 4, 1, 5).reshape(
+        b, groups, 2, qpg * c, d)
+
+
+def _q_seq(x: torch.Tensor, qpg: int) -> torch.Tensor:
+    """The inverse of :func:`_q_rows` -> [s, b, n, d]."""
+    b, g, _, rows, d = x.shape
+    c = rows // qpg
+    return x.reshape(b, g, 2, qpg, c, d).permute(2, 4, 0, 1, 3, 5).reshape(2 * c, b, g * qpg, d)
+
+
+def _kv_blocks(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k, v [s, b, g, d] -> one contiguous [2 (k, v), b, g, 2 (chunk), c, d]: what travels."""
+    s, b, g, d = k.shape
+    return torch.stack([k, v]).reshape(2, 2, s // 2, b, g, d).permute(0, 3, 4, 1, 2, 5) \
+        .contiguous()
+
+
+def _kv_seq(x: torch.Tensor) -> torch.Tensor:
+    """[b, g, 2, c, d] -> [s, b, g, d]."""
+    b, g, _, c, d = x.shape
+    return x.permute(2, 3, 0, 1, 4).reshape(2 * c, b, g, d)
+
+
+# ---- one pair of chunks ---------------------------------------------------------------------
+
+def _plan(masking: Masking, qid: int, kid: int, c: int,
+          device: torch.device) -> tuple[bool, torch.Tensor | None]:
+    """(skip, mask [b or 1, c, c]) for query chunk ``qid`` against key chunk ``kid``."""
+    q_lo, k_lo = qid * c, kid * c
+    if masking.hides_all(q_lo, q_lo + c, k_lo, k_lo + c):
+        return True, None
+    positional = not masking.shows_all(q_lo, q_lo + c, k_lo, k_lo + c)
+    if not positional and not masking.by_data:
+        return False, None
+    mask = masking.mask(torch.arange(q_lo, q_lo + c, device=device),
+                        torch.arange(k_lo, k_lo + c, device=device), positional)
+    # A data-dependent skip (a host sync on an accelerator): only where the data can mask.
+    if masking.by_data and bool(mask.all()):
+        return True, None
+    return False, mask
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            qpg: int) -> torch.Tensor:
+    """scale q k^T [b, g, rows, c] in fp32, masked scores at the minimum."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        b, g, rows, c = s.shape
+        s.view(b, g, qpg, rows // qpg, c).masked_fill_(mask[:, None, None], MIN)
+    return s
+
+
+def _merge(m: torch.Tensor, z: torch.Tensor, acc: torch.Tensor, m_b: torch.Tensor,
+           z_b: torch.Tensor | float, acc_b: torch.Tensor) -> None:
+    """Fold one block's (row max, row sum, unnormalised output) into the running ones, in
+    place: both are rescaled to the larger max (the log-sum-exp update)."""
+    m_new = torch.maximum(m, m_b)
+    old, new = torch.exp(m - m_new), torch.exp(m_b - m_new)
+    z.mul_(old).add_(z_b * new)
+    acc.mul_(old.unsqueeze(-1)).add_(acc_b * new.unsqueeze(-1))
+    m.copy_(m_new)
+
+
+def _forward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip: bool,
+                  mask: torch.Tensor | None, scale: float, qpg: int, m: torch.Tensor,
+                  z: torch.Tensor, acc: torch.Tensor) -> None:
+    if skip:  # every score at the minimum: each key weighs exp(0) = 1 before rescaling
+        c = k.shape[-2]
+        _merge(m, z, acc, torch.full_like(m, MIN), float(c), v.sum(-2, keepdim=True))
+        return
+    s = _scores(q, k, mask, scale, qpg)
+    m_b = s.amax(-1)
+    p = torch.exp(s - m_b.unsqueeze(-1))
+    _merge(m, z, acc, m_b, p.sum(-1), torch.matmul(p, v))
+
+
+def _backward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float, qpg: int, dq: torch.Tensor,
+                   dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Add one pair's gradients into dq, dk, dv (fp32, in place)."""
+    s = _scores(q, k, mask, scale, qpg)
+    p = torch.exp(s - lse.unsqueeze(-1))  # the forward's probabilities
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq.add_(torch.matmul(ds, k), alpha=scale)
+    dk.add_(torch.matmul(ds.transpose(-1, -2), q), alpha=scale)
+    dv.add_(torch.matmul(p.transpose(-1, -2), dout))
+
+
+# ---- the Function ---------------------------------------------------------------------------
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                group: dist.ProcessGroup, masking: Masking, scale: float) -> torch.Tensor:
+        ring = _Ring.of(group)
+        s, b, n, d = q.shape
+        g = k.shape[2]
+        qpg, c = n // g, s // 2
+        mine = chunk_ids(ring.rank, ring.size)
+        q_rows = _q_rows(q, g).float()  # [b, g, 2, qpg*c, d]
+        m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
+        z = torch.zeros_like(m)
+        acc = torch.zeros_like(q_rows)
+        block = _kv_blocks(k, v)
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            pending, incoming = [], None
+            if step + 1 < ring.size:  # launched before this block's compute: it overlaps
+                incoming = torch.empty_like(block)
+                pending = ring.exchange([(KV, block)], [(KV, incoming)])
+            kv = block.float()
+            for j, kid in enumerate(chunk_ids(src, ring.size)):
+                for i, qid in enumerate(mine):
+                    skip, mask = _plan(masking, qid, kid, c, q.device)
+                    _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask,
+                                  scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i])
+            _wait(pending)
+            if incoming is not None:
+                block = incoming
+        out = _q_seq(acc / z.unsqueeze(-1), qpg).reshape(s, b, n * d).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, m + torch.log(z))  # the rows' log-sum-exp
+        ctx.group, ctx.masking, ctx.scale = group, masking, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, masking, scale = _Ring.of(ctx.group), ctx.masking, ctx.scale
+        s, b, n, d = q.shape
+        g = k.shape[2]
+        qpg, c = n // g, s // 2
+        mine = chunk_ids(ring.rank, ring.size)
+        q_rows = _q_rows(q, g).float()
+        dout = _q_rows(grad.reshape(s, b, n, d), g).float()
+        delta = (dout * _q_rows(out.reshape(s, b, n, d), g).float()).sum(-1)
+        # A skipped pair's probabilities are exactly zero except in rows that see no key.
+        blind = [bool((lse[:, :, i] <= BLIND).any()) for i in range(2)]
+        dq = torch.zeros_like(q_rows)
+        block = _kv_blocks(k, v)
+        carried = None  # dK/dV of the block in hand, summed over the ranks it has visited
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            sends, recvs, incoming, arriving = [], [], None, None
+            if step + 1 < ring.size:
+                incoming = torch.empty_like(block)
+                sends.append((KV, block))
+                recvs.append((KV, incoming))
+            if step > 0:  # the previous block's dK/dV goes on, this block's arrives
+                arriving = torch.empty_like(carried)
+                sends.append((GRAD, carried))
+                recvs.append((GRAD, arriving))
+            pending = ring.exchange(sends, recvs) if sends else []
+            grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
+            kv = block.float()
+            for j, kid in enumerate(chunk_ids(src, ring.size)):
+                for i, qid in enumerate(mine):
+                    skip, mask = _plan(masking, qid, kid, c, q.device)
+                    if skip:
+                        if not blind[i]:
+                            continue
+                        mask = torch.ones((1, c, c), dtype=torch.bool, device=q.device)
+                    _backward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
+                                   dout[:, :, i], lse[:, :, i], delta[:, :, i], mask,
+                                   scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j])
+            _wait(pending)
+            carried = grads if arriving is None else grads.add_(arriving)
+            if incoming is not None:
+                block = incoming
+        if ring.size > 1:  # the last holder sends each accumulator home
+            home = torch.empty_like(carried)
+            _wait(ring.exchange([(GRAD, carried)], [(GRAD, home)]))
+            carried = home
+        dq_out = _q_seq(dq, qpg).to(q.dtype)
+        return (dq_out, _kv_seq(carried[0]).to(k.dtype), _kv_seq(carried[1]).to(v.dtype),
+                None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   group: dist.ProcessGroup, masking: Masking, scale: float) -> torch.Tensor:
+    """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
+    K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
+    [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids."""
+    return _RingAttention.apply(q, k, v, group, masking, scale)
