@@ -20,14 +20,16 @@ _CURRENT: ParallelState | None = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               device: torch.device | str | None = None,
-                              shared_memory: bool = True) -> ParallelState:
-    """Build TP x DP (x PP) groups over the current world and make them current (see
+                              shared_memory: bool = True, *,
+                              context_parallel_size: int = 1) -> ParallelState:
+    """Build TP x DP (x PP, x CP) groups over the current world and make them current (see
     :meth:`ParallelState.build` for ``shared_memory``)."""
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("model parallel is already initialised; call destroy_model_parallel().")
     _CURRENT = ParallelState.build(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                   device, shared_memory)
+                                   device, shared_memory,
+                                   context_parallel_size=context_parallel_size)
     return _CURRENT
 
 
@@ -89,3 +91,15 @@ def get_pipeline_model_parallel_world_size() -> int:
 
 def get_pipeline_model_parallel_rank() -> int:
     return _current().pp.rank
+
+
+def get_context_parallel_world_size() -> int:
+    return _current().cp.size
+
+
+def get_context_parallel_rank() -> int:
+    return _current().cp.rank
+
+
+def get_context_parallel_group():
+    return _current().cp.group

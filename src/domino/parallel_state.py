@@ -32,7 +32,6 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_dp")
 _SIZE_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
-_NOT_YET = ("cp",)  # accepted as 1 until context parallelism lands
 
 
 @dataclass(frozen=True)
@@ -53,10 +52,6 @@ class ParallelSizes:
         for dim, value in given.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{_SIZE_NAMES[dim]}={value!r} must be a positive integer.")
-        for dim in _NOT_YET:
-            if given[dim] != 1:
-                raise ValueError(f"{_SIZE_NAMES[dim]}={given[dim]}: this dimension is not "
-                                 "implemented yet; use 1.")
         model = tp * pp * cp
         names = f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}" + (
             f" x context_parallel_size={cp}" if cp > 1 else "")
@@ -256,7 +251,9 @@ def _embedding_group(sizes: ParallelSizes, device: torch.device) -> CommGroup:
 
 def check_sizes(world_size: int, tensor_model_parallel_size: int,
                 pipeline_model_parallel_size: int = 1,
-                expert_model_parallel_size: int = 1) -> None:
-    """Raise ValueError unless world = tp * pp * dp for some integer dp >= 1 that EP divides."""
+                expert_model_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+    """Raise ValueError unless world = tp * pp * cp * dp for some integer dp >= 1, with EP
+    dividing dp * cp."""
     ParallelSizes.for_world(world_size, tp=tensor_model_parallel_size,
-                            pp=pipeline_model_parallel_size, ep=expert_model_parallel_size)
+                            pp=pipeline_model_parallel_size, cp=context_parallel_size,
+                            ep=expert_model_parallel_size)

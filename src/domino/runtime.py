@@ -31,6 +31,8 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 COMPUTE_DTYPES = (*PRECISIONS.values(), torch.float32)  # None: the parameters' own
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # eager: dynamo's tracing only
 DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
+# Context-parallel attention: Megatron's --cp-comm-type values -> domino.context_parallel's kinds.
+CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "alltoall"}
 
 # The seed's constructor spelling of the run-time choices (TransformerConfig keywords and
 # `domino train` flags): name -> (default, help).
@@ -87,6 +89,12 @@ class RuntimeConfig:
         metadata={"help": "The torch.compile backend of compile=True: inductor generates fused "
                           "code (a C++ compiler on CPU, Triton on CUDA); aot_eager traces and "
                           "differentiates the same graphs without generating code."})
+    cp_comm_type: str = field(
+        default="p2p",
+        metadata={"help": "Context parallelism's attention (Megatron's --cp-comm-type; read only "
+                          "when the state's CP group has more than one rank): p2p (K/V blocks "
+                          "around a ring, each transfer under the previous block's compute), "
+                          "all_gather (gather K/V once) or a2a (Ulysses: all-to-all by heads)."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -105,10 +113,18 @@ class RuntimeConfig:
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"compile_backend={self.compile_backend!r} is not one of "
                              f"{', '.join(COMPILE_BACKENDS)}.")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={self.cp_comm_type!r} is not one of "
+                             f"{', '.join(CP_COMM_TYPES)}.")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of "
                              "torch.bfloat16, torch.float16, torch.float32 (or None: the "
                              "parameters' own dtype).")
+
+    @property
+    def cp_kind(self) -> str:
+        """The ``domino.context_parallel`` kind of :attr:`cp_comm_type`."""
+        return CP_COMM_TYPES[self.cp_comm_type]
 
     @classmethod
     def from_seed(cls, *, domino_micro_batches: int = DEFAULT_PLAN.micro_batches,

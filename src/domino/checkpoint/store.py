@@ -30,8 +30,9 @@ from domino.tensor_parallel.placement import placement_of
 
 
 def _writes(state: ParallelState) -> bool:
-    """DP replicas hold identical weights and optimizer state: DP rank 0 writes."""
-    return state.dp.rank == 0
+    """DP and CP replicas hold identical weights and optimizer state (CP ranks' gradients
+    are summed over DP x CP): DP rank 0 of CP rank 0 writes."""
+    return state.dp.rank == 0 and state.cp.rank == 0
 
 
 def named_model_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -8,6 +8,8 @@
   overlapped with compute, online-softmax merge; :mod:`~domino.context_parallel.ring`),
   ``allgather`` (gather K/V) or ``alltoall`` (Ulysses, by heads;
   :mod:`~domino.context_parallel.gathered`);
+* :class:`SequenceMask`: a model's attention mask per token (documents, key padding), what a
+  context-parallel model takes as its ``attention_mask``;
 * :func:`check_context_parallel`: the configuration rules, as ValueErrors naming the flag.
 
 The group is always passed in (a ``torch.distributed`` ProcessGroup); nothing here holds state.
@@ -21,7 +23,7 @@ from domino.context_parallel.attention import (
     context_attention,
 )
 from domino.context_parallel.gathered import allgather_attention, alltoall_attention
-from domino.context_parallel.masks import Masking, dense_attention
+from domino.context_parallel.masks import Masking, SequenceMask, dense_attention
 from domino.context_parallel.ring import ring_attention
 from domino.context_parallel.sharding import (
     check_sequence_length,
@@ -34,7 +36,7 @@ from domino.context_parallel.sharding import (
 )
 
 __all__ = [
-    "KINDS", "Masking", "allgather_attention", "alltoall_attention", "check_context_parallel",
+    "KINDS", "Masking", "SequenceMask", "allgather_attention", "alltoall_attention", "check_context_parallel",
     "check_dropout", "check_heads", "check_sequence_length", "chunk_ids", "context_attention",
     "dense_attention", "gather_sequence", "local_positions", "ring_attention", "shard_order",
     "shard_sequence", "unshard_sequence",

@@ -78,6 +78,49 @@ class Masking:
         return out
 
 
+@dataclass(frozen=True)
+class SequenceMask:
+    """A model's self-attention mask given per token rather than per (query, key) pair: what a
+    context-parallel model takes as its ``attention_mask`` (each rank holds a shard of the
+    queries, so a dense [s, s] mask of the whole sequence is not what it needs).
+    ``document_ids`` (attention stays within a document) and ``key_padding`` (bool, True = a
+    padded key) are [b, S] over the whole sequence in true order (every rank the same) or this
+    rank's shard [b, S/cp] of it; either may be None. Combined with the model's causal rule."""
+
+    document_ids: torch.Tensor | None = None
+    key_padding: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        shapes = {tuple(t.shape) for t in (self.document_ids, self.key_padding) if t is not None}
+        if len(shapes) > 1 or any(len(shape) != 2 for shape in shapes):
+            raise ValueError(f"SequenceMask: document_ids and key_padding must both be [b, s]; "
+                             f"got shapes {sorted(shapes)}")
+        if self.key_padding is not None and self.key_padding.dtype != torch.bool:
+            raise ValueError("SequenceMask: key_padding must be bool, True = a padded key")
+
+    @property
+    def batch(self) -> int | None:
+        t = self.document_ids if self.document_ids is not None else self.key_padding
+        return None if t is None else t.shape[0]
+
+    def rows(self, start: int, stop: int) -> SequenceMask:
+        """The mask of samples ``start`` .. ``stop - 1`` (a micro-batch)."""
+        return SequenceMask(*(None if t is None else t[start:stop]
+                              for t in (self.document_ids, self.key_padding)))
+
+    def dense(self) -> torch.Tensor | None:
+        """The bool mask [b, 1, s, s] (True = masked) of an unsharded sequence, without the
+        causal rule: what ``kernels.attention`` takes."""
+        out = None
+        if self.key_padding is not None:
+            out = self.key_padding[:, None, None, :]
+        if self.document_ids is not None:
+            docs = self.document_ids
+            other = (docs[:, :, None] != docs[:, None, :]).unsqueeze(1)
+            out = other if out is None else out | other
+        return out
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None, *, is_causal: bool, scale: float,
                     q_per_group: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.config import TransformerConfig
+from domino.context_parallel import local_positions
 from domino.enums import AttnMaskType, LayerType
 from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
@@ -148,7 +149,7 @@ class Embedding(nn.Module):
         _check_ids(input_ids, self.real_vocab_size, "input_ids", "vocab_size")
         if self.add_position_embedding:
             if position_ids is None:
-                position_ids = default_position_ids(input_ids)
+                position_ids = default_position_ids(input_ids, self.state.cp)
             _check_ids(position_ids, self.max_sequence_length, "position_ids",
                        "max_position_embeddings")
         if tokentype_ids is not None:
@@ -315,7 +316,7 @@ class TransformerLanguageModel(nn.Module):
             return None
         if position_ids is None:
             if ids is not None:
-                position_ids = default_position_ids(ids)
+                position_ids = default_position_ids(ids, self.state.cp)
             else:
                 s, b = hidden.shape[0], hidden.shape[1]
                 if self.sequence_parallel_active(inference_params):
@@ -407,9 +408,12 @@ def get_language_model(config: TransformerConfig, num_tokentypes: int, add_poole
     return model, "language_model"
 
 
-def default_position_ids(ids: torch.Tensor) -> torch.Tensor:
-    """0..s-1 for every sample of ids [b, s]."""
+def default_position_ids(ids: torch.Tensor, cp: CommGroup | None = None) -> torch.Tensor:
+    """0..s-1 for every sample of ids [b, s]; with a context-parallel group ``cp`` of more
+    than one rank (``ids`` this rank's shard), the true positions of the shard's tokens."""
     b, s = ids.shape
+    if cp is not None and cp.size > 1:
+        return local_positions(s * cp.size, cp.rank, cp.size, ids.device).expand(b, s)
     return torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
 
 

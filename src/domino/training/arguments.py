@@ -28,6 +28,7 @@ from domino.plan import Plan, check_fields
 from domino.precision import PRECISIONS, precision_of
 from domino.runtime import (
     COMPILE_BACKENDS,
+    CP_COMM_TYPES,
     RECOMPUTE_GRANULARITIES,
     SEED_SPELLING,
     RuntimeConfig,
@@ -84,13 +85,23 @@ class TrainArgs(ModelArgs):
         "the three --domino-* settings above).", "model")
     # parallelism and launch
     tensor_model_parallel_size: int = _f(2, "Tensor-parallel size (TP); DP = world size / (TP x "
-                                         "PP).",
+                                         "PP x CP).",
                                          "parallel")
     pipeline_model_parallel_size: int = _f(
         1, "Pipeline-parallel size (PP): the layers are cut into this many stages.", "parallel")
     expert_model_parallel_size: int = _f(
         1, "Expert-parallel size (EP): each MoE layer's experts split over this many of the "
         "data-parallel ranks, tokens exchanged by all-to-all (needs --num-experts).", "parallel")
+    context_parallel_size: int = _f(
+        1, "Context-parallel size (CP): every sequence is cut into 2 x CP chunks and CP rank r "
+        "holds chunks r and 2CP-1-r (equal causal work); attention runs across the CP ranks "
+        "(--cp-comm-type), dense gradients are summed over DP x CP. Needs --seq-length "
+        "divisible by 2 x CP and --attention-dropout 0.", "parallel")
+    cp_comm_type: str = _f(
+        "p2p", "Context-parallel attention: p2p (K/V blocks passed around a ring, each transfer "
+        "under the previous block's compute), all_gather (K/V gathered once) or a2a (Ulysses: "
+        "all-to-all by heads; heads divisible by TP x CP).", "parallel",
+        tuple(CP_COMM_TYPES))
     pipeline_schedule: str | None = _f(
         None, "Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual stages) or zero_bubble "
         "(weight gradients fill the bubble); default 1f1b, or interleaved with "
@@ -102,7 +113,7 @@ class TrainArgs(ModelArgs):
         None, "Uneven stages: layers per stage, comma-separated (e.g. 3,5); default an even "
         "split.", "parallel")
     nproc: int | None = _f(None, "Local processes to start when not under torchrun; default = "
-                           "TP x PP.", "parallel")
+                           "TP x PP x CP.", "parallel")
     device: str | None = _f(None, "cpu or cuda; default cuda when available.", "parallel",
                             ("cpu", "cuda"))
     overlap_grad_reduce: bool = _f(
@@ -281,7 +292,8 @@ class TrainArgs(ModelArgs):
         return RuntimeConfig(plan=self.plan(), sequence_parallel=self.sequence_parallel,
                              recompute_granularity=self.recompute_granularity,
                              compute_dtype=self.compute_dtype(), compile=self.compile,
-                             compile_backend=self.compile_backend)
+                             compile_backend=self.compile_backend,
+                             cp_comm_type=self.cp_comm_type)
 
     def grad_reduce_dtype(self) -> torch.dtype | None:
         """The dtype DP gradient sums run in (None: the gradients' own, fp32)."""

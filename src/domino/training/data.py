@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from domino.context_parallel import SequenceMask, shard_sequence
 from domino.data.blend import (
     Blend,
     blend_dtype,
@@ -27,6 +28,7 @@ from domino.data.gpt_dataset import split_documents
 from domino.data.indexed_dataset import IndexedDataset, data_path, index_path
 from domino.data.preprocess import preprocess, stdlib_corpus_files
 from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
+from domino.parallel_state import ParallelState
 from domino.training.arguments import TrainArgs, flag
 from domino.utils import cache_root
 
@@ -305,4 +307,27 @@ def rank_batches(dataset, first_sample: int, global_batch: int, dp_size: int, dp
         items = [dataset[i] for i in range(start, start + micro_batch)]
         # attention_mask (only with --reset-attention-mask) stacks to [b, 1, s, s], True = masked.
         out.append({k: torch.stack([it[k] for it in items]).to(device) for k in items[0]})
+    return out
+
+
+def state_batches(dataset, first_sample: int, global_batch: int, micro_batch: int,
+                  state: ParallelState) -> list[dict[str, torch.Tensor]]:
+    """:func:`rank_batches` of this rank's DP slice; under context parallelism each [b, s]
+    tensor (tokens, labels, loss mask, position ids) cut to this CP rank's shard of the
+    sequence (chunks r and 2CP-1-r), the position ids staying the tokens' own, and the
+    attention mask of ``--reset-attention-mask`` given as the whole sequence's document ids."""
+    batches = rank_batches(dataset, first_sample, global_batch, state.dp.size, state.dp.rank,
+                           micro_batch, state.device)
+    cp = state.cp
+    if cp.size == 1:
+        return batches
+    out = []
+    for batch in batches:
+        mask = batch.pop("attention_mask", None)  # [b, 1, s, s]: causal and within documents
+        out.append({k: shard_sequence(v, cp.rank, cp.size, dim=1) for k, v in batch.items()})
+        if mask is not None:
+            # A row sees its document's start .. itself: the first key it sees names the
+            # document (with the causal rule, the same mask).
+            out[-1]["attention_mask"] = SequenceMask(
+                document_ids=(~mask[:, 0]).to(torch.uint8).argmax(-1))
     return out

@@ -31,7 +31,7 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import SYNC, Plan
 from domino.tensor_parallel import placement_of
-from domino.training.data import data_sources, rank_batches
+from domino.training.data import data_sources, state_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import make_reducer
 from domino.training.logging import RunLogger
@@ -78,7 +78,8 @@ class Trainer:
         self.state = state if state is not None else ParallelState.build(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             device=args.device, shared_memory=args.shared_memory_comm,
-            expert_model_parallel_size=args.expert_model_parallel_size)
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            context_parallel_size=args.context_parallel_size)
         dp, tp, pp = self.state.dp, self.state.tp, self.state.pp
         torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
         self.state.rng.seed(args.seed)
@@ -133,7 +134,8 @@ class Trainer:
         self.state.world.barrier()
         self.peak, self.peak_what = peak_flops(
             self.state.device, compute,
-            rank_gemms(run.config, args.micro_batch_size * args.seq_length, tp.size),
+            rank_gemms(run.config, args.micro_batch_size * args.seq_length // self.state.cp.size,
+                       tp.size),
             args.peak_tflops)
         if self.rank0:
             for note in notes:
@@ -153,7 +155,7 @@ class Trainer:
                             f"accumulation step(s) | {split}")
             self.log.print(
                 f"model: {int(count.item()):,} parameters | TP={tp.size} x "
-                + (f"PP={pp.size} x " if pp.size > 1 else "") + f"DP={dp.size} | global batch {args.global_batch_size} x {args.seq_length} "
+                + (f"PP={pp.size} x " if pp.size > 1 else "") + (f"CP={self.state.cp.size} x " if self.state.cp.size > 1 else "") + f"DP={dp.size} | global batch {args.global_batch_size} x {args.seq_length} "
                 f"tokens = {batching} | {len(run.train_ds):,} train samples | device "
                 f"{self.state.device}" + "".join(
                     f" | {_GROUP_NAMES[k]} over {v}"
@@ -200,9 +202,9 @@ class Trainer:
         for step in range(self.start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             set_lr(self.optimizer, lr := learning_rate(step, args))
-            dp = self.state.dp
-            batches = rank_batches(run.train_ds, self.consumed, g, dp.size, dp.rank,
-                                   args.micro_batch_size, self.state.device)
+            dp = self.state.dp_cp  # the gradient reduction's group (its exposed time)
+            batches = state_batches(run.train_ds, self.consumed, g, args.micro_batch_size,
+                                    self.state)
             clock_due = bool(args.save_interval_minutes
                              and time.monotonic() - self.last_save_t
                              >= args.save_interval_minutes * 60)
@@ -371,9 +373,8 @@ class Trainer:
             self.log.print(f"autotune: keeping the checkpoint's plan {plan}")
             return
         args, state = self.args, self.state
-        batch = rank_batches(self.run.train_ds, self.consumed, args.global_batch_size,
-                             state.dp.size, state.dp.rank, args.micro_batch_size,
-                             state.device)[0]
+        batch = state_batches(self.run.train_ds, self.consumed, args.global_batch_size,
+                              args.micro_batch_size, state)[0]
 
         def fwd_bwd() -> None:
             forward_loss(self.model, batch).backward()

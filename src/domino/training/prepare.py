@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from domino.config import TransformerConfig
+from domino.context_parallel import check_context_parallel
 from domino.data.checks import check_tokenizer, eod_of, open_dataset
 from domino.data.tokenizer import Tokenizer
 from domino.flops import check_peak_tflops
@@ -39,6 +40,7 @@ from domino.training.resume import (
     check_save_dir,
     open_resume,
 )
+from domino.transformer.attention import check_a2a_heads
 from domino.utils import removed_on_error
 
 
@@ -102,7 +104,7 @@ def _check_scalars(args: TrainArgs) -> None:
                                     "num_layers_per_virtual_pipeline_stage", "nproc")
                   if getattr(args, name) is not None))
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "micro_batch_size", "train_iters", "log_interval", "lr",
+              "context_parallel_size", "micro_batch_size", "train_iters", "log_interval", "lr",
               "distributed_timeout_minutes")
     _positive(args, "eval_interval", "eval_iters", "min_lr", "lr_warmup_iters", "weight_decay",
               "clip_grad", "save_interval", "exit_interval", "sample_tokens",
@@ -176,6 +178,32 @@ def _check_pipeline(args: TrainArgs, dp: int, progress: bool) -> None:
               "(micro-batch size x DP)) for a smaller one")
 
 
+def _check_context_parallel(args: TrainArgs) -> None:
+    """``--context-parallel-size``: what CP attention needs, and what does not run with it yet."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    check_context_parallel(seq_length=args.seq_length, context_parallel_size=cp,
+                           num_attention_heads=args.num_attention_heads,
+                           attention_dropout=args.attention_dropout)
+    if cp == 1:
+        return
+    if args.cp_comm_type == "a2a":
+        check_a2a_heads(args.num_attention_heads,
+                        args.num_query_groups or args.num_attention_heads, tp, cp)
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
+        raise ValueError(
+            f"--sequence-parallel splits each CP rank's {args.seq_length // cp} tokens "
+            f"(--seq-length {args.seq_length} / --context-parallel-size {cp}) over the "
+            f"--tensor-model-parallel-size {tp} ranks: use a --seq-length that is a multiple "
+            f"of {2 * cp * tp // math.gcd(2, tp)}.")
+    refused = {"--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
+               "--num-experts": args.num_experts is not None,
+               "--domino-autotune": args.domino_autotune}
+    for what, given in refused.items():
+        if given:
+            raise ValueError(f"{what} does not run with --context-parallel-size {cp} yet: "
+                             f"drop it, or use --context-parallel-size 1.")
+
+
 def _check_link(args: TrainArgs, world_size: int) -> None:
     """``--emulate-link``: one emulated host per local rank."""
     if args.emulate_link is None:
@@ -218,16 +246,18 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
              run_dir: Path | None) -> Run:
     _check_scalars(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     if world_size is None:
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (
-            args.nproc or tp * pp)
+            args.nproc or tp * pp * cp)
     if not under_torchrun():
         args.nproc = world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _check_device(args, local if under_torchrun() else world_size)
     _check_link(args, world_size)
     ep = args.expert_model_parallel_size
-    check_sizes(world_size, tp, pp, ep)
+    check_sizes(world_size, tp, pp, ep, cp)
+    _check_context_parallel(args)
     if ep > 1 and (args.num_experts is None or args.num_experts % ep):
         raise ValueError(
             f"--expert-model-parallel-size {ep} splits each MoE layer's experts over {ep} "
@@ -241,8 +271,8 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
         args.save = str(run_dir)
     if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
         args.max_position_embeddings = args.seq_length
-    _check_batches(args, world_size // (tp * pp))
-    _check_pipeline(args, world_size // (tp * pp), progress)
+    _check_batches(args, world_size // (tp * pp * cp))
+    _check_pipeline(args, world_size // (tp * pp * cp), progress)
     if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
         raise ValueError(
             f"--num-experts {args.num_experts} at --tensor-model-parallel-size {tp} needs "

@@ -14,7 +14,7 @@ from domino.parallel_state import ParallelState
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.placement import GRAD_GROUPS
 from domino.training.arguments import TrainArgs
-from domino.training.data import rank_batches
+from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
 from domino.training.optim import agree, clip_coeff, clip_grads, global_grad_norm, grads_of
@@ -66,17 +66,16 @@ def forward_loss(model, batch, context=None) -> torch.Tensor:
 def evaluate(model, dataset, args: TrainArgs, state: ParallelState,
              iters: int | None = None) -> tuple[float, int]:
     """(mean loss per token, tokens) over the first ``iters`` (default ``--eval-iters``)
-    global batches of ``dataset`` (all DP ranks contribute)."""
+    global batches of ``dataset`` (all DP and CP ranks contribute: each its share)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=state.device)
     g = args.global_batch_size
     for k in range(args.eval_iters if iters is None else iters):
-        for batch in rank_batches(dataset, k * g, g, state.dp.size, state.dp.rank,
-                                  args.micro_batch_size, state.device):
+        for batch in state_batches(dataset, k * g, g, args.micro_batch_size, state):
             total[0] += forward_loss(model, batch).double()
             total[1] += batch["loss_mask"].sum().double()
-    state.dp.all_reduce(total, name="eval loss")
+    state.dp_cp.all_reduce(total, name="eval loss")
     model.train(was_training)
     return float(total[0] / total[1].clamp(min=1)), int(total[1])
 
@@ -93,7 +92,9 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     if reducer is None and any(state.group(name).size > 1 for name in GRAD_GROUPS):
         raise ValueError("train_step needs a GradReducer with data parallelism: build it with "
                          "domino.training.grad_sync.make_reducer")
-    dp, tp, device = state.dp, state.tp, state.device
+    # Under CP a rank's batches hold its shards of the samples: its loss tokens are counted
+    # and its loss summed over DP x CP, so every token counts once (dp_cp is dp at CP = 1).
+    dp, tp, device = state.dp_cp, state.tp, state.device
     # Time blocked on DP collectives: the token count's, the gradient groups', ZeRO's gathers.
     dp_groups = _distinct([dp, *(reducer.groups() if reducer is not None else [])])
     comm0 = tp.stats.wait_s
@@ -165,7 +166,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     # A pipeline's stages hold different MoE layers: the metrics are summed over them.
     stages = state.pp if runner is not None and runner.has_moe else None
     return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait,
-                       exposed_dp, step_end(experts, dp, stages))
+                       exposed_dp, step_end(experts, state.dp, stages))
 
 
 def _distinct(groups: list[CommGroup]) -> list[CommGroup]:

@@ -68,7 +68,8 @@ def run_worker(run: Run) -> int:
         state = ParallelState.build(args.tensor_model_parallel_size,
                                     args.pipeline_model_parallel_size, device=device,
                                     shared_memory=args.shared_memory_comm,
-                                    expert_model_parallel_size=args.expert_model_parallel_size)
+                                    expert_model_parallel_size=args.expert_model_parallel_size,
+                                    context_parallel_size=args.context_parallel_size)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         result = train(run, state=state, stop=stop)
         state.close()

@@ -6,6 +6,11 @@ that its exit (``exit()``: ``dense``'s partial sums, summed over TP) can run ``d
 chunks while a schedule launches each chunk's collective. Heads are split over
 TP ranks; the fused QKV weight is laid out per query group as ``[q heads of the group | k | v]``
 so that a contiguous TP shard holds whole groups.
+
+Under context parallelism (the state's ``cp`` group has more than one rank) each rank holds a
+load-balanced shard of every sequence (``domino.context_parallel``) and self attention runs
+across the group by :func:`~domino.context_parallel.context_attention`; causality and the
+sliding window go by true position, which RoPE also takes from the caller's position ids.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from domino.config import TransformerConfig
+from domino.context_parallel import SequenceMask, check_dropout, context_attention
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
@@ -49,8 +55,22 @@ def _recomputed(fn, gen: torch.Generator, *args):
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
 
-def _mb_slice(mask: torch.Tensor | None, mb: MicroBatch, b: int) -> torch.Tensor | None:
-    """The micro-batch's rows of a mask whose batch dim is the full batch (or broadcast)."""
+def check_a2a_heads(heads: int, groups: int, tp: int, cp: int) -> None:
+    """Raise ValueError unless all-to-all context parallelism can give each CP rank whole
+    query heads and K/V groups of its TP rank's."""
+    if heads % (tp * cp) or groups % (tp * cp):
+        raise ValueError(
+            f"--cp-comm-type a2a gives each CP rank whole heads: --num-attention-heads {heads} "
+            f"and --num-query-groups {groups} must both be divisible by "
+            f"--tensor-model-parallel-size x --context-parallel-size = {tp * cp}. Change those "
+            "sizes, or use --cp-comm-type p2p (ring attention: no such rule).")
+
+
+def _mb_slice(mask, mb: MicroBatch, b: int) -> torch.Tensor | None:
+    """The micro-batch's rows of a mask whose batch dim is the full batch (or broadcast); a
+    :class:`SequenceMask` (of a whole, unsharded sequence here) as a dense mask."""
+    if isinstance(mask, SequenceMask):
+        return mask.rows(mb.batch_start, mb.batch_start + b).dense()
     if mask is None or mask.dim() < 4 or mask.shape[0] == 1:
         return mask
     return mask[mb.batch_start:mb.batch_start + b]
@@ -72,6 +92,7 @@ class _AttentionBase(nn.Module):
         self.dropout_p = config.attention_dropout
         self.softmax_fp32 = config.attention_softmax_in_fp32
         self.recompute = recompute  # selective recomputation of the core attention
+        self.cp = state.cp
         self.dense = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, group=tp,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
@@ -108,8 +129,14 @@ class SelfAttention(_AttentionBase):
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
                  device: torch.device | None = None, *, recompute: bool = False,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, cp_kind: str = "ring") -> None:
         super().__init__(config, state, layer_number, device, recompute, kernels)
+        self.cp_kind = cp_kind  # a domino.context_parallel kind (RuntimeConfig.cp_kind)
+        if self.cp.size > 1:
+            check_dropout(config.attention_dropout, self.cp.size)
+            if cp_kind == "alltoall":
+                check_a2a_heads(config.num_attention_heads, config.num_query_groups,
+                                state.tp.size, self.cp.size)
         width = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, width, group=state.tp,
@@ -130,9 +157,24 @@ class SelfAttention(_AttentionBase):
         kernels = self.kernels.serving(mb.inference_params is not None)
         q, k, v = kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim,
                                     *self._qk_norms())
+        if self.cp.size > 1 and mb.inference_params is None:
+            return self._context_attend(q, k, v, mb)
         k, v = self._cache(k, v, mb)
         return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal, kernels,
                             self.window)
+
+    def _context_attend(self, q, k, v, mb: MicroBatch) -> torch.Tensor:
+        """Attention of this rank's sequence shard against the whole sequence over the CP
+        group. Not under selective recomputation: ring attention keeps no s x s tensor for
+        backward, and recomputing would repeat the exchanges. (KV-cache decoding does not come
+        here: weights are whole on every CP rank, so one rank generates alone from whole,
+        unsharded sequences.)"""
+        mask = mb.self_mask  # a SequenceMask or None (DominoTransformer.forward checks)
+        mask = (mask or SequenceMask()).rows(mb.batch_start, mb.batch_start + q.shape[1])
+        return context_attention(q, k, v, group=self.cp.group, kind=self.cp_kind,
+                                 causal=mb.causal, q_per_group=self.q_per_group,
+                                 key_padding=mask.key_padding, document_ids=mask.document_ids,
+                                 window=self.window)
 
     def _qk_norms(self) -> tuple:
         """The query and key norms' kernel arguments (none without ``qk_layernorm``), their
@@ -173,6 +215,10 @@ class CrossAttention(_AttentionBase):
                  device: torch.device | None = None, *, recompute: bool = False,
                  kernels: Kernels | None = None) -> None:
         super().__init__(config, state, layer_number, device, recompute, kernels)
+        if self.cp.size > 1:
+            raise ValueError("cross attention (an encoder-decoder model) is not supported with "
+                             f"context parallelism (context_parallel_size {self.cp.size}): use "
+                             "a CP size of 1.")
         self.query = ColumnParallelLinear(
             config.hidden_size, config.num_attention_heads * self.head_dim, group=state.tp,
             bias=config.add_bias_linear, init_method=config.init_method,

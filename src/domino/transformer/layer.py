@@ -107,18 +107,22 @@ class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: self attention, cross attention (decoder), MLP.
     ``recompute_attention``: selective recomputation of the core attention (a run-time choice,
     ``RuntimeConfig.recompute_granularity == "selective"``); ``kernels``: the piece functions
-    its ops run (eager, or compiled: ``RuntimeConfig.compile``)."""
+    its ops run (eager, or compiled: ``RuntimeConfig.compile``); ``cp_kind``: the
+    context-parallel attention it runs when the state's CP group has more than one rank
+    (``RuntimeConfig.cp_kind``)."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
                  layer_type: LayerType = LayerType.encoder,
                  device: torch.device | None = None, *,
-                 recompute_attention: bool = False, kernels: Kernels | None = None) -> None:
+                 recompute_attention: bool = False, kernels: Kernels | None = None,
+                 cp_kind: str = "ring") -> None:
         super().__init__()
         self.layer_number, self.layer_type = layer_number, layer_type
         self.config, self.rng = config, state.rng
         self.input_layernorm = build_norm(config, device)
         self.self_attention = SelfAttention(config, state, layer_number, device,
-                                            recompute=recompute_attention, kernels=kernels)
+                                            recompute=recompute_attention, kernels=kernels,
+                                            cp_kind=cp_kind)
         self.post_attention_layernorm = build_norm(config, device)
         if layer_type == LayerType.decoder:
             self.inter_attention = CrossAttention(config, state, layer_number, device,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from domino.config import TransformerConfig
+from domino.context_parallel import SequenceMask
 from domino.enums import AttnMaskType, LayerType
 from domino.megatron_compat import resolve
 from domino.parallel_state import ParallelState
@@ -101,7 +102,7 @@ class DominoTransformer(nn.Module):
                 layers.append(TransformerLayer(
                     config, state, i + 1, layer_type, device,
                     recompute_attention=runtime.recompute_granularity == "selective",
-                    kernels=self.kernels))
+                    kernels=self.kernels, cp_kind=runtime.cp_kind))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (build_norm(config, device)
                                 if post_process and config.final_layernorm else None)
@@ -213,7 +214,7 @@ class DominoTransformer(nn.Module):
             if sp:  # a shard [s/tp, b, h]: what else covers the sequence must say s * tp
                 for name, t, dim in (("attention_mask", attention_mask, -2),
                                      ("rotary_pos_emb", rotary_pos_emb, 0)):
-                    if t is not None and t.shape[dim] not in (1, s * tp):
+                    if isinstance(t, torch.Tensor) and t.shape[dim] not in (1, s * tp):
                         raise ValueError(
                             f"sequence parallelism: hidden_states are this rank's sequence "
                             f"shard [s/{tp}, b, h], {s} positions, so {name} must cover "
@@ -227,6 +228,12 @@ class DominoTransformer(nn.Module):
         else:
             encoder_output_full = encoder_output
         check_mask(attention_mask, b, "attention_mask")
+        if self.state.cp.size > 1 and inference_params is None \
+                and isinstance(attention_mask, torch.Tensor):
+            raise ValueError(
+                "with context parallelism (context_parallel_size > 1) the attention_mask is a "
+                "domino.context_parallel.SequenceMask (document ids, key padding per token), "
+                "not a dense [b, 1, s, s] mask: each rank holds only a shard of the queries.")
         check_mask(enc_dec_attn_mask, b, "enc_dec_attn_mask")
         if self.layer_type == LayerType.decoder and encoder_output is None:
             raise ValueError("a decoder needs encoder_output for its cross attention.")
@@ -253,9 +260,15 @@ class DominoTransformer(nn.Module):
         return [blk for layer in self.layers for blk in layer.blocks()]
 
 
-def check_mask(mask: torch.Tensor | None, batch: int, name: str) -> None:
-    """Masks are bool, True = masked out, broadcastable to [b, 1, s_q, s_k]."""
+def check_mask(mask: torch.Tensor | SequenceMask | None, batch: int, name: str) -> None:
+    """Masks are bool, True = masked out, broadcastable to [b, 1, s_q, s_k]; or per token, a
+    :class:`~domino.context_parallel.SequenceMask` of ``batch`` samples."""
     if mask is None:
+        return
+    if isinstance(mask, SequenceMask):
+        if mask.batch not in (None, batch):
+            raise ValueError(f"{name} is a SequenceMask of {mask.batch} samples for a batch of "
+                             f"{batch}.")
         return
     if mask.dtype != torch.bool:
         raise ValueError(f"{name} has dtype {mask.dtype}; it must be torch.bool with True = "

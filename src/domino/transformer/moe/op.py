@@ -89,6 +89,10 @@ class MoEOp(nn.Module):
     def __init__(self, config: TransformerConfig, state: ParallelState,
                  device: torch.device | None = None) -> None:
         super().__init__()
+        if state.cp.size > 1:  # the auxiliary losses and capacities would see a shard of a sequence
+            raise ValueError(f"MoE layers (--num-experts) are not supported with context "
+                             f"parallelism (--context-parallel-size {state.cp.size}) yet: use "
+                             "a dense model or a CP size of 1.")
         self.tp = state.tp
         self.shards: CommGroup | None = None  # the TP group while a run is sequence parallel
         self.topk = config.moe_router_topk

@@ -1,0 +1,257 @@
+"""A GPT under context parallelism vs the single-process model on the whole sequence.
+
+One spawn per world size: CP=2 (2 ranks) and CP=2 x TP=2 (4 ranks). Each rank feeds its
+load-balanced shard of the tokens (chunks r and 2*CP-1-r, written here from the definition)
+with their true positions; for two models (learned positions + GELU; RoPE + SwiGLU + GQA +
+a sliding window), every CP attention kind (``cp_comm_type`` p2p / all_gather / a2a) and a
+Domino plan or none (at TP=2 also with sequence parallelism), and with documents and key
+padding (a SequenceMask of the whole sequence or of the shard): per-token losses (reassembled
+in true order), every parameter gradient (summed over CP, this rank's TP shard of the
+reference's) and, after one optimizer step on both, the weights and the next losses, in fp32.
+Plus the configuration errors and Megatron's mpu functions for CP.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_distributed
+from tp_helpers import (
+    TinyOptimizer,
+    config,
+    copy_weights,
+    expected_local,
+    failures,
+    one_thread,
+    perturb,
+    rel_err,
+    weight_errors,
+)
+
+from domino import ParallelState
+from domino.context_parallel import SequenceMask
+from domino.enums import AttnMaskType
+from domino.gpt_model import GPTModel
+from domino.language_model import TransformerLanguageModel
+from domino.parallel_state import ParallelSizes
+from domino.pipeline.model import PipelineModel
+from domino.pipeline.partition import partition
+from domino.runtime import CP_COMM_TYPES, RuntimeConfig
+from domino.transformer import Plan
+
+BATCH, SEQ = 2, 16
+COMMON = dict(hidden_size=64, num_attention_heads=8, seq_length=SEQ, max_position_embeddings=32)
+MODELS = {
+    "learned_gelu": dict(),
+    "rope_swiglu_gqa_window": dict(normalization="RMSNorm", activation="swiglu",
+                                   position_embedding_type="rope", num_query_groups=4,
+                                   add_bias_linear=False, window_size=5),
+}
+# name -> (plan, sequence parallelism: on at TP=2 only)
+PLANS = {"sync": (Plan(1, "none", 1), False), "m2_cross": (Plan(2, "cross_layer", 1), False),
+         "m2_cross_sp": (Plan(2, "cross_layer", 1), True)}
+WORLDS = {2: dict(cp=2), 4: dict(cp=2, tp=2)}
+MASKED, MASKS = "rope_swiglu_gqa_window", ("whole", "shard")  # documents + key padding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _shard(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """[b, s] -> this rank's [b, s/cp]: chunks rank and 2*cp-1-rank of 2*cp."""
+    chunks = x.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
+
+
+def _unshard(shards: list) -> torch.Tensor:
+    cp = len(shards)
+    chunks = [None] * (2 * cp)
+    for r, x in enumerate(shards):
+        chunks[r], chunks[2 * cp - 1 - r] = x.chunk(2, dim=1)
+    return torch.cat(chunks, dim=1)
+
+
+def _whole(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Every CP rank's shard [b, s/cp] of ``x``, in true order."""
+    parts = [torch.empty_like(x) for _ in range(state.cp.size)]
+    dist.all_gather(parts, x.contiguous(), group=state.cp.group)
+    return _unshard(parts)
+
+
+def _sum_grads_over_cp(model: torch.nn.Module, state: ParallelState) -> None:
+    """What a trainer's DP x CP reduction does for dense weights (here DP = 1)."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=state.cp.group)
+
+
+def _masks() -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, SEQ] document ids (packed documents of uneven lengths) and key padding (True = pad:
+    sample 0's first 3 keys, so its first queries see no key at all; scattered in sample 1)."""
+    docs = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    for b, starts in enumerate(([5, 6, 11], [9])):
+        docs[b, starts] = 1
+    docs = docs.cumsum(1)
+    pad = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    pad[0, :3] = True
+    pad[1, [4, 13]] = True
+    return docs, pad
+
+
+def _case(state: ParallelState, model_name: str, comm: str, plan: Plan, sp: bool,
+          masks: str | None = None) -> dict:
+    """``masks``: documents and key padding, given to the CP model as a SequenceMask of the
+    ``whole`` sequence or of each rank's ``shard``, to the reference as a dense mask."""
+    cfg = config(**{**COMMON, **MODELS[model_name]})
+    torch.manual_seed(0)
+    ref = GPTModel(cfg, parallel_state=ParallelState.single())
+    perturb(ref, seed=1, vocab=cfg.vocab_size)
+    model = GPTModel(cfg, parallel_state=state,
+                     runtime=RuntimeConfig(plan=plan, cp_comm_type=comm, sequence_parallel=sp))
+    copy_weights(model, ref, state.tp, cfg.vocab_size)
+    model.language_model.encoder.set_plan(plan, force=True)  # split at TP=1 too
+    cp, rank = state.cp.size, state.cp.rank
+    positions = _shard(torch.arange(SEQ).expand(BATCH, SEQ), rank, cp)
+    kind, lr = ("sgd", 0.02) if model_name == "learned_gelu" else ("adam", 2e-4)
+    opt_m, opt_r = (TinyOptimizer(m.parameters(), kind, lr=lr) for m in (model, ref))
+    mask = mask_ref = None
+    if masks is not None:
+        docs, pad = _masks()
+        mask_ref = ((docs[:, :, None] != docs[:, None, :]) | pad[:, None, :]).unsqueeze(1)
+        if masks == "shard":
+            docs, pad = _shard(docs, rank, cp), _shard(pad, rank, cp)
+        mask = SequenceMask(document_ids=docs, key_padding=pad)
+    gen = torch.Generator().manual_seed(2)
+    res = {}
+    for step in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+        labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+        wts = torch.rand(BATCH, SEQ, generator=gen)
+        loss = model(_shard(ids, rank, cp), positions, mask, labels=_shard(labels, rank, cp))
+        loss_ref = ref(ids, None, mask_ref, labels=labels)
+        res[f"loss{step}"] = rel_err(_whole(loss.detach(), state), loss_ref)
+        if step == 1:
+            break
+        (loss * _shard(wts, rank, cp)).sum().backward()
+        (loss_ref * wts).sum().backward()
+        _sum_grads_over_cp(model, state)
+        refs = dict(ref.named_parameters())
+        res["grads"] = {n: rel_err(p.grad, expected_local(n, refs[n].grad, p, state.tp,
+                                                          cfg.vocab_size))
+                        for n, p in model.named_parameters()}
+        opt_m.step()
+        opt_r.step()
+    res["weights"] = weight_errors(model, ref, state.tp, cfg.vocab_size)
+    if comm == "p2p" and plan.micro_batches == 1 and masks is None:
+        with torch.no_grad():  # positions left out: the shard's true ones
+            again = model(_shard(ids, rank, cp), None, None, labels=_shard(labels, rank, cp))
+        res["default_positions"] = rel_err(again, loss.detach())
+    return res
+
+
+def _errors(state: ParallelState) -> dict:
+    """What CP refuses, at construction or (a dense mask) before the first collective: the
+    message of each."""
+    out = {}
+    builds = {
+        "attention_dropout": lambda: GPTModel(config(**COMMON, attention_dropout=0.1),
+                                              parallel_state=state),
+        "a2a_heads": lambda: GPTModel(config(**COMMON, num_query_groups=state.tp.size),
+                                      parallel_state=state,
+                                      runtime=RuntimeConfig(cp_comm_type="a2a")),
+        "encoder_decoder": lambda: TransformerLanguageModel(
+            config(**COMMON), AttnMaskType.padding, add_decoder=True, parallel_state=state),
+        "moe": lambda: GPTModel(config(**COMMON, num_experts=2, moe_ffn_hidden_size=32),
+                                parallel_state=state),
+        "pipeline": lambda: PipelineModel(config(**COMMON), state, partition(2, 1)),
+        "dense_mask": lambda: GPTModel(config(**COMMON), parallel_state=state)(
+            torch.zeros(BATCH, SEQ // 2, dtype=torch.long), None,
+            torch.zeros(BATCH, 1, SEQ // 2, SEQ, dtype=torch.bool)),
+    }
+    for name, build in builds.items():
+        try:
+            build()
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def _compat(world: int) -> tuple:
+    """Megatron's mpu functions over a state with CP."""
+    from domino import megatron_compat as mpu
+
+    mpu.initialize_model_parallel(WORLDS[world].get("tp", 1), shared_memory=False,
+                                  context_parallel_size=WORLDS[world]["cp"])
+    try:
+        return (mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(),
+                mpu.get_data_parallel_world_size(), mpu.get_context_parallel_group() is not None)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _rank(rank: int, world: int) -> dict:
+    state = ParallelState.from_sizes(ParallelSizes.for_world(world, **WORLDS[world]))
+    try:
+        out = {(m, c, p): _case(state, m, c, *PLANS[p]) for m in MODELS for c in CP_COMM_TYPES
+               for p in PLANS if state.tp.size > 1 or not PLANS[p][1]}
+        for c in CP_COMM_TYPES:
+            for masks in MASKS:
+                out[(MASKED, c, masks)] = _case(state, MASKED, c, *PLANS["m2_cross"], masks)
+        out["errors"] = _errors(state)
+        out["compat"] = _compat(world)
+        return out
+    finally:
+        state.close()
+
+
+_RESULTS: dict = {}
+
+
+def _results(world: int) -> list:
+    if world not in _RESULTS:
+        _RESULTS[world] = run_distributed(_rank, world)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("comm", list(CP_COMM_TYPES))
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize(("world", "plan"), [(w, p) for w in WORLDS for p in PLANS
+                                             if w == 4 or not PLANS[p][1]])
+def test_cp_gpt_matches_single_process(world, plan, model, comm) -> None:
+    for rank, per_rank in enumerate(_results(world)):
+        res = per_rank[(model, comm, plan)]
+        where = f"world {world} ({WORLDS[world]}) rank {rank}: {model} {comm} {plan}"
+        scalars = {k: v for k, v in res.items() if k not in ("grads", "weights")}
+        assert not failures(scalars), f"{where}: {failures(scalars)}"
+        assert not failures(res["grads"]), f"{where} gradients: {failures(res['grads'])}"
+        assert not failures(res["weights"]), f"{where} weights after a step: " \
+            f"{failures(res['weights'])}"
+
+
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("comm", list(CP_COMM_TYPES))
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_cp_gpt_with_documents_and_padding(world, comm, masks) -> None:
+    for rank, per_rank in enumerate(_results(world)):
+        res = per_rank[(MASKED, comm, masks)]
+        where = f"world {world} rank {rank}: {comm}, masks of the {masks} sequence"
+        bad = {**failures({k: v for k, v in res.items() if k not in ("grads", "weights")}),
+               **failures(res["grads"]), **failures(res["weights"])}
+        assert not bad, f"{where}: {bad}"
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_cp_model_configuration_errors(world) -> None:
+    for errors in (r["errors"] for r in _results(world)):
+        assert all("context" in e for e in errors.values()), errors
+        assert "--attention-dropout 0.1" in errors["attention_dropout"]
+        assert "--context-parallel-size 1" in errors["attention_dropout"]
+        assert "--num-query-groups" in errors["a2a_heads"] and "p2p" in errors["a2a_heads"]
+        assert "SequenceMask" in errors["dense_mask"]
+    tp = WORLDS[world].get("tp", 1)
+    assert [r["compat"] for r in _results(world)] == [(2, rank // tp, 1, True)
+                                                      for rank in range(world)]
