@@ -24,47 +24,19 @@ runs in fp32) does: the gradient of a padding query, whose loss weight is zero i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 
 from domino.context_parallel.masks import Masking
 from domino.context_parallel.sharding import chunk_ids
+from domino.tensor_parallel.comm import DONE, CommGroup
 
 MIN = torch.finfo(torch.float32).min  # the masked score: kernels.attention's convention
 BLIND = MIN / 2  # a row's log-sum-exp below this: the row sees no key
-KV, GRAD = 0, 1  # p2p tags: a K/V block and a dK/dV accumulator can share one exchange
 
 
-@dataclass(frozen=True)
-class _Ring:
-    """This rank's place in the ring of ``group``: global ranks of the next and previous."""
-
-    group: dist.ProcessGroup
-    rank: int
-    size: int
-    next: int
-    prev: int
-
-    @classmethod
-    def of(cls, group: dist.ProcessGroup) -> _Ring:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        return cls(group, rank, size, dist.get_global_rank(group, (rank + 1) % size),
-                   dist.get_global_rank(group, (rank - 1) % size))
-
-    def exchange(self, sends: list[tuple[int, torch.Tensor]],
-                 recvs: list[tuple[int, torch.Tensor]]) -> list:
-        """Launch (tag, tensor) sends to the next rank and receives from the previous one;
-        returns the works to wait on."""
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for tag, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in recvs]
-        return dist.batch_isend_irecv(ops)
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+def _neighbours(group: CommGroup) -> tuple[int, int]:
+    """The group ranks this rank sends to (next) and receives from (previous)."""
+    return (group.rank + 1) % group.size, (group.rank - 1) % group.size
 
 
 # ---- layouts: heads outer, chunk (head / tail) next, so that a chunk is one slice ----------
@@ -167,46 +139,50 @@ def _backward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: dist.ProcessGroup, masking: Masking, scale: float) -> torch.Tensor:
-        ring = _Ring.of(group)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
+                masking: Masking, scale: float, overlap: bool) -> torch.Tensor:
+        nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
         qpg, c = n // g, s // 2
-        mine = chunk_ids(ring.rank, ring.size)
+        mine = chunk_ids(group.rank, group.size)
         q_rows = _q_rows(q, g).float()  # [b, g, 2, qpg*c, d]
         m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
         z = torch.zeros_like(m)
         acc = torch.zeros_like(q_rows)
         block = _kv_blocks(k, v)
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            pending, incoming = [], None
-            if step + 1 < ring.size:  # launched before this block's compute: it overlaps
+        for step in range(group.size):
+            src = (group.rank - step) % group.size
+            pending, incoming = DONE, None
+            if step + 1 < group.size:  # launched before this block's compute: it overlaps
                 incoming = torch.empty_like(block)
-                pending = ring.exchange([(KV, block)], [(KV, incoming)])
+                pending = group.exchange([(nxt, block)], [(prev, incoming)], "cp fwd kv",
+                                         {"step": step})
+                if not overlap:  # the un-overlapped baseline: the transfer waited for first
+                    pending.wait()
             kv = block.float()
-            for j, kid in enumerate(chunk_ids(src, ring.size)):
+            for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
                     _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask,
                                   scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i])
-            _wait(pending)
+            pending.wait()
             if incoming is not None:
                 block = incoming
         out = _q_seq(acc / z.unsqueeze(-1), qpg).reshape(s, b, n * d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, m + torch.log(z))  # the rows' log-sum-exp
-        ctx.group, ctx.masking, ctx.scale = group, masking, scale
+        ctx.group, ctx.masking, ctx.scale, ctx.overlap = group, masking, scale, overlap
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, masking, scale = _Ring.of(ctx.group), ctx.masking, ctx.scale
+        group, masking, scale = ctx.group, ctx.masking, ctx.scale
+        nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
         qpg, c = n // g, s // 2
-        mine = chunk_ids(ring.rank, ring.size)
+        mine = chunk_ids(group.rank, group.size)
         q_rows = _q_rows(q, g).float()
         dout = _q_rows(grad.reshape(s, b, n, d), g).float()
         delta = (dout * _q_rows(out.reshape(s, b, n, d), g).float()).sum(-1)
@@ -215,21 +191,24 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q_rows)
         block = _kv_blocks(k, v)
         carried = None  # dK/dV of the block in hand, summed over the ranks it has visited
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
+        for step in range(group.size):
+            src = (group.rank - step) % group.size
             sends, recvs, incoming, arriving = [], [], None, None
-            if step + 1 < ring.size:
+            if step + 1 < group.size:
                 incoming = torch.empty_like(block)
-                sends.append((KV, block))
-                recvs.append((KV, incoming))
+                sends.append((nxt, block))
+                recvs.append((prev, incoming))
             if step > 0:  # the previous block's dK/dV goes on, this block's arrives
                 arriving = torch.empty_like(carried)
-                sends.append((GRAD, carried))
-                recvs.append((GRAD, arriving))
-            pending = ring.exchange(sends, recvs) if sends else []
+                sends.append((nxt, carried))
+                recvs.append((prev, arriving))
+            pending = group.exchange(sends, recvs, "cp bwd kv", {"step": step}) \
+                if sends else DONE
+            if not ctx.overlap:
+                pending.wait()
             grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
             kv = block.float()
-            for j, kid in enumerate(chunk_ids(src, ring.size)):
+            for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
                     if skip:
@@ -239,22 +218,24 @@ class _RingAttention(torch.autograd.Function):
                     _backward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
                                    dout[:, :, i], lse[:, :, i], delta[:, :, i], mask,
                                    scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j])
-            _wait(pending)
+            pending.wait()
             carried = grads if arriving is None else grads.add_(arriving)
             if incoming is not None:
                 block = incoming
-        if ring.size > 1:  # the last holder sends each accumulator home
+        if group.size > 1:  # the last holder sends each accumulator home
             home = torch.empty_like(carried)
-            _wait(ring.exchange([(GRAD, carried)], [(GRAD, home)]))
+            group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home").wait()
             carried = home
         dq_out = _q_seq(dq, qpg).to(q.dtype)
         return (dq_out, _kv_seq(carried[0]).to(k.dtype), _kv_seq(carried[1]).to(v.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   group: dist.ProcessGroup, masking: Masking, scale: float) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: CommGroup,
+                   masking: Masking, scale: float, overlap: bool = True) -> torch.Tensor:
     """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
     K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
-    [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids."""
-    return _RingAttention.apply(q, k, v, group, masking, scale)
+    [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids.
+    ``overlap`` False waits for each exchange before computing (the baseline the benchmark
+    compares against); a disabled group computes the same without exchanging."""
+    return _RingAttention.apply(q, k, v, group, masking, scale, overlap)
