@@ -51,6 +51,7 @@ CASES = {
 }
 BF16_CASE = "causal_padding"
 WHOLE_CASE = "documents_padding_scale"
+BLOCKED_CASE = "window_gqa_documents"  # GQA: the pieces are per head
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -232,6 +233,23 @@ def _hooked(group, rank: int, cp: int) -> dict:
                                     for n in ("out", "dq", "dk", "dv")))
 
 
+def _blocked(group, rank: int, cp: int) -> dict:
+    """Ring attention computed in pieces of 3 query rows of one head (``block_elements``):
+    its outputs and gradients, to equal the reference as the one-piece ring's do."""
+    from domino.context_parallel import Masking, ring_attention
+
+    inp = _inputs(BLOCKED_CASE, cp)
+    q, k, v = (_shard(inp[n], rank, cp).requires_grad_() for n in "qkv")
+    masking = Masking(causal=inp["causal"], window=inp["window"],
+                      key_padding=None if inp["pad"] is None else inp["pad"].bool(),
+                      document_ids=inp["docs"])
+    per_row = B * k.shape[2] * (S // (2 * cp))  # scores of one query row against a chunk
+    out = ring_attention(q, k, v, group=group, masking=masking, scale=D ** -0.5,
+                         block_elements=3 * per_row)
+    (out * _shard(inp["gout"], rank, cp)).sum().backward()
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dtype=str(out.dtype))
+
+
 def _errors(group, cp: int) -> dict:
     """The message of each configuration error, raised on every rank before any collective."""
     q = torch.zeros(4, B, 4, D)
@@ -275,6 +293,7 @@ def _cp_checks(state: ParallelState) -> dict:
     res["whole_masks"] = {kind: _run(group, rank, cp, kind, inp, whole=True) for kind in KINDS}
     res["sync_ring"] = _run(group, rank, cp, "ring", inp, whole=True, overlap=False)
     res["hooked"] = _hooked(group, rank, cp)
+    res["blocked"] = _blocked(group, rank, cp)
     res["trace"] = _traced(group, rank, cp)
     res["errors"] = _errors(group, cp)
     full = torch.arange(B * S).reshape(B, S)
@@ -448,6 +467,15 @@ def test_ring_without_overlap_and_through_the_groups_hook(cp) -> None:
         assert h["names"] == ["cp fwd kv"] * (cp - 1) + ["cp bwd kv"] * cp + \
             ["cp bwd dkv home"], h["names"]
         assert h["disabled_launched"] == [] and h["disabled_finite"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_in_pieces_of_rows_equals_the_reference(cp) -> None:
+    """A long sequence's pair of chunks is computed in pieces of query rows (bounded
+    transients); here pieces of 3 rows of one head, also where a piece crosses no mask."""
+    errors = _errors_vs([r["blocked"] for r in tp_results(cp, _cp_checks)],
+                        _ref(BLOCKED_CASE, cp))
+    assert max(errors.values()) <= TOL, errors
 
 
 @pytest.mark.parametrize("cp", [2, 4])
