@@ -241,6 +241,21 @@ def test_compiled_modes_take_compiled_baselines_only() -> None:
     assert alone["speedup_vs_sync"] is None
 
 
+def test_simulated_link_charges_each_kind_its_bytes() -> None:
+    """Bytes on one rank's link: an all-reduce twice (size-1)/size of its buffer, an all-to-all
+    (size-1)/size of its input, point-to-point sends all they send; transfers queue."""
+    from domino.bench.hooks import SimulatedLink
+
+    link = SimulatedLink(8e6)  # 1 MB/s: n bytes take n microseconds
+    t0 = time.perf_counter()
+    works = [link.schedule(1000, 2, "all_reduce"), link.schedule(1000, 4, "all_to_all"),
+             link.schedule(1000, 2, "p2p")]
+    ends = [w.done_at - t0 for w in works]
+    assert ends[0] == pytest.approx(1000e-6, abs=5e-4)
+    assert ends[1] - ends[0] == pytest.approx(750e-6, rel=1e-6)
+    assert ends[2] - ends[1] == pytest.approx(1000e-6, rel=1e-6)
+
+
 def test_cpu_probe_takes_the_median_window() -> None:
     """The 8 MiB probe's CPU per all-reduce is the median over windows: one window disturbed
     by another process on the host (here 10x the others) does not move it."""

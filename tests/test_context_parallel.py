@@ -51,6 +51,7 @@ CASES = {
 }
 BF16_CASE = "causal_padding"
 WHOLE_CASE = "documents_padding_scale"
+BLOCKED_CASE = "window_gqa_documents"  # GQA: the pieces are per head
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -140,16 +141,17 @@ def _reference(inp: dict) -> dict:
 
 # ---- what each rank runs ----------------------------------------------------------------------
 
-def _run(group, rank: int, cp: int, kind: str, inp: dict, whole: bool = False) -> dict:
+def _run(group, rank: int, cp: int, kind: str, inp: dict, whole: bool = False,
+         overlap: bool = True) -> dict:
     """This rank's output and gradients (its shards) for the case ``inp``; the masks are
-    passed sharded, or ``whole``."""
+    passed sharded, or ``whole``; ``overlap`` False: the ring's un-overlapped baseline."""
     q, k, v = (_shard(inp[n], rank, cp).requires_grad_() for n in "qkv")
     masks = {name: None if inp[key] is None else inp[key] if whole else
              _shard(inp[key], rank, cp, dim=1)
              for name, key in (("key_padding", "pad"), ("document_ids", "docs"))}
     out = context_attention(q, k, v, group=group, kind=kind, causal=inp["causal"],
                             q_per_group=inp["qpg"], window=inp["window"],
-                            softmax_scale=inp["scale"], **masks)
+                            softmax_scale=inp["scale"], overlap=overlap, **masks)
     (out * _shard(inp["gout"], rank, cp)).sum().backward()
     return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dtype=str(out.dtype))
 
@@ -193,6 +195,61 @@ def _traced(group, rank: int, cp: int) -> list:
     return log
 
 
+class _Recorder:
+    """A CommHook that records each launch (kind, bytes, name) and runs the real transfer."""
+
+    def __init__(self) -> None:
+        self.launched: list = []
+        self.names: list = []
+
+    def launch(self, tensor, group, kind="all_reduce"):
+        self.launched.append((kind, tensor.numel() * tensor.element_size()))
+
+    def finished(self, name, tags, nbytes, launched_s, wait_s, done_s):
+        self.names.append(name)
+
+    def region(self, name, category, **tags):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _hooked(group, rank: int, cp: int) -> dict:
+    """What the group's hook sees of one ring forward and backward, and what a disabled group
+    (the benchmark's nocomm) computes: the same shapes, no transfer."""
+    inp = _inputs(WHOLE_CASE, cp)
+    group.hook = rec = _Recorder()
+    try:
+        _run(group, rank, cp, "ring", inp, whole=True)
+        launched, names = list(rec.launched), list(rec.names)
+        rec.launched.clear()
+        with group.disabled():
+            off = _run(group, rank, cp, "ring", inp, whole=True)
+    finally:
+        group.hook = None
+    block = 2 * _shard(inp["k"], rank, cp).numel() * 4  # K and V of this rank, fp32
+    return dict(launched=launched, names=names, block=block, disabled_launched=rec.launched,
+                disabled_finite=all(bool(torch.isfinite(off[n]).all())
+                                    for n in ("out", "dq", "dk", "dv")))
+
+
+def _blocked(group, rank: int, cp: int) -> dict:
+    """Ring attention computed in pieces of 3 query rows of one head (``block_elements``):
+    its outputs and gradients, to equal the reference as the one-piece ring's do."""
+    from domino.context_parallel import Masking, ring_attention
+
+    inp = _inputs(BLOCKED_CASE, cp)
+    q, k, v = (_shard(inp[n], rank, cp).requires_grad_() for n in "qkv")
+    masking = Masking(causal=inp["causal"], window=inp["window"],
+                      key_padding=None if inp["pad"] is None else inp["pad"].bool(),
+                      document_ids=inp["docs"])
+    per_row = B * k.shape[2] * (S // (2 * cp))  # scores of one query row against a chunk
+    out = ring_attention(q, k, v, group=group, masking=masking, scale=D ** -0.5,
+                         block_elements=3 * per_row)
+    (out * _shard(inp["gout"], rank, cp)).sum().backward()
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dtype=str(out.dtype))
+
+
 def _errors(group, cp: int) -> dict:
     """The message of each configuration error, raised on every rank before any collective."""
     q = torch.zeros(4, B, 4, D)
@@ -222,7 +279,9 @@ def _errors(group, cp: int) -> dict:
 def _cp_checks(state: ParallelState) -> dict:
     import torch.distributed as dist
 
-    group, cp, rank = state.tp.group, state.tp.size, state.tp.rank
+    from domino.tensor_parallel import CommGroup
+
+    group, cp, rank = state.tp, state.tp.size, state.tp.rank
     res: dict = {"cases": {}}
     for name in CASES:
         inp = _inputs(name, cp)
@@ -232,6 +291,9 @@ def _cp_checks(state: ParallelState) -> dict:
     res["bf16"] = {kind: _run(group, rank, cp, kind, bf16) for kind in KINDS}
     inp = _inputs(WHOLE_CASE, cp)
     res["whole_masks"] = {kind: _run(group, rank, cp, kind, inp, whole=True) for kind in KINDS}
+    res["sync_ring"] = _run(group, rank, cp, "ring", inp, whole=True, overlap=False)
+    res["hooked"] = _hooked(group, rank, cp)
+    res["blocked"] = _blocked(group, rank, cp)
     res["trace"] = _traced(group, rank, cp)
     res["errors"] = _errors(group, cp)
     full = torch.arange(B * S).reshape(B, S)
@@ -239,7 +301,7 @@ def _cp_checks(state: ParallelState) -> dict:
                                           full))
     if cp == 4:  # CP=2 over strided ranks {0, 2} and {1, 3}: group ranks are not global ranks
         subs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        sub = subs[rank % 2]
+        sub = CommGroup(subs[rank % 2], 2, dist.get_rank(subs[rank % 2]))
         inp = _inputs("window_gqa_documents", 2)
         res["strided"] = {kind: _run(sub, rank // 2, 2, kind, inp) for kind in KINDS}
     return res
@@ -386,6 +448,34 @@ def test_every_rank_exchanges_alike_whatever_it_computes(cp) -> None:
     assert rank0[0] == 2 and sum(rank0[1:]) == 0, rank0
     if cp > 2:  # rank 1's tokens see keys of the middle chunks, which other ranks hold
         assert sum(computed_per_step(traces[1])[1:]) > 0, traces[1]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_without_overlap_and_through_the_groups_hook(cp) -> None:
+    """The un-overlapped ring (the benchmark's baseline) gives the same numbers; the group's
+    hook sees every exchange as a p2p transfer of the bytes sent (forward CP-1 K/V blocks,
+    backward CP-1 K/V blocks, CP-1 dK/dV accumulators and one home); a disabled group runs the
+    same compute with no transfer."""  # (each dK/dV accumulator is fp32 like the K/V here)
+    results = tp_results(cp, _cp_checks)
+    errors = _errors_vs([r["sync_ring"] for r in results], _ref(WHOLE_CASE, cp))
+    assert max(errors.values()) <= TOL, errors
+    for res in results:
+        h = res["hooked"]
+        block = h["block"]
+        fwd, bwd = [block] * (cp - 1), [block] + [2 * block] * (cp - 2) + [block, block]
+        assert h["launched"] == [("p2p", n) for n in fwd + bwd], h["launched"]
+        assert h["names"] == ["cp fwd kv"] * (cp - 1) + ["cp bwd kv"] * cp + \
+            ["cp bwd dkv home"], h["names"]
+        assert h["disabled_launched"] == [] and h["disabled_finite"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_in_pieces_of_rows_equals_the_reference(cp) -> None:
+    """A long sequence's pair of chunks is computed in pieces of query rows (bounded
+    transients); here pieces of 3 rows of one head, also where a piece crosses no mask."""
+    errors = _errors_vs([r["blocked"] for r in tp_results(cp, _cp_checks)],
+                        _ref(BLOCKED_CASE, cp))
+    assert max(errors.values()) <= TOL, errors
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -21,7 +21,8 @@ class SimulatedLink:
 
     An all-reduce of ``n`` bytes over ``size`` ranks moves ``2 (size - 1) / size * n`` bytes per
     rank (ring), a reduce-scatter of ``n`` bytes (its input), an all-gather into ``n`` bytes or
-    an all-to-all of ``n`` bytes (its input; exact for even splits) half that; transfers queue
+    an all-to-all of ``n`` bytes (its input; exact for even splits) half that, point-to-point
+sends of ``n`` bytes all ``n``; transfers queue
     on the one link in launch order. Tensors are left as they are (like a disabled group), so
     only timings mean anything.
     """
@@ -34,8 +35,11 @@ class SimulatedLink:
             raise ValueError(f"SimulatedLink.bits_per_s={self.bits_per_s} must be > 0.")
 
     def schedule(self, nbytes: int, size: int, kind: str = "all_reduce") -> _SimulatedWork:
-        passes = 2 if kind == "all_reduce" else 1
-        seconds = passes * (size - 1) / size * nbytes * 8 / self.bits_per_s
+        if kind == "p2p":  # point to point: every byte sent crosses this rank's link
+            seconds = nbytes * 8 / self.bits_per_s
+        else:
+            passes = 2 if kind == "all_reduce" else 1
+            seconds = passes * (size - 1) / size * nbytes * 8 / self.bits_per_s
         start = max(time.perf_counter(), self.free_at)
         self.free_at = start + seconds
         return _SimulatedWork(self.free_at)

@@ -12,7 +12,8 @@
   context-parallel model takes as its ``attention_mask``;
 * :func:`check_context_parallel`: the configuration rules, as ValueErrors naming the flag.
 
-The group is always passed in (a ``torch.distributed`` ProcessGroup); nothing here holds state.
+The group is always passed in (a :class:`~domino.tensor_parallel.CommGroup`, so its transfers are
+counted, traced and disabled like every other collective's); nothing here holds state.
 """
 
 from domino.context_parallel.attention import (

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from domino.context_parallel.gathered import allgather_attention, alltoall_attention
 from domino.context_parallel.masks import Masking, dense_attention
 from domino.context_parallel.ring import ring_attention
 from domino.context_parallel.sharding import check_sequence_length, gather_sequence
+from domino.tensor_parallel.comm import CommGroup
 
 KINDS = ("ring", "allgather", "alltoall")
 
@@ -59,12 +59,12 @@ def check_context_parallel(*, seq_length: int, context_parallel_size: int,
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      group: dist.ProcessGroup | None, kind: str = "ring",
+                      group: CommGroup | None, kind: str = "ring",
                       causal: bool = True, q_per_group: int = 1,
                       key_padding: torch.Tensor | None = None,
                       document_ids: torch.Tensor | None = None, window: int | None = None,
                       softmax_scale: float | None = None,
-                      dropout_p: float = 0.0) -> torch.Tensor:
+                      dropout_p: float = 0.0, overlap: bool = True) -> torch.Tensor:
     """Attention of this rank's share of a sequence sharded over ``group`` (load-balanced:
     see :func:`shard_sequence`), like ``kernels.attention`` on the whole sequence.
 
@@ -84,7 +84,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     does (what ``kernels.attention`` runs in fp32 on a CPU; see ``ring``).
     """
     check_kind(kind)
-    cp = 1 if group is None else dist.get_world_size(group)
+    cp = 1 if group is None else group.size
     s, b, n, d = q.shape
     if n % q_per_group or k.shape != (s, b, n // q_per_group, d) or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)} with q_per_group {q_per_group} needs k and v of "
@@ -111,13 +111,15 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         mask = None if masking.only_causal else masking.mask(pos, pos)
         return dense_attention(q, k, v, mask, is_causal=masking.only_causal, scale=scale,
                                q_per_group=q_per_group)
-    variant = {"ring": ring_attention, "allgather": allgather_attention,
-               "alltoall": alltoall_attention}[kind]
+    if kind == "ring":
+        return ring_attention(q, k, v, group=group, masking=masking, scale=scale,
+                              overlap=overlap)
+    variant = allgather_attention if kind == "allgather" else alltoall_attention
     return variant(q, k, v, group=group, masking=masking, scale=scale)
 
 
 def _whole(mask: torch.Tensor | None, seq: int,
-           group: dist.ProcessGroup | None) -> torch.Tensor | None:
+           group: CommGroup | None) -> torch.Tensor | None:
     """A [b, s] mask over the whole sequence: ``mask`` itself, or its shards gathered."""
     if mask is None:
         return None

@@ -12,27 +12,28 @@ baseline) and all-to-all over heads (Ulysses). Neither overlaps its communicatio
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from domino.context_parallel.masks import Masking, dense_attention
 from domino.context_parallel.sharding import local_positions, shard_order
+from domino.tensor_parallel.comm import CommGroup
 
 
 class _GatherShards(torch.autograd.Function):
     """x (this rank's shard) -> [cp, *x.shape], every rank's; backward: reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
-        out = x.new_empty((dist.get_world_size(group), *x.shape))
-        dist.all_gather_single(out.view(-1), x.view(-1), group=group)
+        out = x.new_empty((group.size, *x.shape))
+        group.all_gather_into(out.view(-1), x.view(-1), name="cp all-gather kv")
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_single(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
+        ctx.group.reduce_scatter(out.view(-1), grad.contiguous().view(-1),
+                                 name="cp reduce-scatter dkv")
         return out, None
 
 
@@ -41,7 +42,7 @@ class _AllToAll(torch.autograd.Function):
     adjoint, so backward is the same exchange of the gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         ctx.group = group
         return _all_to_all(x, group)
 
@@ -50,19 +51,18 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group), None
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    group.all_to_all(out, x, name="cp all-to-all")
     return out
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        group: dist.ProcessGroup, masking: Masking,
-                        scale: float) -> torch.Tensor:
+                        group: CommGroup, masking: Masking, scale: float) -> torch.Tensor:
     """Attention of this rank's queries q [s/cp, b, n, d] to every rank's K/V [s/cp, b, g, d],
     all-gathered over ``group`` -> [s/cp, b, n*d]."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp, rank = group.size, group.rank
     s, b, n, d = q.shape
     g, seq = k.shape[2], s * cp
     kv = _GatherShards.apply(torch.stack([k, v]), group)  # [cp, 2, s, b, g, d]
@@ -74,11 +74,10 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                       group: dist.ProcessGroup, masking: Masking,
-                       scale: float) -> torch.Tensor:
+                       group: CommGroup, masking: Masking, scale: float) -> torch.Tensor:
     """Attention by head: all-to-all over ``group`` gives each rank n/cp query heads (and
     g/cp K/V heads) of the whole sequence, attended in true order -> [s/cp, b, n*d]."""
-    cp = dist.get_world_size(group)
+    cp = group.size
     s, b, n, d = q.shape
     g, seq = k.shape[2], s * cp
     order = shard_order(seq, cp, q.device)  # true position of each gathered token

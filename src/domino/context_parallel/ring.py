@@ -24,47 +24,19 @@ runs in fp32) does: the gradient of a padding query, whose loss weight is zero i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 
 from domino.context_parallel.masks import Masking
 from domino.context_parallel.sharding import chunk_ids
+from domino.tensor_parallel.comm import DONE, CommGroup
 
 MIN = torch.finfo(torch.float32).min  # the masked score: kernels.attention's convention
 BLIND = MIN / 2  # a row's log-sum-exp below this: the row sees no key
-KV, GRAD = 0, 1  # p2p tags: a K/V block and a dK/dV accumulator can share one exchange
 
 
-@dataclass(frozen=True)
-class _Ring:
-    """This rank's place in the ring of ``group``: global ranks of the next and previous."""
-
-    group: dist.ProcessGroup
-    rank: int
-    size: int
-    next: int
-    prev: int
-
-    @classmethod
-    def of(cls, group: dist.ProcessGroup) -> _Ring:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        return cls(group, rank, size, dist.get_global_rank(group, (rank + 1) % size),
-                   dist.get_global_rank(group, (rank - 1) % size))
-
-    def exchange(self, sends: list[tuple[int, torch.Tensor]],
-                 recvs: list[tuple[int, torch.Tensor]]) -> list:
-        """Launch (tag, tensor) sends to the next rank and receives from the previous one;
-        returns the works to wait on."""
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for tag, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in recvs]
-        return dist.batch_isend_irecv(ops)
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+def _neighbours(group: CommGroup) -> tuple[int, int]:
+    """The group ranks this rank sends to (next) and receives from (previous)."""
+    return (group.rank + 1) % group.size, (group.rank - 1) % group.size
 
 
 # ---- layouts: heads outer, chunk (head / tail) next, so that a chunk is one slice ----------
@@ -116,13 +88,34 @@ def _plan(masking: Masking, qid: int, kid: int, c: int,
     return False, mask
 
 
+BLOCK_ELEMENTS = 1 << 24  # scores per piece of a pair (64 MiB in fp32): bounds the transients
+
+
+def _row_blocks(qpg: int, c: int, per_row: int, limit: int):
+    """[lo, hi) ranges of a chunk's query rows (laid out [qpg heads, c positions]) whose
+    scores (``per_row`` each) stay within ``limit`` elements, and the positions (r0, r1)
+    they cover within one head (None: all rows at once)."""
+    if qpg * c * per_row <= limit:
+        yield 0, qpg * c, None
+        return
+    step = min(c, max(1, limit // per_row))
+    for h in range(qpg):
+        for r0 in range(0, c, step):
+            r1 = min(c, r0 + step)
+            yield h * c + r0, h * c + r1, (r0, r1)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            qpg: int) -> torch.Tensor:
-    """scale q k^T [b, g, rows, c] in fp32, masked scores at the minimum."""
+            qpg: int, rows: tuple[int, int] | None) -> torch.Tensor:
+    """scale q k^T [b, g, rows, c] in fp32, masked scores at the minimum; ``rows``: the
+    positions of one head's rows (None: every row of the chunk)."""
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if mask is not None:
-        b, g, rows, c = s.shape
-        s.view(b, g, qpg, rows // qpg, c).masked_fill_(mask[:, None, None], MIN)
+        if rows is None:
+            b, g, n, c = s.shape
+            s.view(b, g, qpg, n // qpg, c).masked_fill_(mask[:, None, None], MIN)
+        else:
+            s.masked_fill_(mask[:, None, rows[0]:rows[1]], MIN)
     return s
 
 
@@ -139,74 +132,85 @@ def _merge(m: torch.Tensor, z: torch.Tensor, acc: torch.Tensor, m_b: torch.Tenso
 
 def _forward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip: bool,
                   mask: torch.Tensor | None, scale: float, qpg: int, m: torch.Tensor,
-                  z: torch.Tensor, acc: torch.Tensor) -> None:
+                  z: torch.Tensor, acc: torch.Tensor, limit: int) -> None:
     if skip:  # every score at the minimum: each key weighs exp(0) = 1 before rescaling
         c = k.shape[-2]
         _merge(m, z, acc, torch.full_like(m, MIN), float(c), v.sum(-2, keepdim=True))
         return
-    s = _scores(q, k, mask, scale, qpg)
-    m_b = s.amax(-1)
-    p = torch.exp(s - m_b.unsqueeze(-1))
-    _merge(m, z, acc, m_b, p.sum(-1), torch.matmul(p, v))
+    b, g, n, _ = q.shape
+    for lo, hi, rows in _row_blocks(qpg, n // qpg, b * g * k.shape[-2], limit):
+        s = _scores(q[:, :, lo:hi], k, mask, scale, qpg, rows)
+        m_b = s.amax(-1)
+        p = torch.exp(s - m_b.unsqueeze(-1))
+        _merge(m[:, :, lo:hi], z[:, :, lo:hi], acc[:, :, lo:hi], m_b, p.sum(-1),
+               torch.matmul(p, v))
 
 
 def _backward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor,
                    mask: torch.Tensor | None, scale: float, qpg: int, dq: torch.Tensor,
-                   dk: torch.Tensor, dv: torch.Tensor) -> None:
+                   dk: torch.Tensor, dv: torch.Tensor, limit: int) -> None:
     """Add one pair's gradients into dq, dk, dv (fp32, in place)."""
-    s = _scores(q, k, mask, scale, qpg)
-    p = torch.exp(s - lse.unsqueeze(-1))  # the forward's probabilities
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq.add_(torch.matmul(ds, k), alpha=scale)
-    dk.add_(torch.matmul(ds.transpose(-1, -2), q), alpha=scale)
-    dv.add_(torch.matmul(p.transpose(-1, -2), dout))
+    b, g, n, _ = q.shape
+    for lo, hi, rows in _row_blocks(qpg, n // qpg, b * g * k.shape[-2], limit):
+        s = _scores(q[:, :, lo:hi], k, mask, scale, qpg, rows)
+        p = torch.exp(s - lse[:, :, lo:hi].unsqueeze(-1))  # the forward's probabilities
+        ds = p * (torch.matmul(dout[:, :, lo:hi], v.transpose(-1, -2))
+                  - delta[:, :, lo:hi].unsqueeze(-1))
+        dq[:, :, lo:hi].add_(torch.matmul(ds, k), alpha=scale)
+        dk.add_(torch.matmul(ds.transpose(-1, -2), q[:, :, lo:hi]), alpha=scale)
+        dv.add_(torch.matmul(p.transpose(-1, -2), dout[:, :, lo:hi]))
 
 
 # ---- the Function ---------------------------------------------------------------------------
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: dist.ProcessGroup, masking: Masking, scale: float) -> torch.Tensor:
-        ring = _Ring.of(group)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
+                masking: Masking, scale: float, overlap: bool, limit: int) -> torch.Tensor:
+        nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
         qpg, c = n // g, s // 2
-        mine = chunk_ids(ring.rank, ring.size)
+        mine = chunk_ids(group.rank, group.size)
         q_rows = _q_rows(q, g).float()  # [b, g, 2, qpg*c, d]
         m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
         z = torch.zeros_like(m)
         acc = torch.zeros_like(q_rows)
         block = _kv_blocks(k, v)
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            pending, incoming = [], None
-            if step + 1 < ring.size:  # launched before this block's compute: it overlaps
+        for step in range(group.size):
+            src = (group.rank - step) % group.size
+            pending, incoming = DONE, None
+            if step + 1 < group.size:  # launched before this block's compute: it overlaps
                 incoming = torch.empty_like(block)
-                pending = ring.exchange([(KV, block)], [(KV, incoming)])
+                pending = group.exchange([(nxt, block)], [(prev, incoming)], "cp fwd kv",
+                                         {"step": step})
+                if not overlap:  # the un-overlapped baseline: the transfer waited for first
+                    pending.wait()
             kv = block.float()
-            for j, kid in enumerate(chunk_ids(src, ring.size)):
+            for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
                     _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask,
-                                  scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i])
-            _wait(pending)
+                                  scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i], limit)
+            pending.wait()
             if incoming is not None:
                 block = incoming
         out = _q_seq(acc / z.unsqueeze(-1), qpg).reshape(s, b, n * d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, m + torch.log(z))  # the rows' log-sum-exp
-        ctx.group, ctx.masking, ctx.scale = group, masking, scale
+        ctx.group, ctx.masking, ctx.scale, ctx.overlap = group, masking, scale, overlap
+        ctx.limit = limit
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, masking, scale = _Ring.of(ctx.group), ctx.masking, ctx.scale
+        group, masking, scale = ctx.group, ctx.masking, ctx.scale
+        nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
         qpg, c = n // g, s // 2
-        mine = chunk_ids(ring.rank, ring.size)
+        mine = chunk_ids(group.rank, group.size)
         q_rows = _q_rows(q, g).float()
         dout = _q_rows(grad.reshape(s, b, n, d), g).float()
         delta = (dout * _q_rows(out.reshape(s, b, n, d), g).float()).sum(-1)
@@ -215,21 +219,24 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q_rows)
         block = _kv_blocks(k, v)
         carried = None  # dK/dV of the block in hand, summed over the ranks it has visited
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
+        for step in range(group.size):
+            src = (group.rank - step) % group.size
             sends, recvs, incoming, arriving = [], [], None, None
-            if step + 1 < ring.size:
+            if step + 1 < group.size:
                 incoming = torch.empty_like(block)
-                sends.append((KV, block))
-                recvs.append((KV, incoming))
+                sends.append((nxt, block))
+                recvs.append((prev, incoming))
             if step > 0:  # the previous block's dK/dV goes on, this block's arrives
                 arriving = torch.empty_like(carried)
-                sends.append((GRAD, carried))
-                recvs.append((GRAD, arriving))
-            pending = ring.exchange(sends, recvs) if sends else []
+                sends.append((nxt, carried))
+                recvs.append((prev, arriving))
+            pending = group.exchange(sends, recvs, "cp bwd kv", {"step": step}) \
+                if sends else DONE
+            if not ctx.overlap:
+                pending.wait()
             grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
             kv = block.float()
-            for j, kid in enumerate(chunk_ids(src, ring.size)):
+            for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
                     if skip:
@@ -238,23 +245,29 @@ class _RingAttention(torch.autograd.Function):
                         mask = torch.ones((1, c, c), dtype=torch.bool, device=q.device)
                     _backward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
                                    dout[:, :, i], lse[:, :, i], delta[:, :, i], mask,
-                                   scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j])
-            _wait(pending)
+                                   scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j],
+                                   ctx.limit)
+            pending.wait()
             carried = grads if arriving is None else grads.add_(arriving)
             if incoming is not None:
                 block = incoming
-        if ring.size > 1:  # the last holder sends each accumulator home
+        if group.size > 1:  # the last holder sends each accumulator home
             home = torch.empty_like(carried)
-            _wait(ring.exchange([(GRAD, carried)], [(GRAD, home)]))
+            group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home").wait()
             carried = home
         dq_out = _q_seq(dq, qpg).to(q.dtype)
         return (dq_out, _kv_seq(carried[0]).to(k.dtype), _kv_seq(carried[1]).to(v.dtype),
-                None, None, None)
+                None, None, None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   group: dist.ProcessGroup, masking: Masking, scale: float) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: CommGroup,
+                   masking: Masking, scale: float, overlap: bool = True,
+                   block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
     """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
     K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
-    [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids."""
-    return _RingAttention.apply(q, k, v, group, masking, scale)
+    [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids.
+    ``overlap`` False waits for each exchange before computing (the baseline the benchmark
+    compares against); a disabled group computes the same without exchanging. A pair of chunks
+    is computed in pieces of at most ``block_elements`` scores, so a long sequence's
+    transients stay bounded (one chunk's scores would grow as (S / 2CP)^2)."""
+    return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements)

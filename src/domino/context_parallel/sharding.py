@@ -10,7 +10,8 @@ except :func:`gather_sequence`, which all-gathers over the group it is given.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from domino.tensor_parallel.comm import CommGroup
 
 
 def check_sequence_length(seq_length: int, cp: int) -> None:
@@ -75,17 +76,16 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...],
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
 
 
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None,
-                    dim: int = 0) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: CommGroup | None, dim: int = 0) -> torch.Tensor:
     """Every rank's shard of ``x`` (sharded along ``dim``) all-gathered over ``group`` and put
     in true order, on every rank. No gradient flows through it (masks, ids, test checks).
     Bool tensors travel as uint8 (not every backend reduces or gathers bool)."""
-    cp = 1 if group is None else dist.get_world_size(group)
+    cp = 1 if group is None else group.size
     if cp == 1:
         return x
     wire = x.to(torch.uint8) if x.dtype == torch.bool else x
     wire = wire.movedim(dim, 0).contiguous()
     out = wire.new_empty((cp, *wire.shape))
-    dist.all_gather_single(out.view(-1), wire.view(-1), group=group)
+    group.all_gather_into(out.view(-1), wire.view(-1), name="cp all-gather mask")
     full = unshard_sequence(list(out.unbind(0)), dim=0).movedim(0, dim)
     return full.to(torch.bool) if x.dtype == torch.bool else full

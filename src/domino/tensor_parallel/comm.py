@@ -67,7 +67,8 @@ class CommHook(Protocol):
     def launch(self, tensor: torch.Tensor, group: CommGroup, kind: str = "all_reduce"
                ) -> Any | None:
         """At a collective's launch (``kind``: all_reduce, reduce_scatter or all_to_all -
-        ``tensor`` its input - or all_gather - its output): a work object (``wait()``,
+        ``tensor`` its input - all_gather - its output - or p2p - a tensor of the bytes this
+        rank sends, on the meta device): a work object (``wait()``,
         ``is_completed()``) to use instead of the real collective, or None to run the real
         one."""
 
@@ -393,6 +394,46 @@ class CommGroup:
         if self.hook is not None and traced:
             trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
         return Handle(work, self.stats, trace)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, torch.Tensor]], name: str = "exchange",
+                 tags: dict | None = None) -> Handle:
+        """Point-to-point sends ``(group rank, tensor)`` and receives ``(group rank, buffer)``
+        launched together (``batch_isend_irecv``: NCCL needs a rank's sends and receives in one
+        group, or two ranks sending to each other deadlock); one handle for all. The i-th send
+        of a rank is the i-th receive of its peer (tag i). Disabled: receive i gets send i,
+        as a group of one (every peer itself) would; the hook sees it as one ``p2p`` transfer
+        of the bytes sent."""
+        sends, recvs = list(sends), list(recvs)
+
+        def local() -> None:
+            for (_, buf), (_, sent) in zip(recvs, sends, strict=False):
+                buf.copy_(sent)
+            for _, buf in recvs[len(sends):]:
+                buf.zero_()
+
+        if not self.active:
+            local()
+            return DONE
+        for (peer, t) in sends + recvs:
+            if not 0 <= peer < self.size:
+                raise ValueError(f"{name}: peer {peer} is not a rank of this group of "
+                                 f"{self.size}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: point-to-point tensors must be contiguous")
+
+        def real():
+            glob = partial(dist.get_global_rank, self.group)
+            ops = [dist.P2POp(dist.isend, t, glob(p), self.group, i)
+                   for i, (p, t) in enumerate(sends)]
+            ops += [dist.P2POp(dist.irecv, t, glob(p), self.group, i)
+                    for i, (p, t) in enumerate(recvs)]
+            return _Exchange(dist.batch_isend_irecv(ops), lambda: None)
+
+        # What the hook sees: the bytes this rank sends (a meta tensor: no memory).
+        sent = torch.empty(sum(t.numel() * t.element_size() for _, t in sends),
+                           dtype=torch.uint8, device="meta")
+        return self._start(sent, name, real, True, local, tags, "p2p")
 
     def barrier(self) -> None:
         """Return once every rank of the group got here."""
