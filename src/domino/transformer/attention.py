@@ -171,7 +171,7 @@ class SelfAttention(_AttentionBase):
         unsharded sequences.)"""
         mask = mb.self_mask  # a SequenceMask or None (DominoTransformer.forward checks)
         mask = (mask or SequenceMask()).rows(mb.batch_start, mb.batch_start + q.shape[1])
-        return context_attention(q, k, v, group=self.cp.group, kind=self.cp_kind,
+        return context_attention(q, k, v, group=self.cp, kind=self.cp_kind,
                                  causal=mb.causal, q_per_group=self.q_per_group,
                                  key_padding=mask.key_padding, document_ids=mask.document_ids,
                                  window=self.window)
