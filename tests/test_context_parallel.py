@@ -233,9 +233,10 @@ def _hooked(group, rank: int, cp: int) -> dict:
                                     for n in ("out", "dq", "dk", "dv")))
 
 
-def _blocked(group, rank: int, cp: int) -> dict:
-    """Ring attention computed in pieces of 3 query rows of one head (``block_elements``):
-    its outputs and gradients, to equal the reference as the one-piece ring's do."""
+def _blocked(group, rank: int, cp: int, pieces: bool = True, keep: bool | None = None) -> dict:
+    """Ring attention computed in pieces of 3 query rows of one head (``block_elements``), or
+    with the backward path other than its CP size's default (``keep``): its outputs and
+    gradients, to equal the reference as the default ring's do."""
     from domino.context_parallel import Masking, ring_attention
 
     inp = _inputs(BLOCKED_CASE, cp)
@@ -245,7 +246,7 @@ def _blocked(group, rank: int, cp: int) -> dict:
                       document_ids=inp["docs"])
     per_row = B * k.shape[2] * (S // (2 * cp))  # scores of one query row against a chunk
     out = ring_attention(q, k, v, group=group, masking=masking, scale=D ** -0.5,
-                         block_elements=3 * per_row)
+                         block_elements=3 * per_row if pieces else 1 << 24, keep_blocks=keep)
     (out * _shard(inp["gout"], rank, cp)).sum().backward()
     return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dtype=str(out.dtype))
 
@@ -294,6 +295,9 @@ def _cp_checks(state: ParallelState) -> dict:
     res["sync_ring"] = _run(group, rank, cp, "ring", inp, whole=True, overlap=False)
     res["hooked"] = _hooked(group, rank, cp)
     res["blocked"] = _blocked(group, rank, cp)
+    # The backward path CP = 2 does not take by default (the ring), and the one CP = 4 does
+    # not (blocks kept from forward, dK/dV straight home).
+    res["other_path"] = _blocked(group, rank, cp, pieces=False, keep=cp != 2)
     res["trace"] = _traced(group, rank, cp)
     res["errors"] = _errors(group, cp)
     full = torch.arange(B * S).reshape(B, S)
@@ -429,10 +433,14 @@ def test_every_rank_exchanges_alike_whatever_it_computes(cp) -> None:
     exchanges = [[e for e in t if e != "C"] for t in traces]
     assert all(x == exchanges[0] for x in exchanges), exchanges
     marker = exchanges[0].index("backward")
-    # forward: CP-1 K/V exchanges; backward: K/V and dK/dV, then dK/dV home
-    assert marker == cp - 1 and len(exchanges[0]) - marker - 1 == cp + 1, exchanges[0]
-    for t in traces:  # each half starts with an exchange: launched before any compute
-        assert t[0][0] == "X" and t[t.index("backward") + 1][0] == "X", t
+    # forward: CP-1 K/V exchanges; backward at CP = 2 (blocks kept): the other block's dK/dV
+    # to its owner; at CP > 2: K/V and dK/dV around the ring, then dK/dV home
+    backward = cp - 1 if cp == 2 else cp + 1
+    assert marker == cp - 1 and len(exchanges[0]) - marker - 1 == backward, exchanges[0]
+    for t in traces:  # forward starts with an exchange: launched before any compute
+        assert t[0][0] == "X", t
+        if cp > 2:  # so does the ring's backward (kept blocks: the first block's dK/dV)
+            assert t[t.index("backward") + 1][0] == "X", t
 
     def computed_per_step(t: list) -> list:
         steps: list = []
@@ -453,19 +461,21 @@ def test_every_rank_exchanges_alike_whatever_it_computes(cp) -> None:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_without_overlap_and_through_the_groups_hook(cp) -> None:
     """The un-overlapped ring (the benchmark's baseline) gives the same numbers; the group's
-    hook sees every exchange as a p2p transfer of the bytes sent (forward CP-1 K/V blocks,
-    backward CP-1 K/V blocks, CP-1 dK/dV accumulators and one home); a disabled group runs the
-    same compute with no transfer."""  # (each dK/dV accumulator is fp32 like the K/V here)
+    hook sees every exchange as a p2p transfer of the bytes sent (forward CP-1 K/V blocks;
+    backward at CP = 2 the other block's dK/dV, at CP > 2 CP-1 K/V blocks, CP-1 dK/dV
+    accumulators and one home); a disabled group runs the same compute with no transfer."""  # (each dK/dV accumulator is fp32 like the K/V here)
     results = tp_results(cp, _cp_checks)
     errors = _errors_vs([r["sync_ring"] for r in results], _ref(WHOLE_CASE, cp))
     assert max(errors.values()) <= TOL, errors
     for res in results:
         h = res["hooked"]
         block = h["block"]
-        fwd, bwd = [block] * (cp - 1), [block] + [2 * block] * (cp - 2) + [block, block]
+        fwd = [block] * (cp - 1)
+        # CP = 2 keeps the other block: only its dK/dV travel, straight home
+        bwd = [block] if cp == 2 else [block] + [2 * block] * (cp - 2) + [block, block]
         assert h["launched"] == [("p2p", n) for n in fwd + bwd], h["launched"]
-        assert h["names"] == ["cp fwd kv"] * (cp - 1) + ["cp bwd kv"] * cp + \
-            ["cp bwd dkv home"], h["names"]
+        back = ["cp bwd dkv"] if cp == 2 else ["cp bwd kv"] * cp + ["cp bwd dkv home"]
+        assert h["names"] == ["cp fwd kv"] * (cp - 1) + back, h["names"]
         assert h["disabled_launched"] == [] and h["disabled_finite"]
 
 
@@ -474,6 +484,16 @@ def test_ring_in_pieces_of_rows_equals_the_reference(cp) -> None:
     """A long sequence's pair of chunks is computed in pieces of query rows (bounded
     transients); here pieces of 3 rows of one head, also where a piece crosses no mask."""
     errors = _errors_vs([r["blocked"] for r in tp_results(cp, _cp_checks)],
+                        _ref(BLOCKED_CASE, cp))
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_both_backward_paths_equal_the_reference(cp) -> None:
+    """Backward with the visiting K/V blocks kept from forward (dK/dV sent straight to their
+    owners; CP = 2's default) and with the K/V passed around the ring again (the default
+    above), each at the size where it is not the default."""
+    errors = _errors_vs([r["other_path"] for r in tp_results(cp, _cp_checks)],
                         _ref(BLOCKED_CASE, cp))
     assert max(errors.values()) <= TOL, errors
 

@@ -111,6 +111,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"TP={c['tensor_model_parallel_size']}"
         + (f" x EP={c['expert_model_parallel_size']} ({c['num_experts']} experts, top-"
            f"{c['moe_router_topk']})" if (c.get("expert_model_parallel_size") or 1) > 1 else "")
+        + (f" x CP={c['context_parallel_size']} ({c['cp_comm_type']})"
+           if (c.get("context_parallel_size") or 1) > 1 else "")
         + f", {c['dtype']}, {c['device']}, "
         f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
         + (f" MTU {c['link_mtu']}" if c.get("link_mtu") else "")

@@ -15,12 +15,14 @@ import torch
 
 from domino.bench.modes import DEFAULT_MODES, Mode, parse_modes
 from domino.config import TransformerConfig
+from domino.context_parallel import check_context_parallel
 from domino.flops import check_peak_tflops
 from domino.netem import check_can_emulate, parse_rate
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
 from domino.plan import Plan
-from domino.runtime import DEFAULT_PLAN, RuntimeConfig, check_compile
+from domino.runtime import CP_COMM_TYPES, DEFAULT_PLAN, RuntimeConfig, check_compile
+from domino.transformer.attention import check_a2a_heads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
@@ -58,7 +60,8 @@ def build_runtime(spec: dict[str, Any], plan: Plan = DEFAULT_PLAN) -> RuntimeCon
     """How the spec's model runs (the modes then swap the plan and sequence parallelism)."""
     return RuntimeConfig(plan=plan, recompute_granularity=spec.get("recompute_granularity"),
                          compile=bool(spec.get("compile")),
-                         compile_backend=spec.get("compile_backend", "inductor"))
+                         compile_backend=spec.get("compile_backend", "inductor"),
+                         cp_comm_type=spec.get("cp_comm_type", "p2p"))
 
 
 def compiled_runtime(spec: dict[str, Any]) -> RuntimeConfig:
@@ -101,8 +104,8 @@ def check_link(args: argparse.Namespace, spec: dict[str, Any], hosts: int) -> No
             spec["link_mtu"] = args.link_mtu
         if hosts < 2:
             raise ValueError("--emulate-link needs two or more hosts: --tensor-model-parallel-"
-                             "size or --expert-model-parallel-size >= 2 (one host per rank), "
-                             "or a pipeline (one per stage)")
+                             "size, --context-parallel-size or --expert-model-parallel-size >= 2 "
+                             "(one host per rank), or a pipeline (one per stage)")
         if spec["device"] != "cpu":
             raise ValueError("--emulate-link shapes gloo's TCP traffic; use it with --device cpu")
         try:
@@ -117,11 +120,12 @@ def _check_modes(modes: list[Mode], args: argparse.Namespace) -> None:
                              batch_name="--micro-batch-size")
         mode.plan.check_width(args.hidden_size, what=f"the column chunks (c<K>) of {mode.name}",
                               width_name="--hidden-size")
-        tp = args.tensor_model_parallel_size
-        if mode.sequence_parallel and args.seq_length % tp:
-            raise ValueError(f"{mode.name} splits the sequence over the {tp} TP ranks: "
-                             f"--seq-length={args.seq_length} is not divisible by {tp}; use a "
-                             f"multiple of {tp} or drop the :sp modes.")
+        tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+        if mode.sequence_parallel and (args.seq_length // cp) % tp:
+            each = "" if cp == 1 else f" (each CP rank's {args.seq_length // cp} tokens)"
+            raise ValueError(f"{mode.name} splits the sequence{each} over the {tp} TP ranks: "
+                             f"--seq-length={args.seq_length} is not divisible by {tp * cp}; "
+                             f"use a multiple of {tp * cp} or drop the :sp modes.")
 
 
 def _check_at_least_one(args: argparse.Namespace, names: tuple[str, ...]) -> None:
@@ -161,6 +165,8 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     if args.model == "gpt" and args.vocab_size < 1:
         raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    cp = _check_context_parallel(args)
+    world = tp * cp * ep
     spec: dict[str, Any] = {
         k: getattr(args, k) for k in (
             "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -170,12 +176,13 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             "compile_backend", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
             "moe_aux_loss_coeff", "moe_router_force_load_balancing", "swiglu")}
     _check_moe(args)
-    spec.update(expert_model_parallel_size=ep, world_size=tp * ep, hosts=tp * ep)
+    spec.update(expert_model_parallel_size=ep, context_parallel_size=cp,
+                cp_comm_type=args.cp_comm_type, world_size=world, hosts=world)
     build_config(spec).validate_parallel(tp)
     build_runtime(spec)  # (its checks)
     _check_modes(modes, args)
     spec["modes"] = [m.name for m in modes]
-    spec["device"] = resolve_device(args.device, tp * ep)
+    spec["device"] = resolve_device(args.device, world)
     _check_compile(args, spec["device"], modes)
     spec["trace"] = args.out_dir is not None
     if args.simulate_link is not None:
@@ -183,16 +190,38 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
                              "CPU-free link or emulate a real one, not both")
         spec["simulate_link"] = parse_rate(args.simulate_link)
-        if tp < 2 or ep > 1:
+        if tp < 2 or ep > 1 or cp > 1:
             raise ValueError("--simulate-link times TP all-reduces: it needs "
-                             "--tensor-model-parallel-size >= 2 and no expert parallelism "
-                             "(use --emulate-link for the all-to-alls)")
-    check_link(args, spec, hosts=tp * ep)
+                             "--tensor-model-parallel-size >= 2 and no expert or context "
+                             "parallelism (use --emulate-link for the all-to-alls and the CP "
+                             "ring)")
+    check_link(args, spec, hosts=world)
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise ValueError(f"--json {args.json}: directory {parent} does not exist")
     return spec, modes
+
+
+def _check_context_parallel(args: argparse.Namespace) -> int:
+    """The context-parallel flags fit the rest (what ``domino train`` checks too); the CP size."""
+    cp = args.context_parallel_size
+    if cp < 1:
+        raise ValueError(f"--context-parallel-size={cp} must be >= 1")
+    if cp == 1:
+        return cp
+    if args.num_experts is not None or args.model == "moe":
+        raise ValueError(f"--context-parallel-size {cp} with MoE layers is not supported yet "
+                         "(their router statistics would see part of each sequence): drop "
+                         "--num-experts / --model moe, or use --context-parallel-size 1")
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    check_context_parallel(seq_length=args.seq_length, context_parallel_size=cp,
+                           num_attention_heads=heads, num_query_groups=heads,
+                           attention_dropout=args.attention_dropout or 0.0,
+                           kind=CP_COMM_TYPES[args.cp_comm_type])
+    if args.cp_comm_type == "a2a":
+        check_a2a_heads(heads, heads, tp, cp)
+    return cp
 
 
 def _check_moe(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ from domino.bench.modes import Mode, parse_mode
 from domino.bench.probe import probe_allreduce
 from domino.bench.spec import build_config, build_runtime, compiled_runtime
 from domino.bench.timeline import Timeline
+from domino.context_parallel import shard_sequence
 from domino.distributed import init_distributed, shutdown_distributed
 from domino.enums import AttnMaskType
 from domino.flops import rank_gemms, train_flops_per_step
@@ -34,7 +35,12 @@ from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
 from domino.transformer import DominoTransformer
-from domino.transformer.stack import compile_cost, using_plan, using_sequence_parallel
+from domino.transformer.stack import (
+    compile_cost,
+    using_cp_overlap,
+    using_plan,
+    using_sequence_parallel,
+)
 
 __all__ = ["main", "measure"]
 
@@ -87,6 +93,7 @@ class _Bench:
             stack = kind(config, state, self_attn_mask_type=AttnMaskType.causal, runtime=runtime)
             x = torch.randn(s, b, h, generator=gen).to(device, dtype)  # [s, b, h]
             w = torch.randn(s, b, h, generator=gen).to(device, dtype)
+            x, w = _cp_shard(x, state, 0), _cp_shard(w, state, 0)  # this CP rank's chunks
 
             def loss() -> torch.Tensor:
                 if stack.sequence_parallel_active():  # the stack takes this rank's shard
@@ -101,6 +108,7 @@ class _Bench:
         ids = torch.randint(0, spec["vocab_size"], (b, s + 1), generator=gen).to(device)
         tokens, labels = ids[:, :-1], ids[:, 1:]  # [b, s]
         pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+        tokens, labels, pos = (_cp_shard(t, state, 1) for t in (tokens, labels, pos))
         return gpt, lambda: gpt(tokens, pos, None, labels=labels).float().mean()
 
     def zero_grad(self) -> None:
@@ -113,10 +121,13 @@ class _Bench:
         if self.link is not None:
             self.link.free_at = 0.0  # each step starts on an idle link
         comm = contextlib.ExitStack()
-        if not mode.comm:  # every collective of the step: TP's and the experts' all-to-alls
+        if not mode.comm:  # every collective of the step: TP's, the experts', the CP ring's
             comm.enter_context(self.state.tp.disabled())
             comm.enter_context(self.state.ep.disabled())
+            comm.enter_context(self.state.cp.disabled())
         model = self.models[mode.compiled]
+        # sync waits for each CP ring transfer before its block's compute; Domino overlaps it.
+        comm.enter_context(using_cp_overlap(model, mode.is_domino))
         with using_plan(model, mode.plan), comm, \
                 using_sequence_parallel(model, mode.sequence_parallel):
             model.zero_grad(set_to_none=True)
@@ -126,7 +137,7 @@ class _Bench:
         """One step of ``mode`` recorded on a timeline (as a dict)."""
         tl = Timeline(rank)
         state = self.state
-        groups = [state.tp, *([state.ep] if state.ep.size > 1 else [])]  # TP's and EP's comm
+        groups = [state.tp, *(g for g in (state.ep, state.cp) if g.size > 1)]  # TP, EP, CP
         before = [g.hook for g in groups]
         for g in groups:
             g.hook = BenchHook(timeline=tl, link=self.link if g is state.tp else None)
@@ -273,6 +284,12 @@ def measure(spec: dict[str, Any], device: torch.device,
     }
 
 
+def _cp_shard(x: torch.Tensor, state: ParallelState, dim: int) -> torch.Tensor:
+    """This CP rank's head and tail chunks of ``x`` along its sequence dim ``dim``."""
+    cp = state.cp
+    return x if cp.size == 1 else shard_sequence(x, cp.rank, cp.size, dim).contiguous()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -292,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                                     spec.get("pipeline_model_parallel_size", 1), device=device,
                                     shared_memory=spec.get("shared_memory_comm", True),
                                     expert_model_parallel_size=spec.get(
-                                        "expert_model_parallel_size", 1))
+                                        "expert_model_parallel_size", 1),
+                                    context_parallel_size=spec.get("context_parallel_size", 1))
         if spec.get("kind") == "pipeline":
             from domino.bench.pipeline import measure_pipeline
 

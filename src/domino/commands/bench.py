@@ -25,7 +25,7 @@ from domino.bench.spec import (
     pipeline_spec,
     tp_spec,
 )
-from domino.runtime import COMPILE_BACKENDS
+from domino.runtime import COMPILE_BACKENDS, CP_COMM_TYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--expert-model-parallel-size", type=int, default=1,
       help="EP: the experts split over this many ranks with different tokens (the bench then "
            "runs TP x EP ranks, one emulated host each)")
+    a("--context-parallel-size", type=int, default=1,
+      help="CP: every sequence split over this many ranks (a head and a tail chunk each), "
+           "attention across them (the bench then runs TP x CP ranks, one emulated host each); "
+           "sync waits for each ring transfer before its block's compute, Domino modes overlap it")
+    a("--cp-comm-type", choices=tuple(CP_COMM_TYPES), default="p2p",
+      help="CP attention: p2p (K/V ring), all_gather or a2a (Ulysses)")
     a("--swiglu", action="store_true", help="SwiGLU MLPs and experts instead of GELU")
     a("--modes", default=None,
       help=f"comma-separated modes: {GRAMMAR} [default: {DEFAULT_MODES}]")

@@ -7,7 +7,8 @@ block in hand, so the transfer runs under the compute, and merges the partial re
 running softmax statistics (row max ``m``, sum ``z``, unnormalised output) in fp32. Backward
 recomputes each block's probabilities from the rows' saved log-sum-exp: dQ accumulates locally;
 each block's dK/dV accumulator travels with its K/V (one step behind it) and a last exchange
-brings it home to its owner. Every rank launches the same exchanges in the same order whatever
+brings it home to its owner, or, where forward kept the visiting blocks (at CP = 2 by
+default), each block's dK/dV goes straight to its owner under the next block's compute. Every rank launches the same exchanges in the same order whatever
 the masks; only the compute of a block is skipped.
 
 Each rank's queries and each block's keys are two chunks (head and tail, see ``sharding``), so
@@ -167,7 +168,8 @@ def _backward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
-                masking: Masking, scale: float, overlap: bool, limit: int) -> torch.Tensor:
+                masking: Masking, scale: float, overlap: bool, limit: int,
+                keep: bool) -> torch.Tensor:
         nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
@@ -178,6 +180,7 @@ class _RingAttention(torch.autograd.Function):
         z = torch.zeros_like(m)
         acc = torch.zeros_like(q_rows)
         block = _kv_blocks(k, v)
+        visitors = []  # with ``keep``: the other ranks' blocks, for backward
         for step in range(group.size):
             src = (group.rank - step) % group.size
             pending, incoming = DONE, None
@@ -196,17 +199,19 @@ class _RingAttention(torch.autograd.Function):
             pending.wait()
             if incoming is not None:
                 block = incoming
+                if keep:
+                    visitors.append(incoming)
         out = _q_seq(acc / z.unsqueeze(-1), qpg).reshape(s, b, n * d).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, m + torch.log(z))  # the rows' log-sum-exp
+        # q, k, v, the output, the rows' log-sum-exp (and the visiting blocks)
+        ctx.save_for_backward(q, k, v, out, m + torch.log(z), *visitors)
         ctx.group, ctx.masking, ctx.scale, ctx.overlap = group, masking, scale, overlap
         ctx.limit = limit
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *visitors = ctx.saved_tensors
         group, masking, scale = ctx.group, ctx.masking, ctx.scale
-        nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
         qpg, c = n // g, s // 2
@@ -217,25 +222,11 @@ class _RingAttention(torch.autograd.Function):
         # A skipped pair's probabilities are exactly zero except in rows that see no key.
         blind = [bool((lse[:, :, i] <= BLIND).any()) for i in range(2)]
         dq = torch.zeros_like(q_rows)
-        block = _kv_blocks(k, v)
-        carried = None  # dK/dV of the block in hand, summed over the ranks it has visited
-        for step in range(group.size):
-            src = (group.rank - step) % group.size
-            sends, recvs, incoming, arriving = [], [], None, None
-            if step + 1 < group.size:
-                incoming = torch.empty_like(block)
-                sends.append((nxt, block))
-                recvs.append((prev, incoming))
-            if step > 0:  # the previous block's dK/dV goes on, this block's arrives
-                arriving = torch.empty_like(carried)
-                sends.append((nxt, carried))
-                recvs.append((prev, arriving))
-            pending = group.exchange(sends, recvs, "cp bwd kv", {"step": step}) \
-                if sends else DONE
-            if not ctx.overlap:
-                pending.wait()
-            grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
-            kv = block.float()
+
+        def pairs(kv_block: torch.Tensor, src: int, grads: torch.Tensor) -> None:
+            """Add the gradients of this rank's queries against ``src``'s block: into dq, and
+            the block's dK/dV into ``grads``."""
+            kv = kv_block.float()
             for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
@@ -247,27 +238,88 @@ class _RingAttention(torch.autograd.Function):
                                    dout[:, :, i], lse[:, :, i], delta[:, :, i], mask,
                                    scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j],
                                    ctx.limit)
-            pending.wait()
-            carried = grads if arriving is None else grads.add_(arriving)
-            if incoming is not None:
-                block = incoming
-        if group.size > 1:  # the last holder sends each accumulator home
-            home = torch.empty_like(carried)
-            group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home").wait()
-            carried = home
+
+        if visitors:
+            carried = _backward_kept(group, [_kv_blocks(k, v), *visitors], pairs, ctx.overlap)
+        else:
+            carried = _backward_ring(group, _kv_blocks(k, v), pairs, ctx.overlap)
         dq_out = _q_seq(dq, qpg).to(q.dtype)
         return (dq_out, _kv_seq(carried[0]).to(k.dtype), _kv_seq(carried[1]).to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
+
+
+def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool) -> torch.Tensor:
+    """K/V blocks around the ring again, each block's dK/dV accumulator one step behind it and
+    sent home at the end; returns this rank's block's dK/dV (summed over every rank)."""
+    nxt, prev = _neighbours(group)
+    carried = None  # dK/dV of the block in hand, summed over the ranks it has visited
+    for step in range(group.size):
+        src = (group.rank - step) % group.size
+        sends, recvs, incoming, arriving = [], [], None, None
+        if step + 1 < group.size:
+            incoming = torch.empty_like(block)
+            sends.append((nxt, block))
+            recvs.append((prev, incoming))
+        if step > 0:  # the previous block's dK/dV goes on, this block's arrives
+            arriving = torch.empty_like(carried)
+            sends.append((nxt, carried))
+            recvs.append((prev, arriving))
+        pending = group.exchange(sends, recvs, "cp bwd kv", {"step": step}) if sends else DONE
+        if not overlap:
+            pending.wait()
+        grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+        pairs(block, src, grads)
+        pending.wait()
+        carried = grads if arriving is None else grads.add_(arriving)
+        if incoming is not None:
+            block = incoming
+    if group.size > 1:  # the last holder sends each accumulator home
+        home = torch.empty_like(carried)
+        group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home").wait()
+        carried = home
+    return carried
+
+
+def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
+                   overlap: bool) -> torch.Tensor:
+    """With every block kept from forward (``blocks[t]`` came from rank - t): the other
+    ranks' blocks first, each one's dK/dV sent straight to its owner while the next is
+    computed, this rank's own block last; returns its dK/dV (summed over every rank)."""
+    rank, size = group.rank, group.size
+    arriving = []
+    for t in range(size - 1, 0, -1):
+        grads = torch.zeros(blocks[t].shape, dtype=torch.float32, device=blocks[t].device)
+        pairs(blocks[t], (rank - t) % size, grads)
+        incoming = torch.empty_like(grads)  # from the rank that holds this rank's block as t
+        handle = group.exchange([((rank - t) % size, grads)], [((rank + t) % size, incoming)],
+                                "cp bwd dkv", {"step": t})
+        if not overlap:
+            handle.wait()
+        arriving.append((handle, incoming))
+    own = torch.zeros(blocks[0].shape, dtype=torch.float32, device=blocks[0].device)
+    pairs(blocks[0], rank, own)
+    for handle, incoming in arriving:
+        handle.wait()
+        own.add_(incoming)
+    return own
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: CommGroup,
                    masking: Masking, scale: float, overlap: bool = True,
-                   block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
+                   block_elements: int = BLOCK_ELEMENTS,
+                   keep_blocks: bool | None = None) -> torch.Tensor:
     """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
     K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
     [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids.
     ``overlap`` False waits for each exchange before computing (the baseline the benchmark
     compares against); a disabled group computes the same without exchanging. A pair of chunks
     is computed in pieces of at most ``block_elements`` scores, so a long sequence's
-    transients stay bounded (one chunk's scores would grow as (S / 2CP)^2)."""
-    return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements)
+    transients stay bounded (one chunk's scores would grow as (S / 2CP)^2).
+
+    ``keep_blocks`` (default: at CP = 2, where it costs one block, as much as the rank's own
+    K/V) keeps the visiting K/V blocks from forward, so backward sends only the dK/dV, each
+    straight to its owner under the next block's compute (half the bytes at CP = 2, none of
+    them exposed behind the last block); otherwise backward passes the K/V around the ring
+    again with the dK/dV one step behind and a last transfer home (memory: one block)."""
+    keep = group.size == 2 if keep_blocks is None else keep_blocks
+    return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements, keep)

@@ -132,6 +132,7 @@ class SelfAttention(_AttentionBase):
                  kernels: Kernels | None = None, cp_kind: str = "ring") -> None:
         super().__init__(config, state, layer_number, device, recompute, kernels)
         self.cp_kind = cp_kind  # a domino.context_parallel kind (RuntimeConfig.cp_kind)
+        self.cp_overlap = True  # the ring's transfers under compute (stack.using_cp_overlap)
         if self.cp.size > 1:
             check_dropout(config.attention_dropout, self.cp.size)
             if cp_kind == "alltoall":
@@ -174,7 +175,7 @@ class SelfAttention(_AttentionBase):
         return context_attention(q, k, v, group=self.cp, kind=self.cp_kind,
                                  causal=mb.causal, q_per_group=self.q_per_group,
                                  key_padding=mask.key_padding, document_ids=mask.document_ids,
-                                 window=self.window)
+                                 window=self.window, overlap=self.cp_overlap)
 
     def _qk_norms(self) -> tuple:
         """The query and key norms' kernel arguments (none without ``qk_layernorm``), their

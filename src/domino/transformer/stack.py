@@ -22,6 +22,7 @@ from domino.parallel_state import ParallelState
 from domino.plan import SYNC, Plan
 from domino.precision import set_compute_dtype
 from domino.runtime import RuntimeConfig, check_compile, resolve_runtime
+from domino.transformer.attention import SelfAttention
 from domino.transformer.backward import BackwardPass
 from domino.transformer.context import BackwardContext
 from domino.transformer.executor import Executor
@@ -329,3 +330,19 @@ def using_sequence_parallel(model: nn.Module, on: bool) -> Iterator[None]:
     finally:
         for s, before in zip(stacks, saved, strict=True):
             s._runtime = s._runtime.replace(sequence_parallel=before)
+
+
+@contextlib.contextmanager
+def using_cp_overlap(model: nn.Module, on: bool) -> Iterator[None]:
+    """Run the enclosed code with the context-parallel ring's transfers overlapped with the
+    block in hand (``on``, what a model does) or each waited for before it (the benchmark's
+    sync baseline) in every self attention of ``model``; restored afterwards."""
+    attns = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    saved = [a.cp_overlap for a in attns]
+    try:
+        for a in attns:
+            a.cp_overlap = on
+        yield
+    finally:
+        for a, o in zip(attns, saved, strict=True):
+            a.cp_overlap = o
