@@ -117,6 +117,15 @@ def test_parse_modes() -> None:
         (["--num-experts", "4", "--modes", "sync:sp,nocomm"], "nocomm lack it; end them in"),
         (["--num-experts", "4", "--tensor-model-parallel-size", "1",
           "--expert-model-parallel-size", "2", "--simulate-link", "1gbit"], "--emulate-link"),
+        (["--context-parallel-size", "3"], r"--seq-length 32 is not divisible by 2 x "
+                                           r"--context-parallel-size = 6"),
+        (["--context-parallel-size", "2", "--num-experts", "4"], "MoE layers is not supported"),
+        (["--context-parallel-size", "2", "--simulate-link", "1gbit"], "no expert or context"),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+         r"--tensor-model-parallel-size x --context-parallel-size = 8"),
+        (["--context-parallel-size", "0"], "--context-parallel-size=0 must be >= 1"),
+        (["--tensor-model-parallel-size", "4", "--context-parallel-size", "3", "--seq-length",
+          "18", "--modes", "sync:sp"], "each CP rank's 6 tokens"),
     ],
 )
 def test_validation_errors(extra: list[str], match: str) -> None:
@@ -425,6 +434,32 @@ def test_ranks_failing_together_are_all_named() -> None:
     late = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
     with pytest.raises(RankFailed, match=r"ranks 0, 1 exited with codes 1, 3"):
         run_ranks([first, late], [dict(os.environ)] * 2, label="test")
+
+
+def test_context_parallel_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--context-parallel-size 2 (TP = 1, two ranks holding a head and a tail chunk of each
+    sequence): the ring's transfers are counted (sync waits for them, Domino overlaps them,
+    nocomm sends nothing) and traced on the timeline."""
+    out_json, out_dir = tmp_path / "cp.json", tmp_path / "traces"
+    argv = TINY[:-6] + ["--steps", "1", "--warmup", "0", "--peak-tflops", "1",
+                        "--tensor-model-parallel-size", "1", "--context-parallel-size", "2",
+                        "--modes", "sync,nocomm,domino:m2:cross", "--json", str(out_json),
+                        "--out-dir", str(out_dir)]
+    assert main(["bench", *argv]) == 0
+    assert "TP=1 x CP=2 (p2p)" in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["config"]["context_parallel_size"] == 2
+    assert report["config"]["tokens_per_step"] == 4 * 32  # one sequence set, split
+    rows = {r["mode"]: r for r in report["results"]}
+    # Per layer: forward the other rank's K/V block, backward its dK/dV (fp32, 16 tokens x 64
+    # each of K and V), for the 2 layers of TINY
+    block = 2 * 16 * 4 * 64 * 4
+    for mode in ("sync", "domino:m2:cross"):
+        assert rows[mode]["allreduce_bytes_per_step"] == 2 * 2 * block, rows[mode]
+    assert rows["nocomm"]["allreduce_bytes_per_step"] == 0
+    trace = json.loads((out_dir / "trace_sync.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {"cp fwd kv", "cp bwd dkv"} <= names, names
 
 
 def test_moe_expert_parallel_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

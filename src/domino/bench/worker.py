@@ -166,13 +166,14 @@ def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> di
 
 
 def _sent(state: ParallelState) -> int:
-    """Bytes this rank's step collectives sent: TP's and the experts' (EP) all-to-alls."""
-    return state.tp.stats.bytes + (state.ep.stats.bytes if state.ep.size > 1 else 0)
+    """Bytes this rank's step collectives sent: TP's, the experts' (EP) all-to-alls and the
+    context-parallel (CP) attention's transfers."""
+    return state.tp.stats.bytes + sum(g.stats.bytes for g in (state.ep, state.cp) if g.size > 1)
 
 
 def _reset_sent(state: ParallelState) -> None:
-    state.tp.stats.reset()
-    state.ep.stats.reset()
+    for group in (state.tp, state.ep, state.cp):
+        group.stats.reset()
 
 
 def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int | None]]:
