@@ -89,7 +89,7 @@ def _plan(masking: Masking, qid: int, kid: int, c: int,
     return False, mask
 
 
-BLOCK_ELEMENTS = 1 << 24  # scores per piece of a pair (64 MiB in fp32): bounds the transients
+BLOCK_ELEMENTS = 1 << 20  # scores per piece of a pair (4 MiB in fp32): bounds the transients
 
 
 def _row_blocks(qpg: int, c: int, per_row: int, limit: int):
