@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +32,9 @@ START_METHOD = "forkserver"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from domino.utils import free_port as below_ephemeral  # (why: its docstring)
+
+    return below_ephemeral()
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple,

@@ -114,3 +114,19 @@ def test_local_run_listens_on_loopback_only(tmp_path: Path) -> None:
                 except ProcessLookupError:
                     pass
     assert not thread.is_alive() and not errors, errors
+
+
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    """A local rendezvous port is one no outgoing connection can be handed in the meantime
+    (the kernel's ephemeral range is where it picks those), and it is free."""
+    import socket
+
+    from domino.utils import _ephemeral_range
+
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # drawn at random, not one fixed port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

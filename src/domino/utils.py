@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import math
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -65,10 +66,33 @@ def even_splits(total: int, parts: int) -> list[tuple[int, int]]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for a local rendezvous)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that is free right now (for a local rendezvous), taken below the
+    kernel's ephemeral range: a port the kernel handed out (``bind`` to port 0) is one it may
+    give the very next outgoing connection (gloo opens many) before the rendezvous listens on
+    it, which then fails with "address already in use"."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every one tried is taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux; else IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
