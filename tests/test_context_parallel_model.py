@@ -53,6 +53,7 @@ PLANS = {"sync": (Plan(1, "none", 1), False), "m2_cross": (Plan(2, "cross_layer"
          "m2_cross_sp": (Plan(2, "cross_layer", 1), True)}
 WORLDS = {2: dict(cp=2), 4: dict(cp=2, tp=2)}
 MASKED, MASKS = "rope_swiglu_gqa_window", ("whole", "shard")  # documents + key padding
+CP4_PLANS = ("sync", "m2_cross")  # CP = 4 at TP = 1, in the four-rank spawn
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -203,9 +204,20 @@ def _rank(rank: int, world: int) -> dict:
                 out[(MASKED, c, masks)] = _case(state, MASKED, c, *PLANS["m2_cross"], masks)
         out["errors"] = _errors(state)
         out["compat"] = _compat(world)
-        return out
     finally:
         state.close()
+    if world == 4:  # CP = 4 (TP = 1) on the same four ranks: chunks of 2 tokens
+        cp4 = ParallelState.from_sizes(ParallelSizes.for_world(4, cp=4))
+        try:
+            for c in CP_COMM_TYPES:
+                for m in MODELS:
+                    for p in CP4_PLANS:
+                        out[("cp4", m, c, p)] = _case(cp4, m, c, *PLANS[p])
+                out[("cp4", MASKED, c, "shard")] = _case(cp4, MASKED, c, *PLANS["m2_cross"],
+                                                         "shard")
+        finally:
+            cp4.close()
+    return out
 
 
 _RESULTS: dict = {}
@@ -242,6 +254,21 @@ def test_cp_gpt_with_documents_and_padding(world, comm, masks) -> None:
         bad = {**failures({k: v for k, v in res.items() if k not in ("grads", "weights")}),
                **failures(res["grads"]), **failures(res["weights"])}
         assert not bad, f"{where}: {bad}"
+
+
+@pytest.mark.parametrize("comm", list(CP_COMM_TYPES))
+def test_cp4_gpt_matches_single_process(comm) -> None:
+    """CP = 4 (TP = 1): both models under both plans, and documents with padding given as
+    shards, equal the single-process model (losses, every gradient, weights after a step)."""
+    for rank, per_rank in enumerate(_results(4)):
+        for key, res in per_rank.items():
+            if not (isinstance(key, tuple) and key[0] == "cp4" and key[2] == comm):
+                continue
+            bad = {**failures({k: v for k, v in res.items() if k not in ("grads", "weights")}),
+                   **failures(res["grads"]), **failures(res["weights"])}
+            assert not bad, f"CP=4 rank {rank} {key}: {bad}"
+    assert sum(1 for k in _results(4)[0] if isinstance(k, tuple) and k[0] == "cp4") == \
+        len(CP_COMM_TYPES) * (len(MODELS) * len(CP4_PLANS) + 1)
 
 
 @pytest.mark.parametrize("world", list(WORLDS))
