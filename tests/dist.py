@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from domino.utils import free_port  # below the kernel's ephemeral range (its docstring says why)
+
 # Imported once in the fork server; a module that fails to import there is skipped silently
 # (the rank imports it itself when it needs it).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "numpy",
@@ -29,12 +31,6 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "numpy"
            "domino.models.gpt", "domino.training.loop", "domino.pipeline.runtime",
            "domino.checkpoint.store", "domino.inference.loading"]
 START_METHOD = "forkserver"
-
-
-def free_port() -> int:
-    from domino.utils import free_port as below_ephemeral  # (why: its docstring)
-
-    return below_ephemeral()
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple,

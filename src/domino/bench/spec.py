@@ -22,7 +22,6 @@ from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
 from domino.plan import Plan
 from domino.runtime import CP_COMM_TYPES, DEFAULT_PLAN, RuntimeConfig, check_compile
-from domino.transformer.attention import check_a2a_heads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
@@ -214,13 +213,11 @@ def _check_context_parallel(args: argparse.Namespace) -> int:
         raise ValueError(f"--context-parallel-size {cp} with MoE layers is not supported yet "
                          "(their router statistics would see part of each sequence): drop "
                          "--num-experts / --model moe, or use --context-parallel-size 1")
-    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
     check_context_parallel(seq_length=args.seq_length, context_parallel_size=cp,
-                           num_attention_heads=heads, num_query_groups=heads,
+                           num_attention_heads=args.num_attention_heads,
                            attention_dropout=args.attention_dropout or 0.0,
-                           kind=CP_COMM_TYPES[args.cp_comm_type])
-    if args.cp_comm_type == "a2a":
-        check_a2a_heads(heads, heads, tp, cp)
+                           kind=CP_COMM_TYPES[args.cp_comm_type],
+                           tensor_model_parallel_size=args.tensor_model_parallel_size)
     return cp
 
 

@@ -126,8 +126,8 @@ class _Bench:
             comm.enter_context(self.state.ep.disabled())
             comm.enter_context(self.state.cp.disabled())
         model = self.models[mode.compiled]
-        # sync waits for each CP ring transfer before its block's compute; Domino overlaps it.
-        comm.enter_context(using_cp_overlap(model, mode.is_domino))
+        if self.state.cp.size > 1:  # sync waits for each ring transfer; Domino overlaps it
+            comm.enter_context(using_cp_overlap(model, mode.is_domino))
         with using_plan(model, mode.plan), comm, \
                 using_sequence_parallel(model, mode.sequence_parallel):
             model.zero_grad(set_to_none=True)

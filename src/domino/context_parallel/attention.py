@@ -23,15 +23,16 @@ def check_kind(kind: str) -> None:
                          f"{', '.join(KINDS)}.")
 
 
-def check_heads(num_heads: int, num_groups: int, cp: int) -> None:
+def check_heads(num_heads: int, num_groups: int, cp: int, tp: int = 1) -> None:
     """Raise ValueError unless all-to-all (Ulysses) can give each of ``cp`` ranks whole query
-    heads and whole K/V groups."""
-    if num_heads % cp or num_groups % cp:
+    heads and whole K/V groups of its TP rank's (``num_heads``, ``num_groups``: the model's)."""
+    if num_heads % (tp * cp) or num_groups % (tp * cp):
         raise ValueError(
-            f"all-to-all context parallelism gives each rank whole heads: --num-attention-heads "
-            f"{num_heads} and --num-query-groups {num_groups} must both be divisible by "
-            f"--context-parallel-size {cp}. Change those sizes, or use ring attention (which "
-            "has no such rule).")
+            f"all-to-all context parallelism (--cp-comm-type a2a) gives each rank whole heads: "
+            f"--num-attention-heads {num_heads} and --num-query-groups {num_groups} must both "
+            f"be divisible by --tensor-model-parallel-size x --context-parallel-size = "
+            f"{tp * cp} (--tensor-model-parallel-size {tp}, --context-parallel-size {cp}). "
+            "Change those sizes, or use --cp-comm-type p2p (ring attention: no such rule).")
 
 
 def check_dropout(attention_dropout: float, cp: int) -> None:
@@ -45,7 +46,8 @@ def check_dropout(attention_dropout: float, cp: int) -> None:
 
 def check_context_parallel(*, seq_length: int, context_parallel_size: int,
                            num_attention_heads: int, num_query_groups: int | None = None,
-                           attention_dropout: float = 0.0, kind: str = "ring") -> None:
+                           attention_dropout: float = 0.0, kind: str = "ring",
+                           tensor_model_parallel_size: int = 1) -> None:
     """Every configuration rule of context-parallel attention (ValueError naming the flag to
     change); nothing to check at ``context_parallel_size`` 1."""
     cp = context_parallel_size
@@ -55,7 +57,8 @@ def check_context_parallel(*, seq_length: int, context_parallel_size: int,
     check_sequence_length(seq_length, cp)
     check_dropout(attention_dropout, cp)
     if kind == "alltoall":
-        check_heads(num_attention_heads, num_query_groups or num_attention_heads, cp)
+        check_heads(num_attention_heads, num_query_groups or num_attention_heads, cp,
+                    tensor_model_parallel_size)
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -22,7 +22,7 @@ from domino.flops import check_peak_tflops
 from domino.parallel_state import check_sizes
 from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
-from domino.runtime import RuntimeConfig, check_compile
+from domino.runtime import CP_COMM_TYPES, RuntimeConfig, check_compile
 from domino.training import model_flags
 from domino.training.arguments import TrainArgs, field_types
 from domino.training.data import (
@@ -40,7 +40,6 @@ from domino.training.resume import (
     check_save_dir,
     open_resume,
 )
-from domino.transformer.attention import check_a2a_heads
 from domino.utils import removed_on_error
 
 
@@ -183,12 +182,11 @@ def _check_context_parallel(args: TrainArgs) -> None:
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     check_context_parallel(seq_length=args.seq_length, context_parallel_size=cp,
                            num_attention_heads=args.num_attention_heads,
-                           attention_dropout=args.attention_dropout)
+                           num_query_groups=args.num_query_groups,
+                           attention_dropout=args.attention_dropout,
+                           kind=CP_COMM_TYPES[args.cp_comm_type], tensor_model_parallel_size=tp)
     if cp == 1:
         return
-    if args.cp_comm_type == "a2a":
-        check_a2a_heads(args.num_attention_heads,
-                        args.num_query_groups or args.num_attention_heads, tp, cp)
     if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
         raise ValueError(
             f"--sequence-parallel splits each CP rank's {args.seq_length // cp} tokens "

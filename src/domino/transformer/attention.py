@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from domino.config import TransformerConfig
-from domino.context_parallel import SequenceMask, check_dropout, context_attention
+from domino.context_parallel import SequenceMask, check_dropout, check_heads, context_attention
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
@@ -53,17 +53,6 @@ def _recomputed(fn, gen: torch.Generator, *args):
             gen.set_state(after)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
-
-
-def check_a2a_heads(heads: int, groups: int, tp: int, cp: int) -> None:
-    """Raise ValueError unless all-to-all context parallelism can give each CP rank whole
-    query heads and K/V groups of its TP rank's."""
-    if heads % (tp * cp) or groups % (tp * cp):
-        raise ValueError(
-            f"--cp-comm-type a2a gives each CP rank whole heads: --num-attention-heads {heads} "
-            f"and --num-query-groups {groups} must both be divisible by "
-            f"--tensor-model-parallel-size x --context-parallel-size = {tp * cp}. Change those "
-            "sizes, or use --cp-comm-type p2p (ring attention: no such rule).")
 
 
 def _mb_slice(mask, mb: MicroBatch, b: int) -> torch.Tensor | None:
@@ -136,8 +125,8 @@ class SelfAttention(_AttentionBase):
         if self.cp.size > 1:
             check_dropout(config.attention_dropout, self.cp.size)
             if cp_kind == "alltoall":
-                check_a2a_heads(config.num_attention_heads, config.num_query_groups,
-                                state.tp.size, self.cp.size)
+                check_heads(config.num_attention_heads, config.num_query_groups,
+                            self.cp.size, state.tp.size)
         width = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, width, group=state.tp,
