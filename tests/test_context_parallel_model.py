@@ -35,8 +35,6 @@ from domino.enums import AttnMaskType
 from domino.gpt_model import GPTModel
 from domino.language_model import TransformerLanguageModel
 from domino.parallel_state import ParallelSizes
-from domino.pipeline.model import PipelineModel
-from domino.pipeline.partition import partition
 from domino.runtime import CP_COMM_TYPES, RuntimeConfig
 from domino.transformer import Plan
 
@@ -54,6 +52,10 @@ PLANS = {"sync": (Plan(1, "none", 1), False), "m2_cross": (Plan(2, "cross_layer"
 WORLDS = {2: dict(cp=2), 4: dict(cp=2, tp=2)}
 MASKED, MASKS = "rope_swiglu_gqa_window", ("whole", "shard")  # documents + key padding
 CP4_PLANS = ("sync", "m2_cross")  # CP = 4 at TP = 1, in the four-rank spawn
+# CP = 2 (two-rank spawn) with bf16 compute and with compiled pieces, under m2_cross.
+RUNTIMES = {"bf16": dict(compute_dtype=torch.bfloat16),
+            "compiled": dict(compile=True, compile_backend="aot_eager")}
+RUNTIME_TOL = {"bf16": 3e-2, "compiled": 1e-5}  # bf16: a few bf16 roundings deep
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -103,15 +105,18 @@ def _masks() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _case(state: ParallelState, model_name: str, comm: str, plan: Plan, sp: bool,
-          masks: str | None = None) -> dict:
+          masks: str | None = None, runtime: str | None = None) -> dict:
     """``masks``: documents and key padding, given to the CP model as a SequenceMask of the
-    ``whole`` sequence or of each rank's ``shard``, to the reference as a dense mask."""
+    ``whole`` sequence or of each rank's ``shard``, to the reference as a dense mask.
+    ``runtime``: a RUNTIMES entry of the CP model (the reference is the fp32 model)."""
     cfg = config(**{**COMMON, **MODELS[model_name]})
+    extra = RUNTIMES[runtime] if runtime else {}
     torch.manual_seed(0)
     ref = GPTModel(cfg, parallel_state=ParallelState.single())
     perturb(ref, seed=1, vocab=cfg.vocab_size)
     model = GPTModel(cfg, parallel_state=state,
-                     runtime=RuntimeConfig(plan=plan, cp_comm_type=comm, sequence_parallel=sp))
+                     runtime=RuntimeConfig(plan=plan, cp_comm_type=comm, sequence_parallel=sp,
+                                           **extra))
     copy_weights(model, ref, state.tp, cfg.vocab_size)
     model.language_model.encoder.set_plan(plan, force=True)  # split at TP=1 too
     cp, rank = state.cp.size, state.cp.rank
@@ -167,7 +172,6 @@ def _errors(state: ParallelState) -> dict:
             config(**COMMON), AttnMaskType.padding, add_decoder=True, parallel_state=state),
         "moe": lambda: GPTModel(config(**COMMON, num_experts=2, moe_ffn_hidden_size=32),
                                 parallel_state=state),
-        "pipeline": lambda: PipelineModel(config(**COMMON), state, partition(2, 1)),
         "dense_mask": lambda: GPTModel(config(**COMMON), parallel_state=state)(
             torch.zeros(BATCH, SEQ // 2, dtype=torch.long), None,
             torch.zeros(BATCH, 1, SEQ // 2, SEQ, dtype=torch.bool)),
@@ -202,6 +206,10 @@ def _rank(rank: int, world: int) -> dict:
         for c in CP_COMM_TYPES:
             for masks in MASKS:
                 out[(MASKED, c, masks)] = _case(state, MASKED, c, *PLANS["m2_cross"], masks)
+        if world == 2:
+            for name in RUNTIMES:
+                for c in CP_COMM_TYPES if name == "bf16" else ("p2p",):
+                    out[(name, c)] = _case(state, MASKED, c, *PLANS["m2_cross"], "shard", name)
         out["errors"] = _errors(state)
         out["compat"] = _compat(world)
     finally:
@@ -269,6 +277,21 @@ def test_cp4_gpt_matches_single_process(comm) -> None:
             assert not bad, f"CP=4 rank {rank} {key}: {bad}"
     assert sum(1 for k in _results(4)[0] if isinstance(k, tuple) and k[0] == "cp4") == \
         len(CP_COMM_TYPES) * (len(MODELS) * len(CP4_PLANS) + 1)
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_cp_gpt_in_bf16_and_compiled(runtime) -> None:
+    """CP = 2 with bf16 compute (every kind; against the single-process model computing in
+    bf16) and with compiled pieces (the ring stays eager between them)."""
+    keys = [k for k in _results(2)[0] if isinstance(k, tuple) and k[0] == runtime]
+    assert len(keys) == (len(CP_COMM_TYPES) if runtime == "bf16" else 1)
+    for rank, per_rank in enumerate(_results(2)):
+        for key in keys:
+            res = per_rank[key]
+            tol = RUNTIME_TOL[runtime]
+            bad = {**failures({k: v for k, v in res.items() if k not in ("grads", "weights")},
+                              tol), **failures(res["grads"], tol), **failures(res["weights"], tol)}
+            assert not bad, f"CP=2 rank {rank} {key}: {bad}"
 
 
 @pytest.mark.parametrize("world", list(WORLDS))

@@ -6,16 +6,19 @@ schedule, for tied and untied word embeddings, with several pipeline micro-batch
 seeded stream), and the loss, the gradient norm, every gathered gradient after the first step
 and every weight after three optimizer steps equal the single-process run's within fp32
 tolerance; the first and last stage's copies of a tied word table stay equal. PP runs save,
-resume bit-identically, and reshard to PP=1.
+resume bit-identically, and reshard to PP=1. PP=2 x CP=2 trains as PP=2 x DP=2 on the same
+batches under every schedule, and writes the same checkpoint.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from dist import fit, run_distributed
+from safetensors.torch import load_file
 from tp_helpers import one_thread
 
 from domino.config import TransformerConfig
@@ -287,8 +290,67 @@ def _pp_dp_memory_options(rank: int, world: int, data: str, tmp: str) -> dict:
     return out
 
 
-def test_pipeline_with_distributed_optimizer_and_recompute(data: str, tmp_path) -> None:
-    for res in run_distributed(_pp_dp_memory_options, 4, data, str(tmp_path)):
+def _pp_cp(data: str, tmp: str) -> dict:
+    """PP=2 x CP=2 against PP=2 x DP=2 on the same global batches (each pipeline micro-batch
+    of 4 samples split over the CP pair instead of 2 samples per DP rank), under each
+    schedule: what crosses a stage boundary is the rank's sequence shard."""
+    out = {}
+    for schedule in ("1f1b", "interleaved", "zero_bubble"):
+        base = dict(pipeline_model_parallel_size=2, pipeline_schedule=schedule, train_iters=4,
+                    eval_interval=2, hidden_dropout=0.0,
+                    # Not 1e-8: AdamW would blow the key bias's gradient (zero in exact
+                    # arithmetic, rounding noise here) up to full steps.
+                    adam_eps=1e-4)
+        if schedule == "interleaved":
+            base["num_layers_per_virtual_pipeline_stage"] = 1
+        out[schedule] = {
+            "dp": _fit(_run_args(data, **base), f"{tmp}/{schedule}_dp"),
+            "cp": _fit(_run_args(data, **base, context_parallel_size=2, micro_batch_size=4,
+                                 cp_comm_type="p2p" if schedule != "zero_bubble" else "a2a"),
+                       f"{tmp}/{schedule}_cp"),
+        }
+    return out
+
+
+def _four_ranks(rank: int, world: int, data: str, tmp: str) -> dict:
+    return {"memory": _pp_dp_memory_options(rank, world, data, tmp), "cp": _pp_cp(data, tmp)}
+
+
+_FOUR: dict = {}
+
+
+def _four(data: str, tmp: Path) -> list[dict]:
+    """The four-rank spawn both tests below read (one spawn: start-up is most of its time)."""
+    if not _FOUR:
+        _FOUR["ranks"], _FOUR["tmp"] = run_distributed(_four_ranks, 4, data, str(tmp)), tmp
+    return _FOUR["ranks"]
+
+
+def test_pipeline_with_context_parallelism(data: str, tmp_path_factory) -> None:
+    ranks = _four(data, tmp_path_factory.mktemp("four"))
+    for rank, res in enumerate(ranks):
+        for schedule, runs in res["cp"].items():
+            dp, cp = runs["dp"], runs["cp"]
+            where = f"rank {rank} {schedule}"
+            assert cp["losses"] == pytest.approx(dp["losses"], rel=1e-5), where
+            assert cp["norms"] == pytest.approx(dp["norms"], rel=1e-5), where
+            assert [v for _, v in cp["val"]] == pytest.approx([v for _, v in dp["val"]],
+                                                              rel=1e-5), where
+            assert cp["sample"] == dp["sample"], where
+    folder = _FOUR["tmp"]
+    for schedule in ranks[0]["cp"]:  # the checkpoints do not depend on CP
+        for stage in ("pp00", "pp01"):
+            name = f"checkpoints/step_0000004/model-tp00-{stage}.safetensors"
+            want = load_file(folder / f"{schedule}_dp" / name)
+            got = load_file(folder / f"{schedule}_cp" / name)
+            assert got.keys() == want.keys()
+            for key, w in want.items():
+                err = float((got[key] - w).abs().max() / w.abs().max().clamp(min=1e-3))
+                assert err <= 1e-5, (schedule, key, err)
+
+
+def test_pipeline_with_distributed_optimizer_and_recompute(data: str, tmp_path_factory) -> None:
+    for res in (r["memory"] for r in _four(data, tmp_path_factory.mktemp("four"))):
         for schedule, runs in res.items():
             plain = runs["plain"]
             assert runs["selective"]["losses"] == plain["losses"], schedule  # bit for bit

@@ -133,8 +133,6 @@ def test_cp2_training_matches_cp1_and_resumes_at_cp1(data, docs, tmp_path) -> No
     (dict(cp_comm_type="a2a", num_attention_heads=2, tensor_model_parallel_size=2), 4,
      ["--cp-comm-type a2a", "--num-attention-heads 2", "divisible by"]),
     (dict(), 3, ["context_parallel_size=2", "world size 3"]),
-    (dict(pipeline_model_parallel_size=2), 4, ["--pipeline-model-parallel-size",
-                                               "--context-parallel-size 1"]),
     (dict(num_experts=4), 2, ["--num-experts", "--context-parallel-size 1"]),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=12), 8,
      ["--sequence-parallel", "multiple of 8"]),

@@ -37,9 +37,6 @@ class PipelineModel(nn.Module):
         if layout.stages != state.pp.size:
             raise ValueError(f"the layout has {layout.stages} stages but the pipeline group "
                              f"{state.pp.size} ranks")
-        if state.cp.size > 1:  # a stage boundary would carry sequence shards: not built yet
-            raise ValueError(f"pipeline parallelism with context parallelism (context-parallel "
-                             f"size {state.cp.size}) is not supported yet: use one of them.")
         self.config, self.state, self.layout = config, state, layout
         rank = state.pp.rank
         self.chunks = nn.ModuleList(

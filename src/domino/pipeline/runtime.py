@@ -55,8 +55,9 @@ class PipelineRunner:
         # Each chunk's micro-batch of its last backward: its forward gets a DP reducer's
         # backward context (see step).
         self._last_backward = {a.chunk: a.mb for a in self.actions if a.kind == "B"}
-        # What crosses a stage boundary: the stack's input/output, the rank's sequence shard
-        # under sequence parallelism.
+        # What crosses a stage boundary: the stack's input/output, the rank's share of the
+        # sequence: its CP shard, split again over TP under sequence parallelism.
+        seq_length //= self.state.cp.size
         if model.sequence_parallel_active():
             seq_length //= self.state.tp.size
         self.shape = (seq_length, micro_batch_size, model.config.hidden_size)

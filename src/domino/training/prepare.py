@@ -193,8 +193,7 @@ def _check_context_parallel(args: TrainArgs) -> None:
             f"(--seq-length {args.seq_length} / --context-parallel-size {cp}) over the "
             f"--tensor-model-parallel-size {tp} ranks: use a --seq-length that is a multiple "
             f"of {2 * cp * tp // math.gcd(2, tp)}.")
-    refused = {"--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
-               "--num-experts": args.num_experts is not None,
+    refused = {"--num-experts": args.num_experts is not None,
                "--domino-autotune": args.domino_autotune}
     for what, given in refused.items():
         if given:
