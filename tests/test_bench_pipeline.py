@@ -97,6 +97,9 @@ def test_stages_on_emulated_hosts(tmp_path: Path, capsys) -> None:
     (["--num-layers", "6", "--schedules", "interleaved"], "multiple of 2 x PP = 4"),
     (["--pipeline-micro-batches", "3", "--schedules", "interleaved"], "not a multiple of 2"),
     (["--simulate-link", "1gbit"], "loopback or --emulate-link"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2 is not part of it"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size 2, --num-experts 4 is not part of it"),
     (["--plan", "m4:cross"], "larger than --micro-batch-size=2"),
     (["--peak-tflops", "-1"], "--peak-tflops=-1.0 must be > 0"),
 ])

@@ -263,6 +263,17 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.simulate_link is not None:
         raise ValueError("--simulate-link times TP all-reduces; the pipeline bench runs on "
                          "loopback or --emulate-link")
+    ignored = [f"{flag} {value}" for flag, value, given in (
+        ("--context-parallel-size", args.context_parallel_size, args.context_parallel_size != 1),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size,
+         args.expert_model_parallel_size != 1),
+        ("--num-experts", args.num_experts, args.num_experts is not None),
+        ("--model", args.model, args.model == "moe")) if given]
+    if ignored:  # they would be silently ignored: the pipeline bench builds a dense GPT
+        raise ValueError(f"the pipeline bench (--pipeline-model-parallel-size {p}) compares "
+                         f"schedules of a dense GPT at TP x PP; {', '.join(ignored)} is not "
+                         "part of it: drop it (domino train runs PP with CP or MoE), or drop "
+                         "--pipeline-model-parallel-size for a comparison of Domino modes")
     schedules = [s.strip() for s in (args.schedules or DEFAULT_SCHEDULES).split(",") if s.strip()]
     per = args.num_layers_per_virtual_pipeline_stage
     if per is None and "interleaved" in schedules:
