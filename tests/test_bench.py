@@ -119,7 +119,7 @@ def test_parse_modes() -> None:
           "--expert-model-parallel-size", "2", "--simulate-link", "1gbit"], "--emulate-link"),
         (["--context-parallel-size", "3"], r"--seq-length 32 is not divisible by 2 x "
                                            r"--context-parallel-size = 6"),
-        (["--context-parallel-size", "2", "--num-experts", "4"], "MoE layers is not supported"),
+        (["--context-parallel-size", "2", "--num-experts", "4"], "measures context parallelism and MoE in separate"),
         (["--context-parallel-size", "2", "--simulate-link", "1gbit"], "no expert or context"),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
          r"--tensor-model-parallel-size x --context-parallel-size = 8"),

@@ -37,6 +37,7 @@ from domino.language_model import TransformerLanguageModel
 from domino.parallel_state import ParallelSizes
 from domino.runtime import CP_COMM_TYPES, RuntimeConfig
 from domino.transformer import Plan
+from domino.transformer.moe.op import moe_ops
 
 BATCH, SEQ = 2, 16
 COMMON = dict(hidden_size=64, num_attention_heads=8, seq_length=SEQ, max_position_embeddings=32)
@@ -56,6 +57,24 @@ CP4_PLANS = ("sync", "m2_cross")  # CP = 4 at TP = 1, in the four-rank spawn
 RUNTIMES = {"bf16": dict(compute_dtype=torch.bfloat16),
             "compiled": dict(compile=True, compile_backend="aot_eager")}
 RUNTIME_TOL = {"bf16": 3e-2, "compiled": 1e-5}  # bf16: a few bf16 roundings deep
+# MoE layers under CP: each CP rank routes its chunks' tokens; the router statistics, the
+# auxiliary losses and a capacity's choice are the whole sequences'.
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.1,
+           moe_z_loss_coeff=0.01, init_method_std=0.2, normalization="RMSNorm",
+           activation="swiglu", position_embedding_type="rope", add_bias_linear=False)
+MOE_VARIANTS = {
+    "dropless": {},
+    # token order decides the drops: the capacity must see the sequences in true order
+    "capacity_position_pad": dict(moe_expert_capacity_factor=0.6, moe_token_drop_policy="position",
+                                  moe_pad_expert_input_to_capacity=True),
+    "capacity_probs_shared": dict(moe_expert_capacity_factor=0.8,
+                                  moe_shared_expert_intermediate_size=32,
+                                  moe_shared_expert_gate=True),
+}
+# world -> [(sizes, plan name)]: CP = 2 with EP = 1 and EP = 2 (EP within DP x CP), TP = 2 x
+# CP = 2 (sequence parallel, as MoE at TP > 1 trains), CP = 4
+MOE_RUNS = {2: [(dict(cp=2), "sync"), (dict(cp=2), "m2_cross"), (dict(cp=2, ep=2), "m2_cross")],
+            4: [(dict(cp=2, tp=2), "m2_cross_sp"), (dict(cp=4), "m2_cross")]}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -158,6 +177,59 @@ def _case(state: ParallelState, model_name: str, comm: str, plan: Plan, sp: bool
     return res
 
 
+def _expert_local(name: str, full: torch.Tensor, like: torch.Tensor, state: ParallelState,
+                  vocab: int) -> torch.Tensor:
+    """This rank's share of a parameter (or gradient): experts by EP rank, the rest by TP."""
+    if ".experts." in name:
+        return full.chunk(state.ep.size, dim=0)[state.ep.rank]
+    return expected_local(name, full, like, state.tp, vocab)
+
+
+def _moe_case(state: ParallelState, variant: str, plan: Plan, sp: bool) -> dict:
+    """A GPT of MoE layers at this state's CP (x TP x EP) vs the single-process model on the
+    whole micro-batch: per-token losses, each layer's router statistics (assignments per
+    expert; load-balancing loss, z-loss, dropped assignments), every gradient (dense ones
+    summed over DP x CP, experts' over expert-DP, as a trainer does)."""
+    cfg = config(**{**COMMON, **MOE, **MOE_VARIANTS[variant]})
+    torch.manual_seed(0)
+    ref = GPTModel(cfg, parallel_state=ParallelState.single())
+    perturb(ref, seed=1, vocab=cfg.vocab_size)
+    model = GPTModel(cfg, parallel_state=state,
+                     runtime=RuntimeConfig(plan=plan, sequence_parallel=sp))
+    refs = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(_expert_local(n, refs[n], p, state, cfg.vocab_size))
+    model.language_model.encoder.set_plan(plan, force=True)
+    cp, rank = state.cp.size, state.cp.rank
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    wts = torch.rand(BATCH, SEQ, generator=gen)
+    positions = _shard(torch.arange(SEQ).expand(BATCH, SEQ), rank, cp)
+    loss = model(_shard(ids, rank, cp), positions, None, labels=_shard(labels, rank, cp))
+    loss_ref = ref(ids, None, None, labels=labels)
+    (loss * _shard(wts, rank, cp)).sum().backward()
+    (loss_ref * wts).sum().backward()
+    for n, p in model.named_parameters():
+        group = state.expert_dp if ".experts." in n else state.dp_cp
+        if p.grad is not None and group.size > 1:
+            dist.all_reduce(p.grad, group=group.group)
+    res = {"loss": rel_err(_whole(loss.detach(), state), loss_ref)}
+    ops, ref_ops = moe_ops(model), moe_ops(ref)
+    assert len(ops) == cfg.num_layers
+    for i, (op, op_ref) in enumerate(zip(ops, ref_ops, strict=True)):
+        op.close_run()
+        op_ref.close_run()
+        res[f"counts{i}"] = rel_err(op.counts, op_ref.counts)
+        res[f"balance, z, dropped, runs {i}"] = rel_err(op.sums, op_ref.sums)
+        res[f"dropped{i}"] = float(op_ref.sums[2] > 0)  # (checked per variant)
+    res["grads"] = {n: rel_err(p.grad, _expert_local(n, refs[n].grad, p, state,
+                                                     cfg.vocab_size))
+                    for n, p in model.named_parameters() if refs[n].grad is not None}
+    return res
+
+
 def _errors(state: ParallelState) -> dict:
     """What CP refuses, at construction or (a dense mask) before the first collective: the
     message of each."""
@@ -170,8 +242,6 @@ def _errors(state: ParallelState) -> dict:
                                       runtime=RuntimeConfig(cp_comm_type="a2a")),
         "encoder_decoder": lambda: TransformerLanguageModel(
             config(**COMMON), AttnMaskType.padding, add_decoder=True, parallel_state=state),
-        "moe": lambda: GPTModel(config(**COMMON, num_experts=2, moe_ffn_hidden_size=32),
-                                parallel_state=state),
         "dense_mask": lambda: GPTModel(config(**COMMON), parallel_state=state)(
             torch.zeros(BATCH, SEQ // 2, dtype=torch.long), None,
             torch.zeros(BATCH, 1, SEQ // 2, SEQ, dtype=torch.bool)),
@@ -214,6 +284,14 @@ def _rank(rank: int, world: int) -> dict:
         out["compat"] = _compat(world)
     finally:
         state.close()
+    for sizes, plan in MOE_RUNS[world]:
+        moe_state = ParallelState.from_sizes(ParallelSizes.for_world(world, **sizes))
+        try:
+            for variant in MOE_VARIANTS:
+                key = ("moe", variant, tuple(sorted(sizes.items())), plan)
+                out[key] = _moe_case(moe_state, variant, *PLANS[plan])
+        finally:
+            moe_state.close()
     if world == 4:  # CP = 4 (TP = 1) on the same four ranks: chunks of 2 tokens
         cp4 = ParallelState.from_sizes(ParallelSizes.for_world(4, cp=4))
         try:
@@ -277,6 +355,25 @@ def test_cp4_gpt_matches_single_process(comm) -> None:
             assert not bad, f"CP=4 rank {rank} {key}: {bad}"
     assert sum(1 for k in _results(4)[0] if isinstance(k, tuple) and k[0] == "cp4") == \
         len(CP_COMM_TYPES) * (len(MODELS) * len(CP4_PLANS) + 1)
+
+
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_cp_moe_gpt_matches_single_process(world, variant) -> None:
+    """MoE layers under CP = 2 (EP = 1 and 2, sync and Domino), TP = 2 x CP = 2 (sequence
+    parallel) and CP = 4: losses, router statistics and every gradient of the single-process
+    model on the whole micro-batch."""
+    ranks = _results(world)
+    keys = [k for k in ranks[0] if isinstance(k, tuple) and k[:2] == ("moe", variant)]
+    assert len(keys) == len(MOE_RUNS[world])
+    for rank, per_rank in enumerate(ranks):
+        for key in keys:
+            res = per_rank[key]
+            scalars = {k: v for k, v in res.items() if k != "grads" and not k.startswith("dropped")}
+            bad = {**failures(scalars), **failures(res["grads"])}
+            assert not bad, f"rank {rank} {key}: {bad}"
+            # the capacity variants do drop (else they would test nothing more than dropless)
+            assert any(res[f"dropped{i}"] for i in range(2)) == (variant != "dropless"), key
 
 
 @pytest.mark.parametrize("runtime", list(RUNTIMES))

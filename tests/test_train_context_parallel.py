@@ -1,7 +1,8 @@
 """`domino train` with context parallelism: the trainer at CP=2 gives the CP=1 run's losses,
 gradient norms, validation losses, final weights and greedy sample (every token counted once,
 dense gradients summed over DP x CP, each parameter once in the norm), with each CP attention
-kind, gradient accumulation, ZeRO-1 and recomputation, and on packed documents
+kind, gradient accumulation, ZeRO-1 and recomputation, MoE layers with EP over the CP ranks
+(the router's metrics too), and on packed documents
 (``--reset-attention-mask``, ``--reset-position-ids``, ``--eod-mask-loss``); a checkpoint saved
 at CP=2 resumes at CP=1; the flags' configuration errors are raised before any process starts
 and name the flag to change. One spawn of 2 ranks."""
@@ -67,8 +68,18 @@ def _args(data: str, **kw) -> TrainArgs:
 def _train(args: TrainArgs, run_dir: str) -> dict:
     res = fit(args, run_dir)
     assert res.skipped == sum(not math.isfinite(n) for n in res.grad_norms)
+    logged = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text()
+              .splitlines()]
     return {"losses": res.losses, "norms": res.grad_norms, "val": res.val_losses,
-            "sample": res.sample}
+            "sample": res.sample,
+            "moe": [r[k] for r in logged if "moe_aux_loss" in r for k in MOE_METRICS]}
+
+
+# MoE layers under CP: micro-batches of 2 samples either way (DP = 2, or CP = 2 accumulating
+# two), so the auxiliary losses are of the same tokens; EP = 2 over DP or over CP.
+MOE = dict(num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2, moe_aux_loss_coeff=0.1,
+           moe_z_loss_coeff=0.01, expert_model_parallel_size=2, micro_batch_size=2)
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")
 
 
 def _runs(rank: int, world: int, data: str, docs: str, tmp: str) -> dict:
@@ -93,6 +104,11 @@ def _runs(rank: int, world: int, data: str, docs: str, tmp: str) -> dict:
         "cp2 accum": _train(_args(data, context_parallel_size=2, cp_comm_type="a2a",
                                   overlap_grad_reduce=False, recompute_granularity="selective"),
                             f"{tmp}/accum"),
+        "moe cp1": _train(_args(data, **MOE, **sample, moe_expert_capacity_factor=1.0),
+                          f"{tmp}/moe1"),
+        "moe cp2": _train(_args(data, **MOE, **sample, moe_expert_capacity_factor=1.0,
+                                context_parallel_size=2, domino_micro_batches=2),
+                          f"{tmp}/moe2"),
         "first": _train(_args(data, **cp2, exit_interval=3), f"{tmp}/first"),
         "resumed at cp1": _train(_args(data, load=f"{tmp}/first"), f"{tmp}/resumed"),
     }
@@ -105,6 +121,13 @@ def test_cp2_training_matches_cp1_and_resumes_at_cp1(data, docs, tmp_path) -> No
         for name in ("docs cp2", "docs cp2 a2a m2"):
             assert res[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
             assert res[name]["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+    for res in ranks:  # MoE: losses, norms, the router's metrics (aux loss, z-loss, load, drops)
+        moe1, moe2 = res["moe cp1"], res["moe cp2"]
+        n = len(MOE_METRICS)
+        assert len(moe1["moe"]) == n * STEPS and any(moe1["moe"][n - 1::n])  # it drops
+        for key in ("losses", "norms", "moe"):
+            assert moe2[key] == pytest.approx(moe1[key], rel=1e-5), key
+        assert moe2["sample"] == moe1["sample"] and len(moe1["sample"] or "") > 3
     ref = ranks[0]["cp1"]
     assert ref["losses"][-1] < ref["losses"][0] - 0.3  # it learns
     assert ref["sample"] is not None and ranks[0]["cp2"]["sample"] == ref["sample"]
@@ -133,7 +156,7 @@ def test_cp2_training_matches_cp1_and_resumes_at_cp1(data, docs, tmp_path) -> No
     (dict(cp_comm_type="a2a", num_attention_heads=2, tensor_model_parallel_size=2), 4,
      ["--cp-comm-type a2a", "--num-attention-heads 2", "divisible by"]),
     (dict(), 3, ["context_parallel_size=2", "world size 3"]),
-    (dict(num_experts=4), 2, ["--num-experts", "--context-parallel-size 1"]),
+    (dict(domino_autotune=True), 2, ["--domino-autotune", "--context-parallel-size 1"]),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=12), 8,
      ["--sequence-parallel", "multiple of 8"]),
 ])

@@ -210,9 +210,10 @@ def _check_context_parallel(args: argparse.Namespace) -> int:
     if cp == 1:
         return cp
     if args.num_experts is not None or args.model == "moe":
-        raise ValueError(f"--context-parallel-size {cp} with MoE layers is not supported yet "
-                         "(their router statistics would see part of each sequence): drop "
-                         "--num-experts / --model moe, or use --context-parallel-size 1")
+        raise ValueError(f"--context-parallel-size {cp} with MoE layers: the bench measures "
+                         "context parallelism and MoE in separate comparisons (domino train "
+                         "runs them together): drop --num-experts / --model moe, or use "
+                         "--context-parallel-size 1")
     check_context_parallel(seq_length=args.seq_length, context_parallel_size=cp,
                            num_attention_heads=args.num_attention_heads,
                            attention_dropout=args.attention_dropout or 0.0,

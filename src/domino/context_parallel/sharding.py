@@ -76,7 +76,8 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...],
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
 
 
-def gather_sequence(x: torch.Tensor, group: CommGroup | None, dim: int = 0) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: CommGroup | None, dim: int = 0,
+                    name: str = "cp all-gather mask") -> torch.Tensor:
     """Every rank's shard of ``x`` (sharded along ``dim``) all-gathered over ``group`` and put
     in true order, on every rank. No gradient flows through it (masks, ids, test checks).
     Bool tensors travel as uint8 (not every backend reduces or gathers bool)."""
@@ -86,6 +87,6 @@ def gather_sequence(x: torch.Tensor, group: CommGroup | None, dim: int = 0) -> t
     wire = x.to(torch.uint8) if x.dtype == torch.bool else x
     wire = wire.movedim(dim, 0).contiguous()
     out = wire.new_empty((cp, *wire.shape))
-    group.all_gather_into(out.view(-1), wire.view(-1), name="cp all-gather mask")
+    group.all_gather_into(out.view(-1), wire.view(-1), name=name)
     full = unshard_sequence(list(out.unbind(0)), dim=0).movedim(0, dim)
     return full.to(torch.bool) if x.dtype == torch.bool else full

@@ -20,7 +20,7 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.schedules import Action, build
 from domino.tensor_parallel.comm import Handle
 from domino.transformer import BackwardContext
-from domino.transformer.moe.op import moe_ops, set_loss_scale
+from domino.transformer.moe.op import micro_batch_tokens, moe_ops, set_loss_scale
 
 
 def _tag(kind: str, vstage: int, mb: int) -> int:
@@ -141,8 +141,7 @@ class PipelineRunner:
         # Each micro-batch's auxiliary losses weigh as much as its loss tokens, as without a
         # pipeline: every stage has the batches (one host sync per step). Set before each B:
         # 1F1B runs other micro-batches' forwards between a forward and its backward.
-        tokens = (torch.stack([b["loss_mask"].sum() for b in batches]).tolist()
-                  if any(self.experts) else [])
+        tokens = micro_batch_tokens(batches, self.state.cp) if any(self.experts) else []
         for i, a in enumerate(self.actions):
             self._post(i, posted)
             key, k = (a.chunk, a.mb), self._vstage(a)

@@ -18,7 +18,7 @@ from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
 from domino.training.optim import agree, clip_coeff, clip_grads, global_grad_norm, grads_of
-from domino.transformer.moe.op import moe_ops, set_loss_scale, step_end
+from domino.transformer.moe.op import micro_batch_tokens, moe_ops, set_loss_scale, step_end
 
 
 @dataclass
@@ -121,12 +121,13 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     overlap = reducer is not None and reducer.overlap
     if runner is None:
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+        tokens = micro_batch_tokens(batches, state.cp) if experts else []
         for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
             last = i == len(batches) - 1
             with reducer.armed() if overlap and last else contextlib.nullcontext() as context:
                 lsum = forward_loss(model, batch, context)
                 if experts:  # the auxiliary losses weigh as much as this micro-batch's tokens
-                    set_loss_scale(experts, float(batch["loss_mask"].sum()) * loss_scale())
+                    set_loss_scale(experts, tokens[i] * loss_scale())
                 (lsum * loss_scale()).backward()
             loss_sum += lsum.detach().double()
     else:

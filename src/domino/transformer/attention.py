@@ -88,11 +88,13 @@ class _AttentionBase(nn.Module):
             init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
             device=device)
 
-    def entry(self, sequence_parallel: bool) -> ColumnParallelEntry:
+    def entry(self, sequence_parallel: bool, context_parallel: bool = False
+              ) -> ColumnParallelEntry:
         """Entered by the column-parallel Q/K/V GEMMs (a :class:`~.layer.BlockOp`)."""
         return ColumnParallelEntry(self.dense.group, sequence_parallel)
 
-    def exit(self, sequence_parallel: bool) -> RowParallelExit:
+    def exit(self, sequence_parallel: bool, context_parallel: bool = False
+             ) -> RowParallelExit:
         """Left by the row-parallel ``dense``'s partial sums (a :class:`~.layer.BlockOp`)."""
         return RowParallelExit(self.dense, sequence_parallel)
 

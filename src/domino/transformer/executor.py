@@ -101,7 +101,8 @@ class Executor:
 
     def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None,
                  group: CommGroup, plan: Plan, recompute: bool = False,
-                 sequence_parallel: bool = False, kernels: Kernels | None = None) -> None:
+                 sequence_parallel: bool = False, kernels: Kernels | None = None,
+                 context_parallel: bool = False) -> None:
         """``recompute``: full activation recomputation - training forwards keep only each
         piece's inputs (the leaves between pieces) and dropout stream states, and the backward
         reruns every piece's forward just before its backward (the all-reduced sums are kept,
@@ -113,14 +114,17 @@ class Executor:
         the replicated parameters the shards touch (norms, the row-parallel biases, the
         prologue's position tables) are summed over the TP group.
 
-        ``kernels``: the local pieces' function (eager, or compiled; see ``kernels.py``)."""
+        ``kernels``: the local pieces' function (eager, or compiled; see ``kernels.py``).
+
+        ``context_parallel``: the run's sequences are split over the CP group (the ops that
+        care, MoE's router, are told at their entry)."""
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, group, plan
         self.kernels = kernels if kernels is not None else Kernels()
         self.recompute = recompute and bool(blocks)
         self.sp = sequence_parallel and group.size > 1
         # Each op's collectives for this run; a prologue's result is a sum of partial sums.
-        self.entries = [b.op.entry(self.sp) for b in blocks]
-        self.exits = [b.op.exit(self.sp) for b in blocks]
+        self.entries = [b.op.entry(self.sp, context_parallel) for b in blocks]
+        self.exits = [b.op.exit(self.sp, context_parallel) for b in blocks]
         self.prologue_exit = PartialSums(group, self.sp)
 
     def _local_piece(self, j: int, mb: MicroBatch, residual: torch.Tensor | None,

@@ -46,10 +46,11 @@ class BlockOp(Protocol):
 
     training: bool
 
-    def entry(self, sequence_parallel: bool) -> Entry:
-        """How the region is entered in a run (``sequence_parallel``: from sequence shards)."""
+    def entry(self, sequence_parallel: bool, context_parallel: bool = False) -> Entry:
+        """How the region is entered in a run (``sequence_parallel``: from sequence shards;
+        ``context_parallel``: the run's sequences are split over the CP group)."""
 
-    def exit(self, sequence_parallel: bool) -> Exit:
+    def exit(self, sequence_parallel: bool, context_parallel: bool = False) -> Exit:
         """How the region is left in a run, and what the receiving side does with it."""
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,

@@ -40,11 +40,13 @@ class MLP(nn.Module):
         """The row-parallel exit, under the name every block uses."""
         return self.dense_4h_to_h
 
-    def entry(self, sequence_parallel: bool) -> ColumnParallelEntry:
+    def entry(self, sequence_parallel: bool, context_parallel: bool = False
+              ) -> ColumnParallelEntry:
         """Entered by the column-parallel fc1 (a :class:`~domino.transformer.layer.BlockOp`)."""
         return ColumnParallelEntry(self.dense_h_to_4h.group, sequence_parallel)
 
-    def exit(self, sequence_parallel: bool) -> RowParallelExit:
+    def exit(self, sequence_parallel: bool, context_parallel: bool = False
+             ) -> RowParallelExit:
         """Left by fc2's partial sums (a :class:`~domino.transformer.layer.BlockOp`)."""
         return RowParallelExit(self.dense_4h_to_h, sequence_parallel)
 

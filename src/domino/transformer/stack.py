@@ -249,7 +249,8 @@ class DominoTransformer(nn.Module):
         executor = Executor(self.blocks(), self.final_layernorm, self.state.tp,
                             self.effective_plan(),
                             recompute=self._runtime.recompute_granularity == "full",
-                            sequence_parallel=sp, kernels=self.kernels)
+                            sequence_parallel=sp, kernels=self.kernels,
+                            context_parallel=self.state.cp.size > 1 and inference_params is None)
         if not needs_graph:
             return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
         return _ScheduledStack.apply(context if context is not None else BackwardContext(),

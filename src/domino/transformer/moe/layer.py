@@ -11,8 +11,9 @@ With expert parallelism (``ep``, a group of ranks with different tokens) a rank 
 the experts and the sorted rows go to the ranks holding their experts and back
 (:mod:`.dispatch`); routing, the capacity and the shared expert stay on the token's rank. At
 TP > 1 the experts are whole on each rank (expert tensor parallelism 1) and, under sequence
-parallelism, each TP rank routes the tokens of its own sequence shard (``route(shards=...)``);
-the schedule's edges (:mod:`.edges`) overlap the exchanges.
+parallelism, each TP rank routes the tokens of its own sequence shard; under context
+parallelism each CP rank those of its chunks (``route(shards=...)``, :mod:`.shards`); the
+schedule's edges (:mod:`.edges`) overlap the exchanges.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from domino.transformer.moe.experts import (
     unpermute,
 )
 from domino.transformer.moe.router import RouterStats, TopKRouter
+from domino.transformer.moe.shards import TokenShards
 
 
 class SharedExpert(nn.Module):
@@ -110,13 +112,13 @@ class MoEMLP(nn.Module):
                                        init_method_std=init_method_std,
                                        params_dtype=params_dtype, device=device)
 
-    def route(self, x: torch.Tensor, shards: CommGroup | None = None
+    def route(self, x: torch.Tensor, shards: TokenShards | None = None
               ) -> tuple[torch.Tensor, Permuted, RouterStats]:
         """x [T, h] (one sequence of T tokens) or [s, b, h] (b sequences) -> (the tokens
         [T', h], their assignments sorted by expert, the router's statistics). The capacity is
         per expert and sequence, so a token is kept or dropped whatever else its micro-batch
         holds (the same at any DP size and Domino split). ``shards``: x is this rank's part
-        [s / size, b, h] of the sequences (sequence parallelism over that group); the capacity
+        [s / size, b, h] of the sequences (sequence and/or context parallelism); the capacity
         is then decided on the whole sequences' routing, gathered (a small collective)."""
         flat = x.reshape(-1, x.shape[-1])
         routing, stats = self.router(flat)
@@ -132,16 +134,16 @@ class MoEMLP(nn.Module):
         return flat, rows, stats
 
     def _gathered_keep(self, experts: torch.Tensor, weights: torch.Tensor, capacity: int,
-                       sequences: int, shards: CommGroup) -> torch.Tensor:
-        """The capacity's decision for this rank's assignments, made on every rank's routing
-        (gathered in sequence order: rank r holds positions [r s/size, (r+1) s/size))."""
+                       sequences: int, shards: TokenShards) -> torch.Tensor:
+        """The capacity's decision for this rank's assignments [T x k], made on every rank's
+        routing gathered in true token order (tokens [s, b] flattened)."""
         k = experts.shape[1]
         mine = torch.cat([experts.double(), weights.detach().double()], dim=1)
-        every = mine.new_empty(mine.shape[0] * shards.size, 2 * k)
-        shards.all_gather_into(every, mine.contiguous(), name="moe capacity routing")
-        keep = capacity_keep(every[:, :k].long(), every[:, k:].float(), self.num_experts,
+        every = shards.gather(mine.view(-1, sequences, 2 * k), name="moe capacity routing")
+        keep = capacity_keep(every[..., :k].reshape(-1, k).long(),
+                             every[..., k:].reshape(-1, k).float(), self.num_experts,
                              capacity, self.drop_policy, sequences)
-        return keep.view(shards.size, -1)[shards.rank]
+        return shards.mine(keep.view(-1, sequences, k)).reshape(-1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats, int]:
         """x [..., h] -> (output [..., h], the router's statistics, assignments dropped)."""

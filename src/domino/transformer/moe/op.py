@@ -21,7 +21,10 @@ gradients reduced over expert-DP x TP, ``parallel_state``). Training needs seque
 there, as Megatron's does: each TP rank routes its own shard of the sequences, so no expert
 GEMM runs twice; the router statistics of a piece are summed over TP, and the router's and the
 shared expert's gradients, like a norm's, too (the exit's ``replicated_parameters``). Without
-it (generation, evaluation) every TP rank routes all tokens alike.
+it (generation, evaluation) every TP rank routes all tokens alike. Under context parallelism
+each CP rank routes the tokens of its chunks: the statistics are summed over CP too, and a
+capacity is decided on the whole sequences (:mod:`.shards`); a training step weighs the
+auxiliary losses by the whole micro-batch's loss tokens (summed over CP).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from domino.transformer.microbatch import MicroBatch
 from domino.transformer.moe.edges import MoEEntry, MoEExit, edges
 from domino.transformer.moe.layer import MoEMLP
 from domino.transformer.moe.router import RouterStats, aux_losses, update_expert_bias
+from domino.transformer.moe.shards import TokenShards
 
 
 @dataclass(eq=False)
@@ -89,12 +93,9 @@ class MoEOp(nn.Module):
     def __init__(self, config: TransformerConfig, state: ParallelState,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        if state.cp.size > 1:  # the auxiliary losses and capacities would see a shard of a sequence
-            raise ValueError(f"MoE layers (--num-experts) are not supported with context "
-                             f"parallelism (--context-parallel-size {state.cp.size}) yet: use "
-                             "a dense model or a CP size of 1.")
-        self.tp = state.tp
-        self.shards: CommGroup | None = None  # the TP group while a run is sequence parallel
+        self.tp, self.cp = state.tp, state.cp
+        # Where a run's tokens are (its sequences split over TP and/or CP ranks), or None.
+        self.shards: TokenShards | None = None
         self.topk = config.moe_router_topk
         self.moe = MoEMLP(
             config.hidden_size, config.moe_ffn_hidden_size, config.num_experts, self.topk,
@@ -140,17 +141,19 @@ class MoEOp(nn.Module):
                                   self.sums.new_tensor(float(run.dropped)),
                                   self.sums.new_tensor(1.0)])
 
-    def entry(self, sequence_parallel: bool) -> MoEEntry:
+    def entry(self, sequence_parallel: bool, context_parallel: bool = False) -> MoEEntry:
         """A run's dispatch (:mod:`.edges`); :meth:`exit` then returns the combine that shares
         its state, so a schedule asks for both, entry first. A run is one micro-batch of
-        training: its router statistics add up over the run's pieces."""
+        training: its router statistics add up over the run's pieces. ``context_parallel``:
+        the run's sequences are split over the CP group (not with a KV cache)."""
         self.close_run()
         self.run = Run()
-        self.shards = self.tp if sequence_parallel and self.tp.size > 1 else None
+        self.shards = TokenShards.of(self.tp if sequence_parallel else None,
+                                     self.cp if context_parallel else None)
         self._edges = edges(self)
         return self._edges[0]
 
-    def exit(self, sequence_parallel: bool) -> MoEExit:
+    def exit(self, sequence_parallel: bool, context_parallel: bool = False) -> MoEExit:
         return self._edges[1]
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
@@ -175,8 +178,8 @@ class MoEOp(nn.Module):
                 "True)), as in Megatron: each TP rank then routes its own tokens to whole "
                 "experts; without it every TP rank would compute every expert again")
         whole = stats
-        if self.shards is not None:  # the piece's tokens are spread over the TP ranks
-            whole, dropped = self._summed_over_tp(stats, dropped)
+        if self.shards is not None:  # the piece's tokens are spread over TP and/or CP ranks
+            whole, dropped = self._summed_over_shards(stats, dropped)
         self.run.add(whole, dropped)
         self.counts += whole.counts.detach().double()
         # (each rank's own score and z sums: their gradients are summed with the router's)
@@ -184,9 +187,10 @@ class MoEOp(nn.Module):
             payload = _AuxGrad.apply(payload, stats.score_sum, stats.z_sum, self.run, self)
         return payload
 
-    def _summed_over_tp(self, stats: RouterStats, dropped: int) -> tuple[RouterStats, int]:
-        """The piece's statistics and drops over every TP rank's shard of its tokens, detached
-        (one small all-reduce): the auxiliary losses are the whole micro-batch's."""
+    def _summed_over_shards(self, stats: RouterStats, dropped: int
+                            ) -> tuple[RouterStats, int]:
+        """The piece's statistics and drops over every rank's shard of its tokens, detached
+        (a small all-reduce per group): the auxiliary losses are the whole micro-batch's."""
         e = stats.counts.numel()
         flat = torch.cat([stats.counts.double(), stats.score_sum.detach().double(),
                           stats.z_sum.detach().double().view(1),
@@ -215,6 +219,16 @@ def set_loss_scale(ops: Iterable[MoEOp], scale: float) -> None:
     backward there (1F1B runs other micro-batches' forwards in between)."""
     for op in ops:
         op.loss_scale = scale
+
+
+def micro_batch_tokens(batches: list[dict[str, torch.Tensor]], cp: CommGroup) -> list[float]:
+    """Each training micro-batch's loss tokens over its whole sequences: what its auxiliary
+    losses weigh (:func:`set_loss_scale`). Under context parallelism a rank's batches hold
+    its shards: summed over CP (one small all-reduce, one host sync)."""
+    tokens = torch.stack([b["loss_mask"].sum() for b in batches]).double()
+    if cp.size > 1:
+        cp.all_reduce(tokens, name="moe micro-batch tokens")
+    return tokens.tolist()
 
 
 def step_end(ops: list[MoEOp], group, stages: CommGroup | None = None) -> dict[str, float]:
