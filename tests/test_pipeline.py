@@ -309,6 +309,15 @@ def _pp_cp(data: str, tmp: str) -> dict:
                                  cp_comm_type="p2p" if schedule != "zero_bubble" else "a2a"),
                        f"{tmp}/{schedule}_cp"),
         }
+    # MoE layers with EP = 2 over DP or over CP: pipeline micro-batches of the same 2 samples
+    # (so the auxiliary losses are of the same tokens), a capacity that drops.
+    moe = dict(pipeline_model_parallel_size=2, pipeline_schedule="1f1b", train_iters=4,
+               eval_interval=2, hidden_dropout=0.0, adam_eps=1e-4, num_experts=4,
+               moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=0.1,
+               moe_z_loss_coeff=0.01, moe_expert_capacity_factor=1.0,
+               expert_model_parallel_size=2)
+    out["moe"] = {"dp": _fit(_run_args(data, **moe), f"{tmp}/moe_dp"),
+                  "cp": _fit(_run_args(data, **moe, context_parallel_size=2), f"{tmp}/moe_cp")}
     return out
 
 
@@ -339,6 +348,8 @@ def test_pipeline_with_context_parallelism(data: str, tmp_path_factory) -> None:
             assert cp["sample"] == dp["sample"], where
     folder = _FOUR["tmp"]
     for schedule in ranks[0]["cp"]:  # the checkpoints do not depend on CP
+        if schedule == "moe":
+            continue
         for stage in ("pp00", "pp01"):
             name = f"checkpoints/step_0000004/model-tp00-{stage}.safetensors"
             want = load_file(folder / f"{schedule}_dp" / name)
