@@ -277,6 +277,30 @@ def _errors(group, cp: int) -> dict:
     return out
 
 
+def _fused_calls(group, rank: int, cp: int) -> dict:
+    """How many pairs the ring ran through PyTorch's fused kernel (forward, backward), per
+    case: the causal cases without data masks take it on a CPU, masked ones never."""
+    from domino.context_parallel import ring
+
+    out = {}
+    real = ring._FLASH, ring._FLASH_BACKWARD
+    for name in ("causal", "gqa", "noncausal", "causal_documents", "noncausal_padding"):
+        calls = [0, 0]
+
+        def counted(i):
+            def call(*args, **kw):
+                calls[i] += 1
+                return real[i](*args, **kw)
+            return call
+        ring._FLASH, ring._FLASH_BACKWARD = counted(0), counted(1)
+        try:
+            _run(group, rank, cp, "ring", _inputs(name, cp))
+        finally:
+            ring._FLASH, ring._FLASH_BACKWARD = real
+        out[name] = tuple(calls)
+    return out
+
+
 def _cp_checks(state: ParallelState) -> dict:
     import torch.distributed as dist
 
@@ -300,6 +324,7 @@ def _cp_checks(state: ParallelState) -> dict:
     res["other_path"] = _blocked(group, rank, cp, pieces=False, keep=cp != 2)
     res["trace"] = _traced(group, rank, cp)
     res["errors"] = _errors(group, cp)
+    res["fused"] = _fused_calls(group, rank, cp)
     full = torch.arange(B * S).reshape(B, S)
     res["gathered_ok"] = bool(torch.equal(gather_sequence(_shard(full, rank, cp, 1), group, 1),
                                           full))
@@ -486,6 +511,23 @@ def test_ring_in_pieces_of_rows_equals_the_reference(cp) -> None:
     errors = _errors_vs([r["blocked"] for r in tp_results(cp, _cp_checks)],
                         _ref(BLOCKED_CASE, cp))
     assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_unmasked_pairs_run_the_fused_kernel(cp) -> None:
+    """On a CPU every computed pair of plain causal (also GQA: a call per query head on the
+    diagonal) and non-causal attention runs through the fused kernel, forward and backward;
+    with documents or padding none does (the cases above check the results)."""
+    for res in tp_results(cp, _cp_checks):
+        fused = res["fused"]
+        # A rank's 2 query chunks see 2 CP + 1 of the (query, key) chunk pairs under the
+        # causal rule (its share of the 2CP (2CP + 1) / 2), 2 of them diagonal; with GQA each
+        # diagonal takes a call per query head of a group (2 here).
+        pairs = 2 * cp + 1
+        assert fused["causal"] == (pairs, pairs), fused
+        assert fused["gqa"] == (pairs + 2, pairs + 2), fused
+        assert fused["noncausal"] == (4 * cp, 4 * cp), fused
+        assert fused["causal_documents"] == fused["noncausal_padding"] == (0, 0), fused
 
 
 @pytest.mark.parametrize("cp", [2, 4])

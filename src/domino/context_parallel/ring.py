@@ -21,6 +21,13 @@ key; in backward it is computed only when some local row sees no key at all. Suc
 log-sum-exp is the minimum itself (log S is below its rounding), so its backward takes each
 key's probability as exp(0) = 1, as PyTorch's fused attention kernel (what ``kernels.attention``
 runs in fp32) does: the gradient of a padding query, whose loss weight is zero in training.
+
+On a CPU, a pair that nothing masks, or the diagonal pair of plain causal attention, runs
+through PyTorch's fused (flash) attention kernel, which returns its rows' log-sum-exp: forward
+merges its normalised output by that, and backward gives the kernel the merged output and
+log-sum-exp, so its probabilities are the whole row's (no scores tensor, about four times
+fewer passes over memory than the explicit path). Pairs with a window, padding or documents,
+and every pair on other devices, take the explicit path in pieces of rows.
 """
 
 from __future__ import annotations
@@ -90,6 +97,54 @@ def _plan(masking: Masking, qid: int, kid: int, c: int,
 
 
 BLOCK_ELEMENTS = 1 << 20  # scores per piece of a pair (4 MiB in fp32): bounds the transients
+
+
+def _fused(masking: Masking, qid: int, kid: int, mask: torch.Tensor | None,
+           device: torch.device) -> bool | None:
+    """Whether a computed pair runs through the fused kernel: False (nothing masked), True
+    (the causal diagonal), None (the explicit path)."""
+    if device.type != "cpu":
+        return None
+    if mask is None:
+        return False
+    return True if qid == kid and masking.only_causal else None
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _by_head(q: torch.Tensor, qpg: int, causal: bool):
+    """The (lo, hi) rows of ``q`` [b, g, qpg * c, d] a fused call covers: all at once when
+    position does not matter, else one query head of each group at a time (a causal mask is
+    by position, and a group's rows are its heads' positions laid end to end)."""
+    rows = q.shape[2]
+    if not causal or qpg == 1:
+        return [(0, rows)]
+    c = rows // qpg
+    return [(h * c, (h + 1) * c) for h in range(qpg)]
+
+
+def _forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float, qpg: int, m: torch.Tensor, z: torch.Tensor,
+                   acc: torch.Tensor) -> None:
+    """One pair through the fused kernel, merged by its rows' log-sum-exp."""
+    for lo, hi in _by_head(q, qpg, causal):
+        out, lse = _FLASH(q[:, :, lo:hi], k, v, 0.0, causal, scale=scale)
+        _merge(m[:, :, lo:hi], z[:, :, lo:hi], acc[:, :, lo:hi], lse, 1.0, out.float())
+
+
+def _backward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                    qpg: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """One pair's gradients from the fused kernel, given the rows' merged output and
+    log-sum-exp (so its probabilities are the whole row's), added into dq, dk, dv."""
+    for lo, hi in _by_head(q, qpg, causal):
+        gq, gk, gv = _FLASH_BACKWARD(dout[:, :, lo:hi], q[:, :, lo:hi], k, v, out[:, :, lo:hi],
+                                     lse[:, :, lo:hi], 0.0, causal, scale=scale)
+        dq[:, :, lo:hi].add_(gq)
+        dk.add_(gk)
+        dv.add_(gv)
 
 
 def _row_blocks(qpg: int, c: int, per_row: int, limit: int):
@@ -194,6 +249,11 @@ class _RingAttention(torch.autograd.Function):
             for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
+                    fused = None if skip else _fused(masking, qid, kid, mask, q.device)
+                    if fused is not None:
+                        _forward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], fused,
+                                       scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i])
+                        continue
                     _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask,
                                   scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i], limit)
             pending.wait()
@@ -218,7 +278,8 @@ class _RingAttention(torch.autograd.Function):
         mine = chunk_ids(group.rank, group.size)
         q_rows = _q_rows(q, g).float()
         dout = _q_rows(grad.reshape(s, b, n, d), g).float()
-        delta = (dout * _q_rows(out.reshape(s, b, n, d), g).float()).sum(-1)
+        out_rows = _q_rows(out.reshape(s, b, n, d), g).float()
+        delta = (dout * out_rows).sum(-1)
         # A skipped pair's probabilities are exactly zero except in rows that see no key.
         blind = [bool((lse[:, :, i] <= BLIND).any()) for i in range(2)]
         dq = torch.zeros_like(q_rows)
@@ -230,6 +291,13 @@ class _RingAttention(torch.autograd.Function):
             for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
+                    fused = None if skip else _fused(masking, qid, kid, mask, q.device)
+                    if fused is not None:
+                        _backward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
+                                        dout[:, :, i], out_rows[:, :, i], lse[:, :, i], fused,
+                                        scale, qpg, dq[:, :, i], grads[0, :, :, j],
+                                        grads[1, :, :, j])
+                        continue
                     if skip:
                         if not blind[i]:
                             continue
