@@ -165,7 +165,8 @@ def _traced(group, rank: int, cp: int) -> list:
     from domino.context_parallel import ring
 
     log: list = []
-    real = (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair)
+    real = (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair,
+            ring._forward_fused, ring._backward_fused)
 
     def exchange(ops):
         log.append(("X", [(op.op.__name__, (op.peer - rank) % cp, tuple(op.tensor.shape),
@@ -181,8 +182,18 @@ def _traced(group, rank: int, cp: int) -> list:
         log.append("C")
         return real[2](*args)
 
-    dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair = (
-        exchange, forward_pair, backward_pair)
+    def forward_fused(*args):
+        if not args[3]:  # skip
+            log.append("C")
+        return real[3](*args)
+
+    def backward_fused(*args):
+        log.append("C")
+        return real[4](*args)
+
+    (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair, ring._forward_fused,
+     ring._backward_fused) = (exchange, forward_pair, backward_pair, forward_fused,
+                              backward_fused)
     try:
         inp = _inputs("documents_by_rank", cp)
         q, k, v = (_shard(inp[n], rank, cp).requires_grad_() for n in "qkv")
@@ -191,7 +202,8 @@ def _traced(group, rank: int, cp: int) -> list:
         log.append("backward")
         out.sum().backward()
     finally:
-        dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair = real
+        (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair, ring._forward_fused,
+         ring._backward_fused) = real
     return log
 
 
@@ -233,20 +245,24 @@ def _hooked(group, rank: int, cp: int) -> dict:
                                     for n in ("out", "dq", "dk", "dv")))
 
 
-def _blocked(group, rank: int, cp: int, pieces: bool = True, keep: bool | None = None) -> dict:
+def _blocked(group, rank: int, cp: int, pieces: bool = True, keep: bool | None = None,
+             fused: bool | None = None, case: str = BLOCKED_CASE) -> dict:
     """Ring attention computed in pieces of 3 query rows of one head (``block_elements``), or
-    with the backward path other than its CP size's default (``keep``): its outputs and
-    gradients, to equal the reference as the default ring's do."""
+    with the backward path other than its CP size's default (``keep``), or on the explicit
+    path instead of the fused kernel (``fused=False``): its outputs and gradients, to equal
+    the reference as the default ring's do."""
     from domino.context_parallel import Masking, ring_attention
 
-    inp = _inputs(BLOCKED_CASE, cp)
+    inp = _inputs(case, cp)
     q, k, v = (_shard(inp[n], rank, cp).requires_grad_() for n in "qkv")
     masking = Masking(causal=inp["causal"], window=inp["window"],
                       key_padding=None if inp["pad"] is None else inp["pad"].bool(),
                       document_ids=inp["docs"])
     per_row = B * k.shape[2] * (S // (2 * cp))  # scores of one query row against a chunk
-    out = ring_attention(q, k, v, group=group, masking=masking, scale=D ** -0.5,
-                         block_elements=3 * per_row if pieces else 1 << 24, keep_blocks=keep)
+    out = ring_attention(q, k, v, group=group, masking=masking,
+                         scale=inp["scale"] or D ** -0.5,
+                         block_elements=3 * per_row if pieces else 1 << 24, keep_blocks=keep,
+                         fused=fused)
     (out * _shard(inp["gout"], rank, cp)).sum().backward()
     return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dtype=str(out.dtype))
 
@@ -322,6 +338,10 @@ def _cp_checks(state: ParallelState) -> dict:
     # The backward path CP = 2 does not take by default (the ring), and the one CP = 4 does
     # not (blocks kept from forward, dK/dV straight home).
     res["other_path"] = _blocked(group, rank, cp, pieces=False, keep=cp != 2)
+    # The explicit path (other devices') for every case, whole pairs and in pieces.
+    res["explicit"] = {name: _blocked(group, rank, cp, pieces=False, fused=False, case=name)
+                       for name in CASES}
+    res["explicit_pieces"] = _blocked(group, rank, cp, fused=False)
     res["trace"] = _traced(group, rank, cp)
     res["errors"] = _errors(group, cp)
     res["fused"] = _fused_calls(group, rank, cp)
@@ -515,9 +535,9 @@ def test_ring_in_pieces_of_rows_equals_the_reference(cp) -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unmasked_pairs_run_the_fused_kernel(cp) -> None:
-    """On a CPU every computed pair of plain causal (also GQA: a call per query head on the
-    diagonal) and non-causal attention runs through the fused kernel, forward and backward;
-    with documents or padding none does (the cases above check the results)."""
+    """On a CPU every computed pair runs through the fused kernel, forward and backward: plain
+    causal (GQA: a call per query head on the diagonal), non-causal, and with documents or
+    padding (an additive mask; the cases above check the results)."""
     for res in tp_results(cp, _cp_checks):
         fused = res["fused"]
         # A rank's 2 query chunks see 2 CP + 1 of the (query, key) chunk pairs under the
@@ -527,7 +547,22 @@ def test_unmasked_pairs_run_the_fused_kernel(cp) -> None:
         assert fused["causal"] == (pairs, pairs), fused
         assert fused["gqa"] == (pairs + 2, pairs + 2), fused
         assert fused["noncausal"] == (4 * cp, 4 * cp), fused
-        assert fused["causal_documents"] == fused["noncausal_padding"] == (0, 0), fused
+        # with documents or padding, pieces with an additive mask (a pair the data hides
+        # completely is not computed)
+        for name, most in (("causal_documents", pairs), ("noncausal_padding", 4 * cp)):
+            assert 0 < fused[name][0] <= most and 0 < fused[name][1] <= most, fused
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_explicit_path_equals_the_reference(cp) -> None:
+    """The ring without the fused kernel (what other devices run): every case, and in pieces
+    of rows."""
+    per_rank = tp_results(cp, _cp_checks)
+    for name in CASES:
+        errors = _errors_vs([r["explicit"][name] for r in per_rank], _ref(name, cp))
+        assert max(errors.values()) <= TOL, (name, errors)
+    errors = _errors_vs([r["explicit_pieces"] for r in per_rank], _ref(BLOCKED_CASE, cp))
+    assert max(errors.values()) <= TOL, errors
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -22,12 +22,13 @@ log-sum-exp is the minimum itself (log S is below its rounding), so its backward
 key's probability as exp(0) = 1, as PyTorch's fused attention kernel (what ``kernels.attention``
 runs in fp32) does: the gradient of a padding query, whose loss weight is zero in training.
 
-On a CPU, a pair that nothing masks, or the diagonal pair of plain causal attention, runs
-through PyTorch's fused (flash) attention kernel, which returns its rows' log-sum-exp: forward
-merges its normalised output by that, and backward gives the kernel the merged output and
-log-sum-exp, so its probabilities are the whole row's (no scores tensor, about four times
-fewer passes over memory than the explicit path). Pairs with a window, padding or documents,
-and every pair on other devices, take the explicit path in pieces of rows.
+On a CPU every pair runs through PyTorch's fused (flash) attention kernel (``fused``), which
+returns its rows' log-sum-exp: forward merges its normalised output by that, and backward
+gives the kernel the merged output and log-sum-exp, so its probabilities are the whole row's
+(no scores tensor; several times faster than explicit matmuls here). A pair nothing masks
+takes no mask, the causal diagonal the kernel's own causal rule, any other pair an additive
+mask (the minimum where masked, as ``kernels.attention`` builds it) per piece of rows. Other
+devices take the explicit path: fp32 matmuls in pieces of rows, the same conventions.
 """
 
 from __future__ import annotations
@@ -99,49 +100,49 @@ def _plan(masking: Masking, qid: int, kid: int, c: int,
 BLOCK_ELEMENTS = 1 << 20  # scores per piece of a pair (4 MiB in fp32): bounds the transients
 
 
-def _fused(masking: Masking, qid: int, kid: int, mask: torch.Tensor | None,
-           device: torch.device) -> bool | None:
-    """Whether a computed pair runs through the fused kernel: False (nothing masked), True
-    (the causal diagonal), None (the explicit path)."""
-    if device.type != "cpu":
-        return None
-    if mask is None:
-        return False
-    return True if qid == kid and masking.only_causal else None
-
-
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _by_head(q: torch.Tensor, qpg: int, causal: bool):
-    """The (lo, hi) rows of ``q`` [b, g, qpg * c, d] a fused call covers: all at once when
-    position does not matter, else one query head of each group at a time (a causal mask is
-    by position, and a group's rows are its heads' positions laid end to end)."""
-    rows = q.shape[2]
-    if not causal or qpg == 1:
-        return [(0, rows)]
-    c = rows // qpg
-    return [(h * c, (h + 1) * c) for h in range(qpg)]
+def _fused_calls(masking: Masking, qid: int, kid: int, mask: torch.Tensor | None, qpg: int,
+                 c: int, per_row: int, limit: int):
+    """The fused kernel's calls for a computed pair: (lo, hi) of the query rows [qpg * c],
+    is_causal, the additive mask [b or 1, 1, hi - lo, c] (None: nothing masked)."""
+    if mask is None:  # nothing masked: one call (the kernel keeps no scores)
+        yield 0, qpg * c, False, None
+        return
+    if qid == kid and masking.only_causal:  # the kernel's causal rule is by row: per head
+        for h in range(qpg):
+            yield h * c, (h + 1) * c, True, None
+        return
+    for lo, hi, rows in _row_blocks(qpg, c, per_row, limit):
+        part = mask.unsqueeze(1).expand(-1, qpg, c, c).reshape(-1, qpg * c, c) \
+            if rows is None else mask[:, rows[0]:rows[1]]
+        yield lo, hi, False, torch.zeros(part.shape, device=part.device).masked_fill_(
+            part, MIN).unsqueeze(1)
 
 
-def _forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   scale: float, qpg: int, m: torch.Tensor, z: torch.Tensor,
-                   acc: torch.Tensor) -> None:
-    """One pair through the fused kernel, merged by its rows' log-sum-exp."""
-    for lo, hi in _by_head(q, qpg, causal):
-        out, lse = _FLASH(q[:, :, lo:hi], k, v, 0.0, causal, scale=scale)
-        _merge(m[:, :, lo:hi], z[:, :, lo:hi], acc[:, :, lo:hi], lse, 1.0, out.float())
+def _forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip: bool, calls,
+                   scale: float, m: torch.Tensor, z: torch.Tensor, acc: torch.Tensor) -> None:
+    """One pair through the fused kernel, merged by its rows' log-sum-exp (normalised:
+    a skipped pair is the uniform average of its keys at score "minimum", weight one)."""
+    if skip:
+        _merge(m, z, acc, torch.full_like(m, MIN), 1.0, v.mean(-2, keepdim=True))
+        return
+    for lo, hi, causal, bias in calls:
+        out, lse = _FLASH(q[:, :, lo:hi], k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        _merge(m[:, :, lo:hi], z[:, :, lo:hi], acc[:, :, lo:hi], lse, 1.0, out)
 
 
 def _backward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                    qpg: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+                    out: torch.Tensor, lse: torch.Tensor, calls, scale: float,
+                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """One pair's gradients from the fused kernel, given the rows' merged output and
     log-sum-exp (so its probabilities are the whole row's), added into dq, dk, dv."""
-    for lo, hi in _by_head(q, qpg, causal):
+    for lo, hi, causal, bias in calls:
         gq, gk, gv = _FLASH_BACKWARD(dout[:, :, lo:hi], q[:, :, lo:hi], k, v, out[:, :, lo:hi],
-                                     lse[:, :, lo:hi], 0.0, causal, scale=scale)
+                                     lse[:, :, lo:hi], 0.0, causal, attn_mask=bias,
+                                     scale=scale)
         dq[:, :, lo:hi].add_(gq)
         dk.add_(gk)
         dv.add_(gv)
@@ -224,7 +225,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
                 masking: Masking, scale: float, overlap: bool, limit: int,
-                keep: bool) -> torch.Tensor:
+                keep: bool, fused: bool) -> torch.Tensor:
         nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
@@ -249,10 +250,10 @@ class _RingAttention(torch.autograd.Function):
             for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
-                    fused = None if skip else _fused(masking, qid, kid, mask, q.device)
-                    if fused is not None:
-                        _forward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], fused,
-                                       scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i])
+                    if fused:
+                        calls = _fused_calls(masking, qid, kid, mask, qpg, c, b * g * c, limit)
+                        _forward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip,
+                                       calls, scale, m[:, :, i], z[:, :, i], acc[:, :, i])
                         continue
                     _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask,
                                   scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i], limit)
@@ -265,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
         # q, k, v, the output, the rows' log-sum-exp (and the visiting blocks)
         ctx.save_for_backward(q, k, v, out, m + torch.log(z), *visitors)
         ctx.group, ctx.masking, ctx.scale, ctx.overlap = group, masking, scale, overlap
-        ctx.limit = limit
+        ctx.limit, ctx.fused = limit, fused
         return out
 
     @staticmethod
@@ -291,17 +292,18 @@ class _RingAttention(torch.autograd.Function):
             for j, kid in enumerate(chunk_ids(src, group.size)):
                 for i, qid in enumerate(mine):
                     skip, mask = _plan(masking, qid, kid, c, q.device)
-                    fused = None if skip else _fused(masking, qid, kid, mask, q.device)
-                    if fused is not None:
-                        _backward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
-                                        dout[:, :, i], out_rows[:, :, i], lse[:, :, i], fused,
-                                        scale, qpg, dq[:, :, i], grads[0, :, :, j],
-                                        grads[1, :, :, j])
-                        continue
                     if skip:
                         if not blind[i]:
                             continue
                         mask = torch.ones((1, c, c), dtype=torch.bool, device=q.device)
+                    if ctx.fused:
+                        calls = _fused_calls(masking, qid, kid, mask, qpg, c, b * g * c,
+                                             ctx.limit)
+                        _backward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
+                                        dout[:, :, i], out_rows[:, :, i], lse[:, :, i], calls,
+                                        scale, dq[:, :, i], grads[0, :, :, j],
+                                        grads[1, :, :, j])
+                        continue
                     _backward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
                                    dout[:, :, i], lse[:, :, i], delta[:, :, i], mask,
                                    scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j],
@@ -313,7 +315,7 @@ class _RingAttention(torch.autograd.Function):
             carried = _backward_ring(group, _kv_blocks(k, v), pairs, ctx.overlap)
         dq_out = _q_seq(dq, qpg).to(q.dtype)
         return (dq_out, _kv_seq(carried[0]).to(k.dtype), _kv_seq(carried[1]).to(v.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool) -> torch.Tensor:
@@ -375,7 +377,7 @@ def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: CommGroup,
                    masking: Masking, scale: float, overlap: bool = True,
                    block_elements: int = BLOCK_ELEMENTS,
-                   keep_blocks: bool | None = None) -> torch.Tensor:
+                   keep_blocks: bool | None = None, fused: bool | None = None) -> torch.Tensor:
     """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
     K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
     [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids.
@@ -388,6 +390,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     K/V) keeps the visiting K/V blocks from forward, so backward sends only the dK/dV, each
     straight to its owner under the next block's compute (half the bytes at CP = 2, none of
     them exposed behind the last block); otherwise backward passes the K/V around the ring
-    again with the dK/dV one step behind and a last transfer home (memory: one block)."""
+    again with the dK/dV one step behind and a last transfer home (memory: one block).
+
+    ``fused`` (default: on a CPU, the only device its kernel is for) runs every pair through
+    PyTorch's fused attention kernel; False takes the explicit path everywhere."""
     keep = group.size == 2 if keep_blocks is None else keep_blocks
-    return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements, keep)
+    if fused is None:
+        fused = q.device.type == "cpu"
+    elif fused and q.device.type != "cpu":
+        raise ValueError(f"fused ring attention runs PyTorch's CPU kernel; q is on "
+                         f"{q.device.type}: use fused=None or False")
+    return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements, keep,
+                                fused)
