@@ -303,7 +303,7 @@ def _fused_calls(group, rank: int, cp: int) -> dict:
     for name in ("causal", "gqa", "noncausal", "causal_documents", "noncausal_padding"):
         calls = [0, 0]
 
-        def counted(i):
+        def counted(i, calls=calls):
             def call(*args, **kw):
                 calls[i] += 1
                 return real[i](*args, **kw)
