@@ -156,7 +156,10 @@ def test_zero_norm_sums_disjoint_chunks_to_the_unsharded_norm() -> None:
         reducer.finish()
         parts.append(opt.grad_norm(state) ** 2)
         plain = global_grad_norm(params, state) ** 2
-    assert sum(parts) == pytest.approx(plain, rel=1e-9)
+    # fp32 norms of the chunks against fp32 norms of whole tensors: summed in another order
+    # (the vectorised reduction's blocks differ), so equal within fp32 rounding; a chunk
+    # missing or counted twice would be off by its share (percents).
+    assert sum(parts) == pytest.approx(plain, rel=1e-6)
 
 
 def test_buckets_per_gradient_group() -> None:
