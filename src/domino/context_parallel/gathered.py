@@ -2,7 +2,9 @@
 baseline) and all-to-all over heads (Ulysses). Neither overlaps its communication.
 
 * all-gather: every rank gathers the whole sequence's K and V (in shard order) and attends its
-  own queries to them, masks by true positions; backward reduce-scatters dK/dV to their owners.
+  own queries to every rank's block as the ring does (pairs of chunks: those the masks hide
+  are skipped, the rest through the same kernels, merged by log-sum-exp); backward
+  reduce-scatters dK/dV to their owners.
 * all-to-all: one all-to-all turns sequence-sharded q/k/v into head-sharded, full-sequence
   q/k/v (each rank gets whole heads; needs heads and KV groups divisible by CP); the sequence is
   put in true order, attended as one dense block, put back in shard order and sent back by a
@@ -14,7 +16,16 @@ from __future__ import annotations
 import torch
 
 from domino.context_parallel.masks import Masking, dense_attention
-from domino.context_parallel.sharding import local_positions, shard_order
+from domino.context_parallel.ring import (
+    BLOCK_ELEMENTS,
+    BlockGrads,
+    _kv_blocks,
+    _kv_seq,
+    _q_rows,
+    _q_seq,
+    attend_block,
+)
+from domino.context_parallel.sharding import chunk_ids, shard_order
 from domino.tensor_parallel.comm import CommGroup
 
 
@@ -58,19 +69,49 @@ def _all_to_all(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return out
 
 
+class _AttendGathered(torch.autograd.Function):
+    """This rank's queries q [s, b, n, d] against every rank's K/V block kv [cp, 2, s, b, g, d]
+    (rank order), pair by pair as the ring attends them, without exchanging anything."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, rank: int, masking: Masking,
+                scale: float, fused: bool) -> torch.Tensor:
+        cp, g = kv.shape[0], kv.shape[4]
+        s, b, n, d = q.shape
+        q_rows = _q_rows(q, g).float()
+        m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
+        z, acc = torch.zeros_like(m), torch.zeros_like(q_rows)
+        for src in range(cp):
+            attend_block(q_rows, _kv_blocks(kv[src, 0], kv[src, 1]), chunk_ids(rank, cp),
+                         chunk_ids(src, cp), masking, scale, m, z, acc, BLOCK_ELEMENTS, fused)
+        out = _q_seq(acc / z.unsqueeze(-1), n // g).reshape(s, b, n * d).to(q.dtype)
+        ctx.save_for_backward(q, kv, out, m + torch.log(z))
+        ctx.rank, ctx.masking, ctx.scale, ctx.fused = rank, masking, scale, fused
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, kv, out, lse = ctx.saved_tensors
+        cp, g = kv.shape[0], kv.shape[4]
+        back = BlockGrads(q, grad, out, lse, g, chunk_ids(ctx.rank, cp), ctx.masking,
+                          ctx.scale, BLOCK_ELEMENTS, ctx.fused)
+        dkv = torch.empty_like(kv)
+        for src in range(cp):
+            block = _kv_blocks(kv[src, 0], kv[src, 1])
+            grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+            back.add(block, chunk_ids(src, cp), grads)
+            dkv[src, 0], dkv[src, 1] = _kv_seq(grads[0]), _kv_seq(grads[1])
+        dq = _q_seq(back.dq, q.shape[2] // g).to(q.dtype)
+        return dq, dkv, None, None, None, None
+
+
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         group: CommGroup, masking: Masking, scale: float) -> torch.Tensor:
     """Attention of this rank's queries q [s/cp, b, n, d] to every rank's K/V [s/cp, b, g, d],
-    all-gathered over ``group`` -> [s/cp, b, n*d]."""
-    cp, rank = group.size, group.rank
-    s, b, n, d = q.shape
-    g, seq = k.shape[2], s * cp
+    all-gathered over ``group`` -> [s/cp, b, n*d]. Pair by pair (as the ring, on a CPU through
+    the fused kernel): the pairs the masks hide are skipped."""
     kv = _GatherShards.apply(torch.stack([k, v]), group)  # [cp, 2, s, b, g, d]
-    kv = kv.transpose(0, 1).reshape(2, seq, b, g, d)  # keys in shard order
-    mask = masking.mask(local_positions(seq, rank, cp, q.device),
-                        shard_order(seq, cp, q.device))
-    return dense_attention(q, kv[0], kv[1], mask, is_causal=False, scale=scale,
-                           q_per_group=n // g)
+    return _AttendGathered.apply(q, kv, group.rank, masking, scale, q.device.type == "cpu")
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -219,6 +219,75 @@ def _backward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
         dv.add_(torch.matmul(p.transpose(-1, -2), dout[:, :, lo:hi]))
 
 
+# ---- a block of K/V against this rank's queries ------------------------------------------------
+
+def attend_block(q_rows: torch.Tensor, block: torch.Tensor, mine: tuple[int, int],
+                 theirs: tuple[int, int], masking: Masking, scale: float, m: torch.Tensor,
+                 z: torch.Tensor, acc: torch.Tensor, limit: int, fused: bool) -> None:
+    """Fold the attention of the queries ``q_rows`` [b, g, 2, qpg * c, d] (fp32; chunks
+    ``mine``) to one K/V ``block`` [2, b, g, 2, c, d] (chunks ``theirs``) into the running row
+    statistics ``m``, ``z`` and output ``acc`` (see :func:`_merge`)."""
+    b, g, _, rows, _ = q_rows.shape
+    c = block.shape[-2]
+    qpg = rows // c
+    kv = block.float()
+    for j, kid in enumerate(theirs):
+        for i, qid in enumerate(mine):
+            skip, mask = _plan(masking, qid, kid, c, q_rows.device)
+            if fused:
+                calls = _fused_calls(masking, qid, kid, mask, qpg, c, b * g * c, limit)
+                _forward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, calls,
+                               scale, m[:, :, i], z[:, :, i], acc[:, :, i])
+                continue
+            _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask, scale,
+                          qpg, m[:, :, i], z[:, :, i], acc[:, :, i], limit)
+
+
+class BlockGrads:
+    """The backward of :func:`attend_block`, block by block: from the queries q [s, b, n, d],
+    the output's gradient and the forward's output and rows' log-sum-exp; dQ accumulates in
+    ``dq`` (fp32, query-row layout)."""
+
+    def __init__(self, q: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, groups: int, mine: tuple[int, int], masking: Masking,
+                 scale: float, limit: int, fused: bool) -> None:
+        s, b, n, d = q.shape
+        self.q_rows = _q_rows(q, groups).float()
+        self.dout = _q_rows(grad.reshape(s, b, n, d), groups).float()
+        self.out_rows = _q_rows(out.reshape(s, b, n, d), groups).float()
+        self.delta = (self.dout * self.out_rows).sum(-1)
+        self.lse, self.mine, self.masking, self.scale = lse, mine, masking, scale
+        self.limit, self.fused, self.qpg = limit, fused, n // groups
+        # A skipped pair's probabilities are exactly zero except in rows that see no key.
+        self.blind = [bool((lse[:, :, i] <= BLIND).any()) for i in range(2)]
+        self.dq = torch.zeros_like(self.q_rows)
+
+    def add(self, block: torch.Tensor, theirs: tuple[int, int], grads: torch.Tensor) -> None:
+        """Add the gradients of the queries against ``block`` (chunks ``theirs``): into
+        ``dq``, and the block's dK/dV into ``grads`` [2, b, g, 2, c, d] (fp32)."""
+        b, g, _, _, _ = self.q_rows.shape
+        c, device = block.shape[-2], block.device
+        kv = block.float()
+        for j, kid in enumerate(theirs):
+            for i, qid in enumerate(self.mine):
+                skip, mask = _plan(self.masking, qid, kid, c, device)
+                if skip:
+                    if not self.blind[i]:
+                        continue
+                    mask = torch.ones((1, c, c), dtype=torch.bool, device=device)
+                args = (self.q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], self.dout[:, :, i])
+                if self.fused:
+                    calls = _fused_calls(self.masking, qid, kid, mask, self.qpg, c, b * g * c,
+                                         self.limit)
+                    _backward_fused(*args, self.out_rows[:, :, i], self.lse[:, :, i], calls,
+                                    self.scale, self.dq[:, :, i], grads[0, :, :, j],
+                                    grads[1, :, :, j])
+                    continue
+                _backward_pair(*args, self.lse[:, :, i], self.delta[:, :, i], mask,
+                               self.scale, self.qpg, self.dq[:, :, i], grads[0, :, :, j],
+                               grads[1, :, :, j], self.limit)
+
+
 # ---- the Function ---------------------------------------------------------------------------
 
 class _RingAttention(torch.autograd.Function):
@@ -229,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
         nxt, prev = _neighbours(group)
         s, b, n, d = q.shape
         g = k.shape[2]
-        qpg, c = n // g, s // 2
+        qpg = n // g
         mine = chunk_ids(group.rank, group.size)
         q_rows = _q_rows(q, g).float()  # [b, g, 2, qpg*c, d]
         m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
@@ -246,17 +315,8 @@ class _RingAttention(torch.autograd.Function):
                                          {"step": step})
                 if not overlap:  # the un-overlapped baseline: the transfer waited for first
                     pending.wait()
-            kv = block.float()
-            for j, kid in enumerate(chunk_ids(src, group.size)):
-                for i, qid in enumerate(mine):
-                    skip, mask = _plan(masking, qid, kid, c, q.device)
-                    if fused:
-                        calls = _fused_calls(masking, qid, kid, mask, qpg, c, b * g * c, limit)
-                        _forward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip,
-                                       calls, scale, m[:, :, i], z[:, :, i], acc[:, :, i])
-                        continue
-                    _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask,
-                                  scale, qpg, m[:, :, i], z[:, :, i], acc[:, :, i], limit)
+            attend_block(q_rows, block, mine, chunk_ids(src, group.size), masking, scale, m, z,
+                         acc, limit, fused)
             pending.wait()
             if incoming is not None:
                 block = incoming
@@ -272,43 +332,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse, *visitors = ctx.saved_tensors
-        group, masking, scale = ctx.group, ctx.masking, ctx.scale
+        group = ctx.group
         s, b, n, d = q.shape
         g = k.shape[2]
-        qpg, c = n // g, s // 2
-        mine = chunk_ids(group.rank, group.size)
-        q_rows = _q_rows(q, g).float()
-        dout = _q_rows(grad.reshape(s, b, n, d), g).float()
-        out_rows = _q_rows(out.reshape(s, b, n, d), g).float()
-        delta = (dout * out_rows).sum(-1)
-        # A skipped pair's probabilities are exactly zero except in rows that see no key.
-        blind = [bool((lse[:, :, i] <= BLIND).any()) for i in range(2)]
-        dq = torch.zeros_like(q_rows)
+        qpg = n // g
+        back = BlockGrads(q, grad, out, lse, g, chunk_ids(group.rank, group.size), ctx.masking,
+                          ctx.scale, ctx.limit, ctx.fused)
 
         def pairs(kv_block: torch.Tensor, src: int, grads: torch.Tensor) -> None:
-            """Add the gradients of this rank's queries against ``src``'s block: into dq, and
-            the block's dK/dV into ``grads``."""
-            kv = kv_block.float()
-            for j, kid in enumerate(chunk_ids(src, group.size)):
-                for i, qid in enumerate(mine):
-                    skip, mask = _plan(masking, qid, kid, c, q.device)
-                    if skip:
-                        if not blind[i]:
-                            continue
-                        mask = torch.ones((1, c, c), dtype=torch.bool, device=q.device)
-                    if ctx.fused:
-                        calls = _fused_calls(masking, qid, kid, mask, qpg, c, b * g * c,
-                                             ctx.limit)
-                        _backward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
-                                        dout[:, :, i], out_rows[:, :, i], lse[:, :, i], calls,
-                                        scale, dq[:, :, i], grads[0, :, :, j],
-                                        grads[1, :, :, j])
-                        continue
-                    _backward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j],
-                                   dout[:, :, i], lse[:, :, i], delta[:, :, i], mask,
-                                   scale, qpg, dq[:, :, i], grads[0, :, :, j], grads[1, :, :, j],
-                                   ctx.limit)
+            back.add(kv_block, chunk_ids(src, group.size), grads)
 
+        dq = back.dq
         if visitors:
             carried = _backward_kept(group, [_kv_blocks(k, v), *visitors], pairs, ctx.overlap)
         else:
