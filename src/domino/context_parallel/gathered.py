@@ -18,12 +18,10 @@ import torch
 from domino.context_parallel.masks import Masking, dense_attention
 from domino.context_parallel.ring import (
     BLOCK_ELEMENTS,
+    BlockAttention,
     BlockGrads,
-    _kv_blocks,
-    _kv_seq,
-    _q_rows,
-    _q_seq,
-    attend_block,
+    kv_blocks,
+    kv_seq,
 )
 from domino.context_parallel.sharding import chunk_ids, shard_order
 from domino.tensor_parallel.comm import CommGroup
@@ -76,16 +74,13 @@ class _AttendGathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, kv: torch.Tensor, rank: int, masking: Masking,
                 scale: float, fused: bool) -> torch.Tensor:
-        cp, g = kv.shape[0], kv.shape[4]
-        s, b, n, d = q.shape
-        q_rows = _q_rows(q, g).float()
-        m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
-        z, acc = torch.zeros_like(m), torch.zeros_like(q_rows)
+        cp = kv.shape[0]
+        attention = BlockAttention(q, kv.shape[4], chunk_ids(rank, cp), masking, scale,
+                                   BLOCK_ELEMENTS, fused)
         for src in range(cp):
-            attend_block(q_rows, _kv_blocks(kv[src, 0], kv[src, 1]), chunk_ids(rank, cp),
-                         chunk_ids(src, cp), masking, scale, m, z, acc, BLOCK_ELEMENTS, fused)
-        out = _q_seq(acc / z.unsqueeze(-1), n // g).reshape(s, b, n * d).to(q.dtype)
-        ctx.save_for_backward(q, kv, out, m + torch.log(z))
+            attention.add(kv_blocks(kv[src, 0], kv[src, 1]), chunk_ids(src, cp))
+        out, lse = attention.finish()
+        ctx.save_for_backward(q, kv, out, lse)
         ctx.rank, ctx.masking, ctx.scale, ctx.fused = rank, masking, scale, fused
         return out
 
@@ -97,12 +92,11 @@ class _AttendGathered(torch.autograd.Function):
                           ctx.scale, BLOCK_ELEMENTS, ctx.fused)
         dkv = torch.empty_like(kv)
         for src in range(cp):
-            block = _kv_blocks(kv[src, 0], kv[src, 1])
+            block = kv_blocks(kv[src, 0], kv[src, 1])
             grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
             back.add(block, chunk_ids(src, cp), grads)
-            dkv[src, 0], dkv[src, 1] = _kv_seq(grads[0]), _kv_seq(grads[1])
-        dq = _q_seq(back.dq, q.shape[2] // g).to(q.dtype)
-        return dq, dkv, None, None, None, None
+            dkv[src, 0], dkv[src, 1] = kv_seq(grads[0]), kv_seq(grads[1])
+        return back.dq_seq(), dkv, None, None, None, None
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

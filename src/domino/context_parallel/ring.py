@@ -65,14 +65,14 @@ def _q_seq(x: torch.Tensor, qpg: int) -> torch.Tensor:
     return x.reshape(b, g, 2, qpg, c, d).permute(2, 4, 0, 1, 3, 5).reshape(2 * c, b, g * qpg, d)
 
 
-def _kv_blocks(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def kv_blocks(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """k, v [s, b, g, d] -> one contiguous [2 (k, v), b, g, 2 (chunk), c, d]: what travels."""
     s, b, g, d = k.shape
     return torch.stack([k, v]).reshape(2, 2, s // 2, b, g, d).permute(0, 3, 4, 1, 2, 5) \
         .contiguous()
 
 
-def _kv_seq(x: torch.Tensor) -> torch.Tensor:
+def kv_seq(x: torch.Tensor) -> torch.Tensor:
     """[b, g, 2, c, d] -> [s, b, g, d]."""
     b, g, _, c, d = x.shape
     return x.permute(2, 3, 0, 1, 4).reshape(2 * c, b, g, d)
@@ -221,30 +221,46 @@ def _backward_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
 
 # ---- a block of K/V against this rank's queries ------------------------------------------------
 
-def attend_block(q_rows: torch.Tensor, block: torch.Tensor, mine: tuple[int, int],
-                 theirs: tuple[int, int], masking: Masking, scale: float, m: torch.Tensor,
-                 z: torch.Tensor, acc: torch.Tensor, limit: int, fused: bool) -> None:
-    """Fold the attention of the queries ``q_rows`` [b, g, 2, qpg * c, d] (fp32; chunks
-    ``mine``) to one K/V ``block`` [2, b, g, 2, c, d] (chunks ``theirs``) into the running row
-    statistics ``m``, ``z`` and output ``acc`` (see :func:`_merge`)."""
-    b, g, _, rows, _ = q_rows.shape
-    c = block.shape[-2]
-    qpg = rows // c
-    kv = block.float()
-    for j, kid in enumerate(theirs):
-        for i, qid in enumerate(mine):
-            skip, mask = _plan(masking, qid, kid, c, q_rows.device)
-            if fused:
-                calls = _fused_calls(masking, qid, kid, mask, qpg, c, b * g * c, limit)
-                _forward_fused(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, calls,
-                               scale, m[:, :, i], z[:, :, i], acc[:, :, i])
-                continue
-            _forward_pair(q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip, mask, scale,
-                          qpg, m[:, :, i], z[:, :, i], acc[:, :, i], limit)
+class BlockAttention:
+    """This rank's queries q [s, b, n, d] (chunks ``mine``) attended to K/V blocks one at a
+    time: each block's pairs are folded into running row statistics (:func:`_merge`), in fp32;
+    :meth:`finish` gives the output and the rows' log-sum-exp."""
+
+    def __init__(self, q: torch.Tensor, groups: int, mine: tuple[int, int], masking: Masking,
+                 scale: float, limit: int, fused: bool) -> None:
+        self.shape, self.dtype = q.shape, q.dtype
+        self.q_rows = _q_rows(q, groups).float()  # [b, g, 2, qpg * c, d]
+        self.m = torch.full(self.q_rows.shape[:-1], float("-inf"), device=q.device)
+        self.z, self.acc = torch.zeros_like(self.m), torch.zeros_like(self.q_rows)
+        self.mine, self.masking, self.scale = mine, masking, scale
+        self.limit, self.fused, self.qpg = limit, fused, q.shape[2] // groups
+
+    def add(self, block: torch.Tensor, theirs: tuple[int, int]) -> None:
+        """Fold the attention to one K/V ``block`` [2, b, g, 2, c, d] (chunks ``theirs``)."""
+        b, g, _, _, _ = self.q_rows.shape
+        c = block.shape[-2]
+        kv = block.float()
+        for j, kid in enumerate(theirs):
+            for i, qid in enumerate(self.mine):
+                skip, mask = _plan(self.masking, qid, kid, c, block.device)
+                args = (self.q_rows[:, :, i], kv[0, :, :, j], kv[1, :, :, j], skip)
+                stats = (self.m[:, :, i], self.z[:, :, i], self.acc[:, :, i])
+                if self.fused:
+                    calls = _fused_calls(self.masking, qid, kid, mask, self.qpg, c, b * g * c,
+                                         self.limit)
+                    _forward_fused(*args, calls, self.scale, *stats)
+                    continue
+                _forward_pair(*args, mask, self.scale, self.qpg, *stats, self.limit)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the output [s, b, n*d] in q's dtype, the rows' log-sum-exp [b, g, 2, qpg * c])."""
+        s, b, n, d = self.shape
+        out = _q_seq(self.acc / self.z.unsqueeze(-1), self.qpg).reshape(s, b, n * d)
+        return out.to(self.dtype), self.m + torch.log(self.z)
 
 
 class BlockGrads:
-    """The backward of :func:`attend_block`, block by block: from the queries q [s, b, n, d],
+    """The backward of :class:`BlockAttention`, block by block: from the queries q [s, b, n, d],
     the output's gradient and the forward's output and rows' log-sum-exp; dQ accumulates in
     ``dq`` (fp32, query-row layout)."""
 
@@ -261,6 +277,11 @@ class BlockGrads:
         # A skipped pair's probabilities are exactly zero except in rows that see no key.
         self.blind = [bool((lse[:, :, i] <= BLIND).any()) for i in range(2)]
         self.dq = torch.zeros_like(self.q_rows)
+        self.dtype = q.dtype
+
+    def dq_seq(self) -> torch.Tensor:
+        """dQ [s, b, n, d] in q's dtype."""
+        return _q_seq(self.dq, self.qpg).to(self.dtype)
 
     def add(self, block: torch.Tensor, theirs: tuple[int, int], grads: torch.Tensor) -> None:
         """Add the gradients of the queries against ``block`` (chunks ``theirs``): into
@@ -296,15 +317,9 @@ class _RingAttention(torch.autograd.Function):
                 masking: Masking, scale: float, overlap: bool, limit: int,
                 keep: bool, fused: bool) -> torch.Tensor:
         nxt, prev = _neighbours(group)
-        s, b, n, d = q.shape
-        g = k.shape[2]
-        qpg = n // g
-        mine = chunk_ids(group.rank, group.size)
-        q_rows = _q_rows(q, g).float()  # [b, g, 2, qpg*c, d]
-        m = torch.full(q_rows.shape[:-1], float("-inf"), device=q.device)
-        z = torch.zeros_like(m)
-        acc = torch.zeros_like(q_rows)
-        block = _kv_blocks(k, v)
+        attention = BlockAttention(q, k.shape[2], chunk_ids(group.rank, group.size), masking,
+                                   scale, limit, fused)
+        block = kv_blocks(k, v)
         visitors = []  # with ``keep``: the other ranks' blocks, for backward
         for step in range(group.size):
             src = (group.rank - step) % group.size
@@ -315,16 +330,15 @@ class _RingAttention(torch.autograd.Function):
                                          {"step": step})
                 if not overlap:  # the un-overlapped baseline: the transfer waited for first
                     pending.wait()
-            attend_block(q_rows, block, mine, chunk_ids(src, group.size), masking, scale, m, z,
-                         acc, limit, fused)
+            attention.add(block, chunk_ids(src, group.size))
             pending.wait()
             if incoming is not None:
                 block = incoming
                 if keep:
                     visitors.append(incoming)
-        out = _q_seq(acc / z.unsqueeze(-1), qpg).reshape(s, b, n * d).to(q.dtype)
+        out, lse = attention.finish()
         # q, k, v, the output, the rows' log-sum-exp (and the visiting blocks)
-        ctx.save_for_backward(q, k, v, out, m + torch.log(z), *visitors)
+        ctx.save_for_backward(q, k, v, out, lse, *visitors)
         ctx.group, ctx.masking, ctx.scale, ctx.overlap = group, masking, scale, overlap
         ctx.limit, ctx.fused = limit, fused
         return out
@@ -333,22 +347,17 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse, *visitors = ctx.saved_tensors
         group = ctx.group
-        s, b, n, d = q.shape
-        g = k.shape[2]
-        qpg = n // g
-        back = BlockGrads(q, grad, out, lse, g, chunk_ids(group.rank, group.size), ctx.masking,
-                          ctx.scale, ctx.limit, ctx.fused)
+        back = BlockGrads(q, grad, out, lse, k.shape[2], chunk_ids(group.rank, group.size),
+                          ctx.masking, ctx.scale, ctx.limit, ctx.fused)
 
         def pairs(kv_block: torch.Tensor, src: int, grads: torch.Tensor) -> None:
             back.add(kv_block, chunk_ids(src, group.size), grads)
 
-        dq = back.dq
         if visitors:
-            carried = _backward_kept(group, [_kv_blocks(k, v), *visitors], pairs, ctx.overlap)
+            carried = _backward_kept(group, [kv_blocks(k, v), *visitors], pairs, ctx.overlap)
         else:
-            carried = _backward_ring(group, _kv_blocks(k, v), pairs, ctx.overlap)
-        dq_out = _q_seq(dq, qpg).to(q.dtype)
-        return (dq_out, _kv_seq(carried[0]).to(k.dtype), _kv_seq(carried[1]).to(v.dtype),
+            carried = _backward_ring(group, kv_blocks(k, v), pairs, ctx.overlap)
+        return (back.dq_seq(), kv_seq(carried[0]).to(k.dtype), kv_seq(carried[1]).to(v.dtype),
                 None, None, None, None, None, None, None)
 
 
