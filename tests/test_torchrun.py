@@ -17,7 +17,10 @@ from domino.data.preprocess import stdlib_corpus_files
 def _torchrun(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "domino.cli", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # torchrun leaves its log folder (torchelastic_*) in the temporary directory: the test's.
+    tmp = cwd / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
