@@ -93,8 +93,7 @@ class _AttendGathered(torch.autograd.Function):
         dkv = torch.empty_like(kv)
         for src in range(cp):
             block = kv_blocks(kv[src, 0], kv[src, 1])
-            grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
-            back.add(block, chunk_ids(src, cp), grads)
+            grads = back.add(block, chunk_ids(src, cp))
             dkv[src, 0], dkv[src, 1] = kv_seq(grads[0]), kv_seq(grads[1])
         return back.dq_seq(), dkv, None, None, None, None
 

@@ -283,12 +283,13 @@ class BlockGrads:
         """dQ [s, b, n, d] in q's dtype."""
         return _q_seq(self.dq, self.qpg).to(self.dtype)
 
-    def add(self, block: torch.Tensor, theirs: tuple[int, int], grads: torch.Tensor) -> None:
-        """Add the gradients of the queries against ``block`` (chunks ``theirs``): into
-        ``dq``, and the block's dK/dV into ``grads`` [2, b, g, 2, c, d] (fp32)."""
+    def add(self, block: torch.Tensor, theirs: tuple[int, int]) -> torch.Tensor:
+        """The gradients of the queries against ``block`` (chunks ``theirs``): added into
+        ``dq``; returns the block's dK/dV [2, b, g, 2, c, d] (fp32)."""
         b, g, _, _, _ = self.q_rows.shape
         c, device = block.shape[-2], block.device
         kv = block.float()
+        grads = torch.zeros(block.shape, dtype=torch.float32, device=device)
         for j, kid in enumerate(theirs):
             for i, qid in enumerate(self.mine):
                 skip, mask = _plan(self.masking, qid, kid, c, device)
@@ -307,6 +308,7 @@ class BlockGrads:
                 _backward_pair(*args, self.lse[:, :, i], self.delta[:, :, i], mask,
                                self.scale, self.qpg, self.dq[:, :, i], grads[0, :, :, j],
                                grads[1, :, :, j], self.limit)
+        return grads
 
 
 # ---- the Function ---------------------------------------------------------------------------
@@ -350,8 +352,8 @@ class _RingAttention(torch.autograd.Function):
         back = BlockGrads(q, grad, out, lse, k.shape[2], chunk_ids(group.rank, group.size),
                           ctx.masking, ctx.scale, ctx.limit, ctx.fused)
 
-        def pairs(kv_block: torch.Tensor, src: int, grads: torch.Tensor) -> None:
-            back.add(kv_block, chunk_ids(src, group.size), grads)
+        def pairs(kv_block: torch.Tensor, src: int) -> torch.Tensor:
+            return back.add(kv_block, chunk_ids(src, group.size))
 
         if visitors:
             carried = _backward_kept(group, [kv_blocks(k, v), *visitors], pairs, ctx.overlap)
@@ -380,8 +382,7 @@ def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool) 
         pending = group.exchange(sends, recvs, "cp bwd kv", {"step": step}) if sends else DONE
         if not overlap:
             pending.wait()
-        grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
-        pairs(block, src, grads)
+        grads = pairs(block, src)
         pending.wait()
         carried = grads if arriving is None else grads.add_(arriving)
         if incoming is not None:
@@ -401,16 +402,14 @@ def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
     rank, size = group.rank, group.size
     arriving = []
     for t in range(size - 1, 0, -1):
-        grads = torch.zeros(blocks[t].shape, dtype=torch.float32, device=blocks[t].device)
-        pairs(blocks[t], (rank - t) % size, grads)
+        grads = pairs(blocks[t], (rank - t) % size)
         incoming = torch.empty_like(grads)  # from the rank that holds this rank's block as t
         handle = group.exchange([((rank - t) % size, grads)], [((rank + t) % size, incoming)],
                                 "cp bwd dkv", {"step": t})
         if not overlap:
             handle.wait()
         arriving.append((handle, incoming))
-    own = torch.zeros(blocks[0].shape, dtype=torch.float32, device=blocks[0].device)
-    pairs(blocks[0], rank, own)
+    own = pairs(blocks[0], rank)
     for handle, incoming in arriving:
         handle.wait()
         own.add_(incoming)
