@@ -1,7 +1,9 @@
 """``CommGroup.all_to_all`` (uneven splits along dim 0): on gloo and on the shared-memory
 transport (tiny slots: everything in pieces) its results are bit-equal to
 ``torch.distributed.all_to_all_single`` at 2-4 ranks, with zero splits, a rank that sends nothing
-and one that receives nothing, several dtypes, in place, and many in flight before any wait;
+and one that receives nothing, several dtypes, in place, and many in flight before any wait; on
+gloo its exchanges (and the pairwise reduce-scatter's and ``exchange``'s) post every receive
+before any send;
 malformed split sizes are refused on the caller's thread with a message, sizes the ranks
 disagree on fail every rank alike; a peer that exits fails the others; a disabled group, a
 group of one and the benchmark's hook (timing, simulated link) handle it like the other
@@ -81,8 +83,11 @@ def _exchanges(rank: int, world: int) -> dict:
             x = torch.randn(n_in, 2, generator=gen)
             ref = torch.empty_like(x)
             dist.all_to_all_single(ref, x, outs, ins)
+            y = x.clone()
             fast.all_to_all(x, x, outs, ins)
             equal[f"shm_in_place/{case}"] = torch.equal(x, ref)
+            gloo.all_to_all(y, y, outs, ins)
+            equal[f"gloo_in_place/{case}"] = torch.equal(y, ref)
         x = torch.randn(n_in, 5, generator=gen)
         ref = x.new_empty(n_out, 5)
         dist.all_to_all_single(ref, x, outs, ins)
@@ -125,9 +130,50 @@ def _exchanges(rank: int, world: int) -> dict:
     expect = [2, 0] + [1] * (world - 2) if rank == 0 else None
     out["disagree"] = _error_of(lambda: fast.all_to_all(torch.empty(world), torch.ones(world),
                                                         expect, None))
+    out["posted"] = _posting_order(gloo)
     t.close()
     tiny.close()
     return out
+
+
+def _posting_order(gloo: CommGroup) -> dict[str, str]:
+    """The point-to-point calls each gloo exchange posts, in order ('r' receive, 's' send): a
+    pair whose ranks both send first moves one direction at a time (``CommGroup.pairwise``)."""
+    calls: list[str] = []
+    real = dist.isend, dist.irecv
+
+    def isend(*a, **k):
+        calls.append("s")
+        return real[0](*a, **k)
+
+    def irecv(*a, **k):
+        calls.append("r")
+        return real[1](*a, **k)
+
+    order = {}
+    world, rank = gloo.size, gloo.rank
+    dist.isend, dist.irecv = isend, irecv
+    try:
+        x = torch.arange(6.0 * world)
+        gloo.all_to_all(torch.empty_like(x), x)
+        order["all_to_all"], calls[:] = "".join(calls), []
+        gloo.reduce_scatter(torch.empty(6), x)
+        order["reduce_scatter"] = "".join(calls)
+    finally:
+        dist.isend, dist.irecv = real
+    batch = dist.batch_isend_irecv  # its ops must name the real isend / irecv
+
+    def batched(ops):
+        order["exchange"] = "".join("r" if op.op is dist.irecv else "s" for op in ops)
+        return batch(ops)
+
+    dist.batch_isend_irecv = batched
+    try:
+        peer = (rank + 1) % world, (rank - 1) % world
+        gloo.exchange([(peer[0], x)], [(peer[1], torch.empty_like(x))]).wait()
+    finally:
+        dist.batch_isend_irecv = batch
+    return order
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -151,6 +197,10 @@ def test_all_to_all_matches_torch_distributed(world: int) -> None:
         assert "rank 0 sends rank 0 1 rows" in r["disagree"], r["disagree"]
         assert "rank 0 expects 2" in r["disagree"], r["disagree"]
     assert len({r["disagree"] for r in results}) == 1  # every rank alike
+    for r in results:  # on gloo every receive is posted before any send
+        n = world - 1
+        assert r["posted"] == {"all_to_all": "r" * n + "s" * n, "reduce_scatter": "r" * n + "s" * n,
+                               "exchange": "rs"}, r["posted"]
 
 
 def _peer_exits(rank: int, world: int) -> None:

@@ -69,12 +69,16 @@ class CommGroup:
 
     @property
     def pairwise(self) -> bool:
-        """Run reduce-scatters as pairwise point-to-point exchanges? On gloo, yes: its own
-        reduce-scatter costs a whole all-reduce. Measured at TP=2 on this project's CPU host,
-        4 MiB at 1 Gbit/s (emulated): all-reduce 35.6 ms, gloo's reduce-scatter 35.1 ms, the
-        exchange 21.0 ms; 8 MiB on loopback: 7.2 against 3.4 ms. (gloo's all-gather is near
-        the link's rate, 18.2 ms, and beats an exchange there, 24.7 ms: it is kept.) NCCL's
-        collectives are used as they are."""
+        """Run reduce-scatters and all-to-alls as pairwise point-to-point exchanges, every
+        receive posted before any send? On gloo, yes. Its reduce-scatter costs a whole
+        all-reduce (at TP=2, 4 MiB at 1 Gbit/s emulated: all-reduce 35.6 ms, gloo's
+        reduce-scatter 35.1 ms, the exchange 21.0 ms; 8 MiB on loopback: 7.2 against 3.4 ms).
+        And a gloo pair whose two ranks both send before they receive moves one direction at a
+        time: 2 MiB each way between two emulated 1 Gbit/s hosts took 31-33 ms sent first,
+        19.6-23 ms received first, 16-17 ms one way alone; ``all_to_all_single`` took 33-37 ms
+        (``scripts/probe_exchange.py``). (gloo's all-gather is near the link's rate, 18.2 ms,
+        and beats an exchange there, 24.7 ms: it is kept.) NCCL's collectives are used as they
+        are."""
         if self._backend is None:
             self._backend = str(dist.get_backend(self.group)) if self.group is not None else ""
         return self._backend == "gloo"
@@ -183,10 +187,31 @@ class CommGroup:
             return DONE
         if self._shared(output, input):
             real = partial(self.transport.all_to_all, output, input, outs, ins)
+        elif self.pairwise:
+            real = partial(self._exchange_all_to_all, output, input, outs, ins)
         else:
             real = partial(dist.all_to_all_single, output, input, outs, ins, group=self.group,
                            async_op=True)
         return self._start(input, name, real, async_op, local, tags, "all_to_all")
+
+    def _exchange_all_to_all(self, output: torch.Tensor, input: torch.Tensor, outs: list[int],
+                             ins: list[int]) -> _Exchange:
+        """Every peer's rows sent and received point to point, each receive posted before any
+        send (gloo then moves both directions of a pair at once; see ``pairwise``). Empty
+        messages are sent too, so the ranks post the same messages whatever the splits."""
+        if input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+            input = input.clone()  # in place: a receive must not land on rows still to send
+        at_out = [0, *torch.tensor(outs).cumsum(0).tolist()]
+        at_in = [0, *torch.tensor(ins).cumsum(0).tolist()]
+        peers = [(self.rank + d) % self.size for d in range(1, self.size)]
+        glob = partial(dist.get_global_rank, self.group)
+        works = [dist.irecv(output[at_out[q]:at_out[q + 1]], glob(q), group=self.group)
+                 for q in reversed(peers)]  # rank - 1 first: the one rank - 1 sends first
+        works += [dist.isend(input[at_in[q]:at_in[q + 1]], glob(q), group=self.group)
+                  for q in peers]
+        me = self.rank
+        output[at_out[me]:at_out[me + 1]].copy_(input[at_in[me]:at_in[me + 1]])
+        return _Exchange(works, lambda: None)
 
     def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
         """Each rank sends every peer that peer's chunk and sums the chunks it receives. At
@@ -194,12 +219,14 @@ class CommGroup:
         do not queue."""
         chunks = tensor.chunk(self.size)
         works, parts = [], {}
-        for d in range(1, self.size):
-            dst, src = (self.rank + d) % self.size, (self.rank - d) % self.size
-            works.append(dist.isend(chunks[dst], dist.get_global_rank(self.group, dst),
-                                    group=self.group))
+        for d in range(1, self.size):  # every receive posted before any send (``pairwise``)
+            src = (self.rank - d) % self.size
             parts[src] = torch.empty_like(output)
             works.append(dist.irecv(parts[src], dist.get_global_rank(self.group, src),
+                                    group=self.group))
+        for d in range(1, self.size):
+            dst = (self.rank + d) % self.size
+            works.append(dist.isend(chunks[dst], dist.get_global_rank(self.group, dst),
                                     group=self.group))
 
         def finish() -> None:  # summed in rank order, the same order on every rank
@@ -337,10 +364,11 @@ class CommGroup:
 
         def real():
             glob = partial(dist.get_global_rank, self.group)
-            ops = [dist.P2POp(dist.isend, t, glob(p), self.group, i)
-                   for i, (p, t) in enumerate(sends)]
-            ops += [dist.P2POp(dist.irecv, t, glob(p), self.group, i)
-                    for i, (p, t) in enumerate(recvs)]
+            # Receives first: on gloo a pair then moves both directions at once (``pairwise``).
+            ops = [dist.P2POp(dist.irecv, t, glob(p), self.group, i)
+                   for i, (p, t) in enumerate(recvs)]
+            ops += [dist.P2POp(dist.isend, t, glob(p), self.group, i)
+                    for i, (p, t) in enumerate(sends)]
             return _Exchange(dist.batch_isend_irecv(ops), lambda: None)
 
         # What the hook sees: the bytes this rank sends (a meta tensor: no memory).
