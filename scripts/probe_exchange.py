@@ -7,7 +7,9 @@ each way, timed as the slower rank's, median of ``--rounds``:
 - ``send first``: each rank ``isend`` then ``irecv`` (one gloo pair, both directions);
 - ``receive first``: each rank ``irecv`` then ``isend`` (what ``CommGroup`` does on gloo);
 - ``all_to_all_single``: gloo's own all-to-all of the same rows;
-- ``CommGroup.all_to_all``: the library's, as the MoE dispatcher calls it.
+- ``CommGroup.all_to_all``: the library's, as the MoE dispatcher calls it;
+- ``CommGroup.exchange``: the library's point-to-point swap, as the context-parallel ring at
+  CP = 2 calls it.
 
 It measured (2026-12-03, 2-core Xeon, 1 Gbit/s emulated, 2 MiB each way): one way 16-17 ms,
 send first 31-33 ms, receive first 19.6-23 ms, ``all_to_all_single`` 33-37 ms: a gloo pair
@@ -59,7 +61,8 @@ def _rank(mib: float, rounds: int) -> None:
 
     cases = {"one way": one_way, "send first": send_first, "receive first": receive_first,
              "all_to_all_single": lambda: dist.all_to_all_single(both_y, both_x),
-             "CommGroup.all_to_all": lambda: group.all_to_all(both_y, both_x)}
+             "CommGroup.all_to_all": lambda: group.all_to_all(both_y, both_x),
+             "CommGroup.exchange": lambda: group.exchange([(peer, x)], [(peer, y)]).wait()}
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, run in cases.items():  # interleaved: the host's drift hits every case alike

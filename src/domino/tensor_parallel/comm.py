@@ -10,7 +10,8 @@ else calls ``torch.distributed`` collectives.
   cut by uneven split sizes), ``broadcast``, point-to-point ``isend`` / ``irecv``, ``barrier``,
   a blocking ``all_gather_last_dim``, and JSON object collectives (never pickles).
 - Transports: the process group's backend (gloo on CPU, NCCL on CUDA; on gloo a
-  reduce-scatter runs as pairwise exchanges, see ``pairwise``) or, when ``transport`` is set,
+  reduce-scatter and an all-to-all run as pairwise exchanges that post every receive before
+  any send, see ``pairwise``) or, when ``transport`` is set,
   the shared-memory transport of :mod:`domino.tensor_parallel.shm` for CPU tensors of ranks
   on one host (``ParallelState`` opens it for tp, dp and embedding; what it does not support
   goes to the process group).
