@@ -9,7 +9,8 @@ each way, timed as the slower rank's, median of ``--rounds``:
 - ``all_to_all_single``: gloo's own all-to-all of the same rows;
 - ``CommGroup.all_to_all``: the library's, as the MoE dispatcher calls it;
 - ``CommGroup.exchange``: the library's point-to-point swap, as the context-parallel ring at
-  CP = 2 calls it.
+  CP = 2 calls it;
+- ``shared memory all_to_all`` (loopback only): the shared-memory transport's.
 
 It measured (2026-12-03, 2-core Xeon, 1 Gbit/s emulated, 2 MiB each way): one way 16-17 ms,
 send first 31-33 ms, receive first 19.6-23 ms, ``all_to_all_single`` 33-37 ms: a gloo pair
@@ -44,6 +45,10 @@ def _rank(mib: float, rounds: int) -> None:
     x, y = torch.randn(rows, 512), torch.empty(rows, 512)
     both_x, both_y = torch.randn(2 * rows, 512), torch.empty(2 * rows, 512)
     group = CommGroup.world()
+    from domino.tensor_parallel import shm
+
+    shared = CommGroup(group.group, group.size, group.rank,
+                       transport=shm.open_transport(group.group, group.rank, group.size, "probe"))
 
     def one_way():
         if me == 0:
@@ -63,6 +68,8 @@ def _rank(mib: float, rounds: int) -> None:
              "all_to_all_single": lambda: dist.all_to_all_single(both_y, both_x),
              "CommGroup.all_to_all": lambda: group.all_to_all(both_y, both_x),
              "CommGroup.exchange": lambda: group.exchange([(peer, x)], [(peer, y)]).wait()}
+    if shared.transport is not None:  # both ranks on one host (loopback)
+        cases["shared memory all_to_all"] = lambda: shared.all_to_all(both_y, both_x)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, run in cases.items():  # interleaved: the host's drift hits every case alike
@@ -72,10 +79,12 @@ def _rank(mib: float, rounds: int) -> None:
             took = torch.tensor([time.perf_counter() - t])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             times[name].append(float(took))
+    if shared.transport is not None:
+        shared.transport.close()
     if me == 0:
         print(f"{rows * 512 * 4 / 2**20:.2f} MiB each way, median of {rounds} (slower rank):")
         for name, ts in times.items():
-            print(f"  {name:22s} {statistics.median(ts) * 1e3:7.1f} ms")
+            print(f"  {name:26s} {statistics.median(ts) * 1e3:7.1f} ms")
     dist.destroy_process_group()
 
 

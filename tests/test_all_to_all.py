@@ -259,3 +259,19 @@ def test_no_op_paths_and_the_hook() -> None:
     with pytest.raises(ValueError, match="output_split_sizes="):
         CommGroup(None, 3, 1, enabled=False).all_to_all(y, x, [1, 1, 1], None)
 
+
+
+def test_the_exchange_probe_runs_every_case_on_loopback() -> None:
+    """``scripts/probe_exchange.py`` (the docs cite its figures) runs and times every case."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "probe_exchange.py"
+    done = subprocess.run([sys.executable, str(script), "--link", "loopback", "--mib", "0.05",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for case in ("one way", "send first", "receive first", "all_to_all_single",
+                 "CommGroup.all_to_all", "CommGroup.exchange", "shared memory all_to_all"):
+        assert any(line.strip().startswith(case) and line.endswith(" ms")
+                   for line in done.stdout.splitlines()), done.stdout
