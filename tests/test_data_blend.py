@@ -107,6 +107,22 @@ def test_blend_index_bound_holds_on_every_prefix(k: int) -> None:
     assert (deviation_bound(np.full(4, 0.25)) < 1).all()
 
 
+def test_blend_index_is_the_due_time_order_from_its_definition() -> None:
+    """The order itself (a resumed run must draw the same samples whatever the version): sample
+    j of dataset k is due at (j + 1/2) / w_k, taken by due time, ties to the lower k - here
+    sorted by Python from that sentence, exact ties included (equal and integer weights)."""
+    rng = np.random.default_rng(0)
+    for raw in ([1, 1, 1], [0.7, 0.3], [1, 2, 2, 3], rng.random(6) ** 2 + 0.01, np.ones(12)):
+        w = np.asarray(raw, dtype=np.float64)
+        w = w / w.sum()
+        n = 600
+        due = sorted(((j + 0.5) / float(wk), k) for k, wk in enumerate(w)
+                     for j in range(int(n * wk) + len(w)))
+        expected = [k for _, k in due[:n]]
+        assert blend_index(w, n).tolist() == expected, raw
+        assert blend_index(w, n, window=5).tolist() == expected, raw
+
+
 def test_blend_samples_split_dp_and_resume(two) -> None:
     train, valid = _build(two)
     assert isinstance(train, BlendedDataset) and len(train) == 25 * 8 and len(valid) == 16

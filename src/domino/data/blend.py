@@ -134,7 +134,8 @@ def blend_index(weights: Sequence[float], num_samples: int,
     count is within 1/2 of w_k T at the due time T of the n-th sample, and n itself is the sum
     of the counts. The order is a prefix of one infinite sequence: a longer run only appends.
     Built a time ``window`` (about that many samples) at a time, so the memory beyond the
-    result stays a few tens of MB however long the run. About 1-2 s for 10M samples of 3.
+    result stays a few tens of MB however long the run. About 0.2 s for 10M samples of 3
+    datasets, 0.07 s for 1M of 100 (measured 2026-12-03).
     """
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
@@ -151,15 +152,13 @@ def blend_index(weights: Sequence[float], num_samples: int,
         last = _due_before(w, t1)
         due = [(np.arange(a, b, dtype=np.float64) + 0.5) / wk
                for a, b, wk in zip(first, last, w, strict=True)]
-        for k, mine in enumerate(due):
-            # A stable merge of sorted runs: the position of each due time is its rank in its
-            # own run plus the number of other runs' times before it (ties: lower k first).
-            # Searching sorted keys is about twice as fast as an argsort for a few datasets.
-            pos = done + np.arange(len(mine), dtype=np.int64)
-            for other, theirs in enumerate(due):
-                if other != k:
-                    pos += np.searchsorted(theirs, mine, side="right" if other < k else "left")
-            index[pos[pos < num_samples]] = k
+        # A stable sort of the runs laid end to end in dataset order: by due time, ties to the
+        # lower k. numpy's stable sort merges sorted runs (timsort): 1M samples of 10 datasets
+        # in 0.02 s, where searching each run in every other took 0.35 s (K^2 searches).
+        order = np.argsort(np.concatenate(due), kind="stable")
+        which = np.repeat(np.arange(len(w), dtype=dtype), [len(d) for d in due])
+        took = min(len(order), num_samples - done)
+        index[done:done + took] = which[order[:took]]
         done += int((last - first).sum())
         first, t0 = last, t1
     return index
