@@ -12,8 +12,8 @@ each way, timed as the slower rank's, median of ``--rounds``:
   CP = 2 calls it;
 - ``shared memory all_to_all`` (loopback only): the shared-memory transport's.
 
-It measured (2026-12-03, 2-core Xeon, 1 Gbit/s emulated, 2 MiB each way): one way 16-17 ms,
-send first 31-33 ms, receive first 19.6-23 ms, ``all_to_all_single`` 33-37 ms: a gloo pair
+It measured (2026-12-03, 2-core Xeon, 1 Gbit/s emulated, 2 MiB each way): one way 16-19 ms,
+send first 31-33 ms, receive first 18-23 ms, ``all_to_all_single`` 32-37 ms: a gloo pair
 whose ranks both send before receiving moves one direction at a time. Run as root (namespaces),
 with the project's venv::
 

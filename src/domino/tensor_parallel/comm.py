@@ -76,7 +76,7 @@ class CommGroup:
         reduce-scatter 35.1 ms, the exchange 21.0 ms; 8 MiB on loopback: 7.2 against 3.4 ms).
         And a gloo pair whose two ranks both send before they receive moves one direction at a
         time: 2 MiB each way between two emulated 1 Gbit/s hosts took 31-33 ms sent first,
-        19.6-23 ms received first, 16-17 ms one way alone; ``all_to_all_single`` took 33-37 ms
+        18-23 ms received first, 16-19 ms one way alone; ``all_to_all_single`` took 32-37 ms
         (``scripts/probe_exchange.py``). (gloo's all-gather is near the link's rate, 18.2 ms,
         and beats an exchange there, 24.7 ms: it is kept.) NCCL's collectives are used as they
         are."""
