@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -202,8 +203,7 @@ class CommGroup:
         messages are sent too, so the ranks post the same messages whatever the splits."""
         if input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
             input = input.clone()  # in place: a receive must not land on rows still to send
-        at_out = [0, *torch.tensor(outs).cumsum(0).tolist()]
-        at_in = [0, *torch.tensor(ins).cumsum(0).tolist()]
+        at_out, at_in = list(accumulate(outs, initial=0)), list(accumulate(ins, initial=0))
         peers = [(self.rank + d) % self.size for d in range(1, self.size)]
         glob = partial(dist.get_global_rank, self.group)
         works = [dist.irecv(output[at_out[q]:at_out[q + 1]], glob(q), group=self.group)
