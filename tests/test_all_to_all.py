@@ -13,7 +13,10 @@ suite has no multi-GPU pattern)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,13 +263,8 @@ def test_no_op_paths_and_the_hook() -> None:
         CommGroup(None, 3, 1, enabled=False).all_to_all(y, x, [1, 1, 1], None)
 
 
-
 def test_the_exchange_probe_runs_every_case_on_loopback() -> None:
     """``scripts/probe_exchange.py`` (the docs cite its figures) runs and times every case."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "scripts" / "probe_exchange.py"
     done = subprocess.run([sys.executable, str(script), "--link", "loopback", "--mib", "0.05",
                            "--rounds", "1"], capture_output=True, text=True, timeout=120)

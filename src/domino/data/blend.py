@@ -159,7 +159,7 @@ def blend_index(weights: Sequence[float], num_samples: int,
         which = np.repeat(np.arange(len(w), dtype=dtype), [len(d) for d in due])
         took = min(len(order), num_samples - done)
         index[done:done + took] = which[order[:took]]
-        done += int((last - first).sum())
+        done += len(order)
         first, t0 = last, t1
     return index
 

@@ -204,31 +204,29 @@ class CommGroup:
         if input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
             input = input.clone()  # in place: a receive must not land on rows still to send
         at_out, at_in = list(accumulate(outs, initial=0)), list(accumulate(ins, initial=0))
-        peers = [(self.rank + d) % self.size for d in range(1, self.size)]
-        glob = partial(dist.get_global_rank, self.group)
-        works = [dist.irecv(output[at_out[q]:at_out[q + 1]], glob(q), group=self.group)
-                 for q in reversed(peers)]  # rank - 1 first: the one rank - 1 sends first
-        works += [dist.isend(input[at_in[q]:at_in[q + 1]], glob(q), group=self.group)
-                  for q in peers]
+        works = self._post_pairwise(lambda q: output[at_out[q]:at_out[q + 1]],
+                                    lambda q: input[at_in[q]:at_in[q + 1]])
         me = self.rank
         output[at_out[me]:at_out[me + 1]].copy_(input[at_in[me]:at_in[me + 1]])
         return _Exchange(works, lambda: None)
 
+    def _post_pairwise(self, into, of) -> list:
+        """Receive ``into(q)`` from every peer q, then send ``of(q)`` to every peer: every
+        receive posted before any send (``pairwise``). At distance d every rank sends to
+        rank + d while rank - d sends to it, so the exchanges do not queue; receives from
+        rank - 1 first, the peer that sends here first."""
+        glob = partial(dist.get_global_rank, self.group)
+        near = range(1, self.size)
+        works = [dist.irecv(into(q), glob(q), group=self.group)
+                 for q in ((self.rank - d) % self.size for d in near)]
+        return works + [dist.isend(of(q), glob(q), group=self.group)
+                        for q in ((self.rank + d) % self.size for d in near)]
+
     def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
-        """Each rank sends every peer that peer's chunk and sums the chunks it receives. At
-        distance d every rank sends to rank + d while rank - d sends to it, so the exchanges
-        do not queue."""
+        """Each rank sends every peer that peer's chunk and sums the chunks it receives."""
         chunks = tensor.chunk(self.size)
-        works, parts = [], {}
-        for d in range(1, self.size):  # every receive posted before any send (``pairwise``)
-            src = (self.rank - d) % self.size
-            parts[src] = torch.empty_like(output)
-            works.append(dist.irecv(parts[src], dist.get_global_rank(self.group, src),
-                                    group=self.group))
-        for d in range(1, self.size):
-            dst = (self.rank + d) % self.size
-            works.append(dist.isend(chunks[dst], dist.get_global_rank(self.group, dst),
-                                    group=self.group))
+        parts = {q: torch.empty_like(output) for q in range(self.size) if q != self.rank}
+        works = self._post_pairwise(parts.__getitem__, chunks.__getitem__)
 
         def finish() -> None:  # summed in rank order, the same order on every rank
             parts[self.rank] = chunks[self.rank]
