@@ -162,11 +162,11 @@ def _traced(group, rank: int, cp: int) -> list:
     rank, shape, dtype, tag); "C" a computed pair; "backward" where the backward starts."""
     import torch.distributed as dist
 
-    from domino.context_parallel import ring
+    from domino.context_parallel import blocks
 
     log: list = []
-    real = (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair,
-            ring._forward_fused, ring._backward_fused)
+    real = (dist.batch_isend_irecv, blocks._forward_pair, blocks._backward_pair,
+            blocks._forward_fused, blocks._backward_fused)
 
     def exchange(ops):
         log.append(("X", [(op.op.__name__, (op.peer - rank) % cp, tuple(op.tensor.shape),
@@ -191,8 +191,8 @@ def _traced(group, rank: int, cp: int) -> list:
         log.append("C")
         return real[4](*args)
 
-    (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair, ring._forward_fused,
-     ring._backward_fused) = (exchange, forward_pair, backward_pair, forward_fused,
+    (dist.batch_isend_irecv, blocks._forward_pair, blocks._backward_pair, blocks._forward_fused,
+     blocks._backward_fused) = (exchange, forward_pair, backward_pair, forward_fused,
                               backward_fused)
     try:
         inp = _inputs("documents_by_rank", cp)
@@ -202,8 +202,8 @@ def _traced(group, rank: int, cp: int) -> list:
         log.append("backward")
         out.sum().backward()
     finally:
-        (dist.batch_isend_irecv, ring._forward_pair, ring._backward_pair, ring._forward_fused,
-         ring._backward_fused) = real
+        (dist.batch_isend_irecv, blocks._forward_pair, blocks._backward_pair, blocks._forward_fused,
+         blocks._backward_fused) = real
     return log
 
 
@@ -296,10 +296,10 @@ def _errors(group, cp: int) -> dict:
 def _fused_calls(group, rank: int, cp: int) -> dict:
     """How many pairs the ring ran through PyTorch's fused kernel (forward, backward), per
     case: the causal cases without data masks take it on a CPU, masked ones never."""
-    from domino.context_parallel import ring
+    from domino.context_parallel import blocks
 
     out = {}
-    real = ring._FLASH, ring._FLASH_BACKWARD
+    real = blocks._FLASH, blocks._FLASH_BACKWARD
     for name in ("causal", "gqa", "noncausal", "causal_documents", "noncausal_padding"):
         calls = [0, 0]
 
@@ -308,11 +308,11 @@ def _fused_calls(group, rank: int, cp: int) -> dict:
                 calls[i] += 1
                 return real[i](*args, **kw)
             return call
-        ring._FLASH, ring._FLASH_BACKWARD = counted(0), counted(1)
+        blocks._FLASH, blocks._FLASH_BACKWARD = counted(0), counted(1)
         try:
             _run(group, rank, cp, "ring", _inputs(name, cp))
         finally:
-            ring._FLASH, ring._FLASH_BACKWARD = real
+            blocks._FLASH, blocks._FLASH_BACKWARD = real
         out[name] = tuple(calls)
     return out
 

@@ -13,6 +13,8 @@ Plus the configuration errors and Megatron's mpu functions for CP.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,6 +40,7 @@ from domino.parallel_state import ParallelSizes
 from domino.runtime import CP_COMM_TYPES, RuntimeConfig
 from domino.transformer import Plan
 from domino.transformer.moe.op import moe_ops
+from domino.transformer.stack import using_cp_overlap
 
 BATCH, SEQ = 2, 16
 COMMON = dict(hidden_size=64, num_attention_heads=8, seq_length=SEQ, max_position_embeddings=32)
@@ -255,6 +258,49 @@ def _errors(state: ParallelState) -> dict:
     return out
 
 
+class _Timings:
+    """A CommHook that keeps each finished transfer's (name, tags, launched, waited) times."""
+
+    def __init__(self) -> None:
+        self.done: list = []
+
+    def launch(self, tensor, group, kind="all_reduce"):
+        return None  # the real transfer
+
+    def finished(self, name, tags, nbytes, launched_s, wait_s, done_s) -> None:
+        self.done.append((name, tags.get("mb"), tags.get("step"), launched_s, wait_s))
+
+    def region(self, name, category, **tags):
+        return contextlib.nullcontext()
+
+
+def _ring_order(state: ParallelState) -> dict:
+    """Under a Domino plan of two micro-batches, is micro-batch 1's first K/V exchange launched
+    before micro-batch 0's is waited for (so it travels under micro-batch 0's attention), in
+    the first layer's forward? With the ring's transfers waited for at once (the benchmark's
+    sync baseline) and without micro-batches, not."""
+    cfg = config(**{**COMMON, **MODELS[MASKED]})
+    out = {}
+    for name, plan, overlap in (("m2", PLANS["m2_cross"][0], True),
+                                ("m2 sync", PLANS["m2_cross"][0], False)):
+        torch.manual_seed(0)
+        model = GPTModel(cfg, parallel_state=state, runtime=RuntimeConfig(plan=plan))
+        model.language_model.encoder.set_plan(plan, force=True)
+        hook = state.cp.hook = _Timings()
+        ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ // state.cp.size))
+        try:
+            with using_cp_overlap(model, overlap):
+                model(ids, None, None, labels=ids).sum().backward()
+        finally:
+            state.cp.hook = None
+        first = {mb: (launched, waited) for n, mb, step, launched, waited in hook.done
+                 if n == "cp fwd kv" and step == 0}  # (the last layer's, by mb)
+        fwd = [(mb, launched, waited) for n, mb, step, launched, waited in hook.done
+               if n == "cp fwd kv"][:2]  # the first layer's two micro-batches
+        out[name] = (sorted(first), fwd[1][1] < fwd[0][2])
+    return out
+
+
 def _compat(world: int) -> tuple:
     """Megatron's mpu functions over a state with CP."""
     from domino import megatron_compat as mpu
@@ -282,6 +328,8 @@ def _rank(rank: int, world: int) -> dict:
                     out[(name, c)] = _case(state, MASKED, c, *PLANS["m2_cross"], "shard", name)
         out["errors"] = _errors(state)
         out["compat"] = _compat(world)
+        if world == 2:
+            out["ring order"] = _ring_order(state)
     finally:
         state.close()
     for sizes, plan in MOE_RUNS[world]:
@@ -313,6 +361,16 @@ def _results(world: int) -> list:
     if world not in _RESULTS:
         _RESULTS[world] = run_distributed(_rank, world)
     return _RESULTS[world]
+
+
+def test_ring_first_exchange_runs_under_the_other_micro_batch() -> None:
+    """The ring's first exchange of micro-batch 1 is launched (at its Q/K/V GEMM, from inside
+    micro-batch 0's attention) before micro-batch 0's is waited for; the sync baseline waits
+    each before the next goes out. (The numbers: test_cp_gpt_matches_single_process.)"""
+    for rank, per_rank in enumerate(_results(2)):
+        order = per_rank["ring order"]
+        assert order["m2"] == ([0, 1], True), f"rank {rank}: {order}"
+        assert order["m2 sync"] == ([0, 1], False), f"rank {rank}: {order}"
 
 
 @pytest.mark.parametrize("comm", list(CP_COMM_TYPES))

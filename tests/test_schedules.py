@@ -379,6 +379,24 @@ def test_single_tp_rank_runs_unsplit() -> None:
     assert stack(torch.randn(4, 3, 32), None).shape == (4, 3, 32)
 
 
+@pytest.mark.parametrize(("comm", "splits"), [("p2p", True), ("all_gather", False)])
+def test_single_tp_rank_splits_for_the_cp_ring(comm, splits) -> None:
+    """At one TP rank, ring context parallelism has transfers to hide under the other
+    micro-batches (each one's first K/V exchange goes out at its Q/K/V GEMM): the plan runs as
+    given. All-gather CP hides nothing by splitting: unsplit."""
+    from domino import TransformerConfig
+    from domino.runtime import RuntimeConfig
+    from domino.transformer import DominoTransformer
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                            attention_dropout=0.0)
+    cp = CommGroup(size=2, rank=0, enabled=False)
+    state = ParallelState(cp=cp, dp_cp=cp)
+    plan = Plan(2, "cross_layer", 1)
+    stack = DominoTransformer(cfg, state, runtime=RuntimeConfig(plan=plan, cp_comm_type=comm))
+    assert stack.effective_plan() == (plan if splits else Plan(1, "none", 1))
+
+
 @pytest.mark.parametrize(("args", "field"), [((0, "cross_layer", 1), "micro_batches"),
                                               ((2, "cross", 1), "overlap"),
                                               ((2, "none", 0), "column_chunks")])

@@ -94,9 +94,10 @@ def _runs(rank: int, world: int, data: str, docs: str, tmp: str) -> dict:
                                         domino_micro_batches=2), f"{tmp}/docs2a"),
         "cp1": _train(_args(data, **sample), f"{tmp}/cp1"),  # DP=2
         "cp2": _train(_args(data, **cp2, **sample), f"{tmp}/cp2"),
-        # Domino m2, all-gather attention, ZeRO-1 over DP x CP, full recomputation (the
-        # attention's exchanges rerun in the backward).
-        "cp2 zero": _train(_args(data, **cp2, domino_micro_batches=2, cp_comm_type="all_gather",
+        # Domino m2, ring attention (each micro-batch's first exchange launched at its Q/K/V
+        # GEMM, inside the piece before), ZeRO-1 over DP x CP, full recomputation (the ring's
+        # exchanges rerun in the backward; the entry's GEMM graph is kept from forward).
+        "cp2 zero": _train(_args(data, **cp2, domino_micro_batches=2,
                                  use_distributed_optimizer=True, recompute_granularity="full"),
                            f"{tmp}/zero"),
         # Two accumulated micro-batches, all-to-all attention, the blocking reduction,

@@ -4,12 +4,13 @@ a configuration must pass before it runs one."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from domino.context_parallel.gathered import allgather_attention, alltoall_attention
 from domino.context_parallel.masks import Masking, dense_attention
-from domino.context_parallel.ring import ring_attention
+from domino.context_parallel.ring import FirstHop, ring_attention
 from domino.context_parallel.sharding import check_sequence_length, gather_sequence
 from domino.tensor_parallel.comm import CommGroup
 
@@ -67,7 +68,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       key_padding: torch.Tensor | None = None,
                       document_ids: torch.Tensor | None = None, window: int | None = None,
                       softmax_scale: float | None = None,
-                      dropout_p: float = 0.0, overlap: bool = True) -> torch.Tensor:
+                      dropout_p: float = 0.0, overlap: bool = True,
+                      first: FirstHop | None = None, poll: Callable[[], None] | None = None,
+                      tags: dict | None = None) -> torch.Tensor:
     """Attention of this rank's share of a sequence sharded over ``group`` (load-balanced:
     see :func:`shard_sequence`), like ``kernels.attention`` on the whole sequence.
 
@@ -85,9 +88,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     A query that sees no key at all (masked scores take the dtype's minimum) gets the mean of
     every value; its backward takes each key's probability as 1, as PyTorch's fused CPU kernel
     does (what ``kernels.attention`` runs in fp32 on a CPU; see ``ring``).
+
+    ``first`` (ring only): its first exchange, launched ahead (``ring.launch_first``);
+    ``poll``: a schedule's work, run once (the ring: after the rank's own block, before the
+    first wait; the others: before the attention); ``tags`` label the exchanges for a hook.
     """
     check_kind(kind)
     cp = 1 if group is None else group.size
+    if first is not None and (kind != "ring" or cp == 1):
+        raise ValueError(f"a first exchange launched ahead is for ring attention over more "
+                         f"than one rank, not kind {kind!r} over {cp}")
     s, b, n, d = q.shape
     if n % q_per_group or k.shape != (s, b, n // q_per_group, d) or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)} with q_per_group {q_per_group} needs k and v of "
@@ -109,14 +119,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                          s * cp, group),
                       document_ids=_whole(document_ids, s * cp, group))
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    if kind == "ring" and cp > 1:
+        return ring_attention(q, k, v, group=group, masking=masking, scale=scale,
+                              overlap=overlap, first=first, poll=poll, tags=tags)
+    if poll is not None:
+        poll()
     if cp == 1:
         pos = torch.arange(s, device=q.device)
         mask = None if masking.only_causal else masking.mask(pos, pos)
         return dense_attention(q, k, v, mask, is_causal=masking.only_causal, scale=scale,
                                q_per_group=q_per_group)
-    if kind == "ring":
-        return ring_attention(q, k, v, group=group, masking=masking, scale=scale,
-                              overlap=overlap)
     variant = allgather_attention if kind == "allgather" else alltoall_attention
     return variant(q, k, v, group=group, masking=masking, scale=scale)
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from domino.context_parallel.masks import Masking, dense_attention
-from domino.context_parallel.ring import (
+from domino.context_parallel.blocks import (
     BLOCK_ELEMENTS,
     BlockAttention,
     BlockGrads,
     kv_blocks,
     kv_seq,
 )
+from domino.context_parallel.masks import Masking, dense_attention
 from domino.context_parallel.sharding import chunk_ids, shard_order
 from domino.tensor_parallel.comm import CommGroup
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.context_parallel import SequenceMask, check_dropout, check_heads, context_attention
+from domino.context_parallel.ring import FirstHop
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
@@ -29,6 +30,7 @@ from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.kernels import Kernels, attention_keep
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.norms import build_norm
+from domino.transformer.ring_entry import RingEntry
 from domino.utils import divide
 
 
@@ -140,33 +142,53 @@ class SelfAttention(_AttentionBase):
             self.k_layernorm = build_norm(config, device, self.head_dim)
         self.qk_layernorm = config.qk_layernorm
 
+    def entry(self, sequence_parallel: bool, context_parallel: bool = False
+              ) -> ColumnParallelEntry | RingEntry:
+        """Entered by the column-parallel Q/K/V GEMMs (a :class:`~.layer.BlockOp`); in a run
+        whose sequences are split over CP by the overlapped ring (not under sequence
+        parallelism), by the GEMM and the ring's first exchange (``ring_entry``)."""
+        if (context_parallel and self.cp.size > 1 and self.cp_kind == "ring"
+                and self.cp_overlap and not sequence_parallel):
+            return RingEntry(self)
+        return ColumnParallelEntry(self.dense.group, sequence_parallel)
+
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:
-        sq, b, _ = x.shape
-        qkv, _ = self.query_key_value(x, reduce_input_grad=False, wgrad_stash=stash)
+        b = x.shape[1]
+        qkv = self.project(x, stash)
         if poll is not None:  # a schedule's work between the GEMM and the attention
             poll()
-        kernels = self.kernels.serving(mb.inference_params is not None)
-        q, k, v = kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim,
-                                    *self._qk_norms())
+        q, k, v = self.split(qkv, mb)
         if self.cp.size > 1 and mb.inference_params is None:
-            return self._context_attend(q, k, v, mb)
+            return self.context_attend(q, k, v, mb)
         k, v = self._cache(k, v, mb)
-        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal, kernels,
-                            self.window)
+        return self._attend(q, k, v, _mb_slice(mb.self_mask, mb, b), mb.causal,
+                            self.kernels.serving(mb.inference_params is not None), self.window)
 
-    def _context_attend(self, q, k, v, mb: MicroBatch) -> torch.Tensor:
+    def project(self, x: torch.Tensor, stash: WgradStash | None) -> torch.Tensor:
+        """The fused Q/K/V GEMM [s, b, h] -> [s, b, width / tp] (dL/dx left unreduced)."""
+        return self.query_key_value(x, reduce_input_grad=False, wgrad_stash=stash)[0]
+
+    def split(self, qkv: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+        """q [s, b, heads, d], k, v [s, b, groups, d] from the GEMM's output (Q/K norms, RoPE)."""
+        kernels = self.kernels.serving(mb.inference_params is not None)
+        return kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim,
+                                 *self._qk_norms())
+
+    def context_attend(self, q, k, v, mb: MicroBatch, first: FirstHop | None = None,
+                       poll=None) -> torch.Tensor:
         """Attention of this rank's sequence shard against the whole sequence over the CP
-        group. Not under selective recomputation: ring attention keeps no s x s tensor for
-        backward, and recomputing would repeat the exchanges. (KV-cache decoding does not come
-        here: weights are whole on every CP rank, so one rank generates alone from whole,
-        unsharded sequences.)"""
+        group (``first``, ``poll``: see ``ring_entry``). Not under selective recomputation:
+        ring attention keeps no s x s tensor for backward, and recomputing would repeat the
+        exchanges. (KV-cache decoding does not come here: weights are whole on every CP rank,
+        so one rank generates alone from whole, unsharded sequences.)"""
         mask = mb.self_mask  # a SequenceMask or None (DominoTransformer.forward checks)
         mask = (mask or SequenceMask()).rows(mb.batch_start, mb.batch_start + q.shape[1])
         return context_attention(q, k, v, group=self.cp, kind=self.cp_kind,
                                  causal=mb.causal, q_per_group=self.q_per_group,
                                  key_padding=mask.key_padding, document_ids=mask.document_ids,
-                                 window=self.window, overlap=self.cp_overlap)
+                                 window=self.window, overlap=self.cp_overlap, first=first,
+                                 poll=poll, tags={"mb": mb.index})
 
     def _qk_norms(self) -> tuple:
         """The query and key norms' kernel arguments (none without ``qk_layernorm``), their

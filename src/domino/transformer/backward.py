@@ -156,7 +156,7 @@ class BackwardPass:
                 stash = WgradStash()
                 ex._replay(rec, ("par", j, m), self.device)
                 with torch.enable_grad():
-                    core = ex.blocks[j].op.core(rec.local[(j, m)].ln_leaf, rec.mbs[m], stash)
+                    core = ex.core(j)(rec.local[(j, m)].ln_leaf, rec.mbs[m], stash)
                     core_in = core.detach().requires_grad_() if ex.sp else core
                     parts = list(ex.exits[j].parts(
                         core_in, ex._chunks(j, m, self.B, self.M), stash, m))

@@ -148,6 +148,10 @@ class Executor:
         return local(out, bias, keep, scale, residual, block.norm_args(),
                      block.residual_post_norm)
 
+    def core(self, j: int) -> Callable:
+        """Block j's op core in this run: the rest of it where the entry ran its start."""
+        return self.entries[j].core or self.blocks[j].op.core
+
     def _snapshot(self, rec: Record, key: tuple, device: torch.device) -> None:
         rec.rng[key] = self.blocks[0].rng.snapshot(device)
 
@@ -265,7 +269,7 @@ class Executor:
                     rec.local[(j, m)] = piece
                     ln, res = piece.ln_leaf, piece.res_leaf
                 residual[m] = res
-                entered[(j, m)] = self.eager(self.entries[j].launch(ln, j, m))
+                entered[(j, m)] = self.eager(self.entries[j].launch(ln, j, m, mbs[m]))
 
         def run_par(j: int, m: int, between: Callable[[], None] | None) -> None:
             """par(j, m); ``between`` (a local piece) runs right after its entry GEMM."""
@@ -279,7 +283,7 @@ class Executor:
                 if recompute:
                     self._snapshot(rec, ("par", j, m), device)
                 with nograd():
-                    core = self.blocks[j].op.core(
+                    core = self.core(j)(
                         ln, mbs[m], stash, None if between is None else span.outside(between))
             core_in = core
             if self.sp and graph and not recompute:

@@ -32,6 +32,7 @@ import torch
 from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup, Handle
 from domino.tensor_parallel.layers import RowParallelLinear, WgradStash, column_chunks
+from domino.transformer.microbatch import MicroBatch
 
 
 class InFlight(Protocol):
@@ -124,9 +125,14 @@ class Entry(Protocol):
     collectives)."""
 
     lookahead: bool  # is launching work worth hiding (see the module docstring)?
+    # An entry that runs the start of the op's core itself (the ring entry: the Q/K/V GEMM)
+    # gives the rest, with the op core's signature; None: the op's core runs whole.
+    core: Callable | None
 
-    def launch(self, x: torch.Tensor, j: int, m: int) -> InFlight:
-        """Forward: the region's input from the norm output ``x`` of the replicated stream."""
+    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None
+               ) -> InFlight:
+        """Forward: the region's input from the norm output ``x`` of the replicated stream
+        (of micro-batch ``mb``, whose index is ``m``)."""
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
         """Backward: the stream's gradient from the gradient of the region's input."""
@@ -176,11 +182,13 @@ class ColumnParallelEntry:
     (all-reduce; sequence parallel: reduce-scattered back to the shards)."""
 
     lookahead = False
+    core = None
 
     def __init__(self, group: CommGroup, sequence_parallel: bool) -> None:
         self.group, self.sp = group, sequence_parallel
 
-    def launch(self, x: torch.Tensor, j: int, m: int) -> InFlight:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None
+               ) -> InFlight:
         return gather_seq(self.group, x, "fwd", j, m) if self.sp else Ready(x)
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:

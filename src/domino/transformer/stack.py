@@ -142,11 +142,13 @@ class DominoTransformer(nn.Module):
 
     def effective_plan(self) -> Plan:
         """The schedule the stack runs: :attr:`plan`, except where there is no communication
-        to hide (a single TP rank, and no MoE layer with expert parallelism), where splitting
-        would only cost (kernel launches, smaller GEMMs), so the stack runs unsplit (unless the
-        plan was set with ``force``)."""
+        to hide (a single TP rank, no MoE layer with expert parallelism, no ring context
+        parallelism), where splitting would only cost (kernel launches, smaller GEMMs), so
+        the stack runs unsplit (unless the plan was set with ``force``)."""
         if self.state.tp.size > 1 or self._force:
             return self.plan
+        if self.state.cp.size > 1 and self._runtime.cp_kind == "ring":
+            return self.plan  # a micro-batch's ring transfers run under the others' compute
         moe = self.state.ep.size > 1 and any(
             getattr(op, "is_moe", False) for op in (b.op for b in self.blocks()))
         return self.plan if moe else SYNC

@@ -127,11 +127,12 @@ class MoEEntry:
     :class:`~domino.transformer.moe.op.MoEOp`, ``pieces`` the state shared with its exit."""
 
     lookahead = True  # launching is work: the schedule runs it inside the piece before
+    core = None  # the op's core runs whole
 
     def __init__(self, op, pieces: dict[int, _Piece]) -> None:
         self.op, self.pieces = op, pieces
 
-    def launch(self, x: torch.Tensor, j: int, m: int) -> _Arriving:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb=None) -> _Arriving:
         # A graph exactly when the schedule records one (its leaf ``x`` requires grad), also
         # where this runs inside a piece recomputation runs without one.
         with torch.set_grad_enabled(x.requires_grad):
