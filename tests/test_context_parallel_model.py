@@ -275,17 +275,16 @@ class _Timings:
 
 
 def _ring_order(state: ParallelState) -> dict:
-    """Under a Domino plan of two micro-batches, is micro-batch 1's first K/V exchange launched
-    before micro-batch 0's is waited for (so it travels under micro-batch 0's attention), in
-    the first layer's forward? With the ring's transfers waited for at once (the benchmark's
-    sync baseline) and without micro-batches, not."""
+    """Under a Domino plan of two micro-batches, in the forward of the first layer and the
+    backward of the last: is micro-batch 1's exchange launched before micro-batch 0's is waited
+    for (so micro-batch 0's transfer runs under micro-batch 1's compute)? With the ring's
+    transfers waited for at once (the benchmark's sync baseline), not."""
     cfg = config(**{**COMMON, **MODELS[MASKED]})
     out = {}
-    for name, plan, overlap in (("m2", PLANS["m2_cross"][0], True),
-                                ("m2 sync", PLANS["m2_cross"][0], False)):
+    for name, overlap in (("m2", True), ("m2 sync", False)):
+        plan = PLANS["m2_cross"][0]
         torch.manual_seed(0)
         model = GPTModel(cfg, parallel_state=state, runtime=RuntimeConfig(plan=plan))
-        model.language_model.encoder.set_plan(plan, force=True)
         hook = state.cp.hook = _Timings()
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ // state.cp.size))
         try:
@@ -293,11 +292,12 @@ def _ring_order(state: ParallelState) -> dict:
                 model(ids, None, None, labels=ids).sum().backward()
         finally:
             state.cp.hook = None
-        first = {mb: (launched, waited) for n, mb, step, launched, waited in hook.done
-                 if n == "cp fwd kv" and step == 0}  # (the last layer's, by mb)
-        fwd = [(mb, launched, waited) for n, mb, step, launched, waited in hook.done
-               if n == "cp fwd kv"][:2]  # the first layer's two micro-batches
-        out[name] = (sorted(first), fwd[1][1] < fwd[0][2])
+        for direction in ("fwd kv", "bwd dkv"):
+            # the first two launched: micro-batches 0 and 1 of one layer
+            (l0, mb0, w0), (l1, mb1, _) = sorted(
+                (launched, mb, waited) for n, mb, _, launched, waited in hook.done
+                if n == f"cp {direction}")[:2]
+            out[(name, direction)] = ((mb0, mb1), l1 < w0)
     return out
 
 
@@ -363,14 +363,17 @@ def _results(world: int) -> list:
     return _RESULTS[world]
 
 
-def test_ring_first_exchange_runs_under_the_other_micro_batch() -> None:
-    """The ring's first exchange of micro-batch 1 is launched (at its Q/K/V GEMM, from inside
-    micro-batch 0's attention) before micro-batch 0's is waited for; the sync baseline waits
-    each before the next goes out. (The numbers: test_cp_gpt_matches_single_process.)"""
+def test_ring_transfers_run_under_the_other_micro_batch() -> None:
+    """Forward: micro-batch 1's first K/V exchange is launched (at its Q/K/V GEMM, from inside
+    micro-batch 0's attention) before micro-batch 0's is waited for. Backward: micro-batch 1's
+    dK/dV exchange is launched (in its attention's backward) before micro-batch 0's is waited
+    for (in micro-batch 0's local^T, at one TP rank). The sync baseline waits each before the
+    next goes out. (The numbers: test_cp_gpt_matches_single_process.)"""
     for rank, per_rank in enumerate(_results(2)):
         order = per_rank["ring order"]
-        assert order["m2"] == ([0, 1], True), f"rank {rank}: {order}"
-        assert order["m2 sync"] == ([0, 1], False), f"rank {rank}: {order}"
+        for direction in ("fwd kv", "bwd dkv"):
+            assert order[("m2", direction)] == ((0, 1), True), f"rank {rank}: {order}"
+            assert order[("m2 sync", direction)] == ((0, 1), False), f"rank {rank}: {order}"
 
 
 @pytest.mark.parametrize("comm", list(CP_COMM_TYPES))

@@ -10,7 +10,7 @@ import torch
 
 from domino.context_parallel.gathered import allgather_attention, alltoall_attention
 from domino.context_parallel.masks import Masking, dense_attention
-from domino.context_parallel.ring import FirstHop, ring_attention
+from domino.context_parallel.ring import Deferred, FirstHop, ring_attention
 from domino.context_parallel.sharding import check_sequence_length, gather_sequence
 from domino.tensor_parallel.comm import CommGroup
 
@@ -70,7 +70,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       softmax_scale: float | None = None,
                       dropout_p: float = 0.0, overlap: bool = True,
                       first: FirstHop | None = None, poll: Callable[[], None] | None = None,
-                      tags: dict | None = None) -> torch.Tensor:
+                      tags: dict | None = None, defer: Deferred | None = None) -> torch.Tensor:
     """Attention of this rank's share of a sequence sharded over ``group`` (load-balanced:
     see :func:`shard_sequence`), like ``kernels.attention`` on the whole sequence.
 
@@ -91,13 +91,15 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     ``first`` (ring only): its first exchange, launched ahead (``ring.launch_first``);
     ``poll``: a schedule's work, run once (the ring: after the rank's own block, before the
-    first wait; the others: before the attention); ``tags`` label the exchanges for a hook.
+    first wait; the others: before the attention); ``tags`` label the exchanges for a hook;
+    ``defer`` (ring only): the backward leaves the other ranks' parts of dK/dV in flight
+    (``ring.Deferred``: the caller adds them).
     """
     check_kind(kind)
     cp = 1 if group is None else group.size
-    if first is not None and (kind != "ring" or cp == 1):
-        raise ValueError(f"a first exchange launched ahead is for ring attention over more "
-                         f"than one rank, not kind {kind!r} over {cp}")
+    if (first is not None or defer is not None) and (kind != "ring" or cp == 1):
+        raise ValueError(f"a first exchange launched ahead and a deferred backward are for "
+                         f"ring attention over more than one rank, not kind {kind!r} over {cp}")
     s, b, n, d = q.shape
     if n % q_per_group or k.shape != (s, b, n // q_per_group, d) or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)} with q_per_group {q_per_group} needs k and v of "
@@ -121,7 +123,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     if kind == "ring" and cp > 1:
         return ring_attention(q, k, v, group=group, masking=masking, scale=scale,
-                              overlap=overlap, first=first, poll=poll, tags=tags)
+                              overlap=overlap, first=first, poll=poll, tags=tags,
+                              defer=defer)
     if poll is not None:
         poll()
     if cp == 1:

@@ -53,6 +53,29 @@ class FirstHop:
     handle: Handle
 
 
+class Deferred:
+    """What the ring's backward leaves in flight with ``defer``: exchanges bringing parts of
+    this rank's own dK/dV from the other ranks. The gradients the backward returned lack
+    them until :meth:`wait` gives their sum (:func:`kv_seq` of it: dK, dV [s/cp, b, g, d]) for
+    the caller to add, so the transfers run under whatever the caller computes meanwhile."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[Handle, torch.Tensor]] = []  # (exchange, [2, b, g, 2, c, d])
+
+    def ready(self) -> bool:
+        return all(h.ready() for h, _ in self.parts)
+
+    def wait(self) -> torch.Tensor | None:
+        """The arrived dK/dV summed, in block layout [2, b, g, 2, c, d] (None: nothing
+        was deferred); once."""
+        total = None
+        for handle, buf in self.parts:
+            handle.wait()
+            total = buf if total is None else total.add_(buf)
+        self.parts = []
+        return total
+
+
 def launch_first(k: torch.Tensor, v: torch.Tensor, group: CommGroup,
                  tags: dict | None = None) -> FirstHop:
     """Launch the ring's first exchange of this rank's K/V (k, v [s/cp, b, g, d], as the
@@ -73,7 +96,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
                 masking: Masking, scale: float, overlap: bool, limit: int,
                 keep: bool, fused: bool, first: FirstHop | None,
-                poll: Callable[[], None] | None, tags: dict) -> torch.Tensor:
+                poll: Callable[[], None] | None, tags: dict,
+                defer: Deferred | None) -> torch.Tensor:
         nxt, prev = _neighbours(group)
         attention = BlockAttention(q, k.shape[2], chunk_ids(group.rank, group.size), masking,
                                    scale, limit, fused)
@@ -102,7 +126,7 @@ class _RingAttention(torch.autograd.Function):
         # q, k, v, the output, the rows' log-sum-exp (and the visiting blocks)
         ctx.save_for_backward(q, k, v, out, lse, *visitors)
         ctx.group, ctx.masking, ctx.scale, ctx.overlap = group, masking, scale, overlap
-        ctx.limit, ctx.fused, ctx.tags = limit, fused, tags
+        ctx.limit, ctx.fused, ctx.tags, ctx.defer = limit, fused, tags, defer
         return out
 
     @staticmethod
@@ -117,15 +141,16 @@ class _RingAttention(torch.autograd.Function):
 
         if visitors:
             carried = _backward_kept(group, [kv_blocks(k, v), *visitors], pairs, ctx.overlap,
-                                     ctx.tags)
+                                     ctx.tags, ctx.defer)
         else:
-            carried = _backward_ring(group, kv_blocks(k, v), pairs, ctx.overlap, ctx.tags)
+            carried = _backward_ring(group, kv_blocks(k, v), pairs, ctx.overlap, ctx.tags,
+                                     ctx.defer)
         return (back.dq_seq(), kv_seq(carried[0]).to(k.dtype), kv_seq(carried[1]).to(v.dtype),
-                *[None] * 10)
+                *[None] * 11)
 
 
 def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool,
-                   tags: dict) -> torch.Tensor:
+                   tags: dict, defer: Deferred | None) -> torch.Tensor:
     """K/V blocks around the ring again, each block's dK/dV accumulator one step behind it and
     sent home at the end; returns this rank's block's dK/dV (summed over every rank)."""
     nxt, prev = _neighbours(group)
@@ -151,13 +176,17 @@ def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool,
             block = incoming
     if group.size > 1:  # the last holder sends each accumulator home
         home = torch.empty_like(carried)
-        group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home", tags).wait()
+        handle = group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home", tags)
+        if defer is not None:  # all of this rank's dK/dV arrives later
+            defer.parts.append((handle, home))
+            return torch.zeros_like(carried)
+        handle.wait()
         carried = home
     return carried
 
 
 def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
-                   overlap: bool, tags: dict) -> torch.Tensor:
+                   overlap: bool, tags: dict, defer: Deferred | None) -> torch.Tensor:
     """With every block kept from forward (``blocks[t]`` came from rank - t): the other
     ranks' blocks first, each one's dK/dV sent straight to its owner while the next is
     computed, this rank's own block last; returns its dK/dV (summed over every rank)."""
@@ -172,6 +201,9 @@ def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
             handle.wait()
         arriving.append((handle, incoming))
     own = pairs(blocks[0], rank)
+    if defer is not None:  # the other ranks' parts arrive later
+        defer.parts.extend(arriving)
+        return own
     for handle, incoming in arriving:
         handle.wait()
         own.add_(incoming)
@@ -183,7 +215,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    block_elements: int = BLOCK_ELEMENTS,
                    keep_blocks: bool | None = None, fused: bool | None = None,
                    first: FirstHop | None = None, poll: Callable[[], None] | None = None,
-                   tags: dict | None = None) -> torch.Tensor:
+                   tags: dict | None = None, defer: Deferred | None = None) -> torch.Tensor:
     """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
     K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
     [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids.
@@ -216,7 +248,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if poll is not None:  # (a Function's forward runs without grad: give poll the caller's)
         poll = _in_grad_mode(poll, torch.is_grad_enabled())
     return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements, keep,
-                                fused, first, poll, dict(tags or {}))
+                                fused, first, poll, dict(tags or {}), defer)
 
 
 def _block_shape(k: torch.Tensor) -> tuple[int, ...]:

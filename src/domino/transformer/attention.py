@@ -21,7 +21,7 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.context_parallel import SequenceMask, check_dropout, check_heads, context_attention
-from domino.context_parallel.ring import FirstHop
+from domino.context_parallel.ring import Deferred, FirstHop
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
@@ -176,9 +176,9 @@ class SelfAttention(_AttentionBase):
                                  *self._qk_norms())
 
     def context_attend(self, q, k, v, mb: MicroBatch, first: FirstHop | None = None,
-                       poll=None) -> torch.Tensor:
+                       poll=None, defer: Deferred | None = None) -> torch.Tensor:
         """Attention of this rank's sequence shard against the whole sequence over the CP
-        group (``first``, ``poll``: see ``ring_entry``). Not under selective recomputation:
+        group (``first``, ``poll``, ``defer``: see ``ring_entry``). Not under selective recomputation:
         ring attention keeps no s x s tensor for backward, and recomputing would repeat the
         exchanges. (KV-cache decoding does not come here: weights are whole on every CP rank,
         so one rank generates alone from whole, unsharded sequences.)"""
@@ -188,7 +188,7 @@ class SelfAttention(_AttentionBase):
                                  causal=mb.causal, q_per_group=self.q_per_group,
                                  key_padding=mask.key_padding, document_ids=mask.document_ids,
                                  window=self.window, overlap=self.cp_overlap, first=first,
-                                 poll=poll, tags={"mb": mb.index})
+                                 poll=poll, tags={"mb": mb.index}, defer=defer)
 
     def _qk_norms(self) -> tuple:
         """The query and key norms' kernel arguments (none without ``qk_layernorm``), their
