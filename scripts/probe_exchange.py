@@ -14,7 +14,10 @@ each way, timed as the slower rank's, median of ``--rounds``:
 
 It measured (2026-12-03, 2-core Xeon, 1 Gbit/s emulated, 2 MiB each way): one way 16-19 ms,
 send first 31-33 ms, receive first 18-23 ms, ``all_to_all_single`` 32-37 ms: a gloo pair
-whose ranks both send before receiving moves one direction at a time. Run as root (namespaces),
+whose ranks both send before receiving moves one direction at a time. Beside each time, the
+host's busy CPU seconds over the case (/proc/stat: every process and the kernel's packet work,
+from rank 0's view, so a little of the barrier too): what an exchange takes from compute that
+runs beside it on the same cores. Run as root (namespaces),
 with the project's venv::
 
     python scripts/probe_exchange.py --link 1gbit
@@ -30,11 +33,14 @@ import statistics
 import sys
 import time
 
+REPS = 10  # exchanges per busy-CPU window
+
 
 def _rank(mib: float, rounds: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from domino.bench.probe import busy_cpu_s
     from domino.tensor_parallel import CommGroup
 
     torch.set_num_threads(1)
@@ -71,6 +77,7 @@ def _rank(mib: float, rounds: int) -> None:
     if shared.transport is not None:  # both ranks on one host (loopback)
         cases["shared memory all_to_all"] = lambda: shared.all_to_all(both_y, both_x)
     times: dict[str, list[float]] = {name: [] for name in cases}
+    busy: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, run in cases.items():  # interleaved: the host's drift hits every case alike
             dist.barrier()
@@ -79,12 +86,24 @@ def _rank(mib: float, rounds: int) -> None:
             took = torch.tensor([time.perf_counter() - t])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             times[name].append(float(took))
+            # The host's busy CPU over REPS back to back (/proc/stat counts in 10 ms ticks).
+            dist.barrier()
+            b0 = busy_cpu_s()
+            for _ in range(REPS):
+                run()
+            dist.barrier()
+            b1 = busy_cpu_s()
+            if b0 is not None and b1 is not None:
+                busy[name].append((b1 - b0) / REPS)
     if shared.transport is not None:
         shared.transport.close()
     if me == 0:
-        print(f"{rows * 512 * 4 / 2**20:.2f} MiB each way, median of {rounds} (slower rank):")
+        print(f"{rows * 512 * 4 / 2**20:.2f} MiB each way, median of {rounds} (slower rank; "
+              "busy CPU: the whole host's, both ranks and the kernel's packet work):")
         for name, ts in times.items():
-            print(f"  {name:26s} {statistics.median(ts) * 1e3:7.1f} ms")
+            cpu = (f"  busy CPU {statistics.median(busy[name]) * 1e3:6.1f} ms"
+                   if busy[name] else "")
+            print(f"  {name:26s} {statistics.median(ts) * 1e3:7.1f} ms{cpu}")
     dist.destroy_process_group()
 
 
