@@ -13,8 +13,6 @@ Plus the configuration errors and Megatron's mpu functions for CP.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,6 +30,8 @@ from tp_helpers import (
 )
 
 from domino import ParallelState
+from domino.bench.hooks import BenchHook
+from domino.bench.timeline import Timeline
 from domino.context_parallel import SequenceMask
 from domino.enums import AttnMaskType
 from domino.gpt_model import GPTModel
@@ -258,34 +258,19 @@ def _errors(state: ParallelState) -> dict:
     return out
 
 
-class _Timings:
-    """A CommHook that keeps each finished transfer's (name, tags, launched, waited) times."""
-
-    def __init__(self) -> None:
-        self.done: list = []
-
-    def launch(self, tensor, group, kind="all_reduce"):
-        return None  # the real transfer
-
-    def finished(self, name, tags, nbytes, launched_s, wait_s, done_s) -> None:
-        self.done.append((name, tags.get("mb"), tags.get("step"), launched_s, wait_s))
-
-    def region(self, name, category, **tags):
-        return contextlib.nullcontext()
-
-
 def _ring_order(state: ParallelState) -> dict:
     """Under a Domino plan of two micro-batches, in the forward of the first layer and the
-    backward of the last: is micro-batch 1's exchange launched before micro-batch 0's is waited
-    for (so micro-batch 0's transfer runs under micro-batch 1's compute)? With the ring's
-    transfers waited for at once (the benchmark's sync baseline), not."""
+    backward of the last: is micro-batch 1's exchange launched before micro-batch 0's is seen
+    finished, at its wait (so micro-batch 0's transfer runs under micro-batch 1's compute)?
+    With the ring's transfers waited for at once (the benchmark's sync baseline), not."""
     cfg = config(**{**COMMON, **MODELS[MASKED]})
     out = {}
     for name, overlap in (("m2", True), ("m2 sync", False)):
         plan = PLANS["m2_cross"][0]
         torch.manual_seed(0)
         model = GPTModel(cfg, parallel_state=state, runtime=RuntimeConfig(plan=plan))
-        hook = state.cp.hook = _Timings()
+        timeline = Timeline(state.cp.rank)
+        state.cp.hook = BenchHook(timeline=timeline)  # each transfer: launch to finish
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ // state.cp.size))
         try:
             with using_cp_overlap(model, overlap):
@@ -294,10 +279,10 @@ def _ring_order(state: ParallelState) -> dict:
             state.cp.hook = None
         for direction in ("fwd kv", "bwd dkv"):
             # the first two launched: micro-batches 0 and 1 of one layer
-            (l0, mb0, w0), (l1, mb1, _) = sorted(
-                (launched, mb, waited) for n, mb, _, launched, waited in hook.done
-                if n == f"cp {direction}")[:2]
-            out[(name, direction)] = ((mb0, mb1), l1 < w0)
+            first, second = sorted((t for t in timeline.by_category("comm")
+                                    if t.name == f"cp {direction}"), key=lambda t: t.start_s)[:2]
+            out[(name, direction)] = ((first.args["mb"], second.args["mb"]),
+                                      second.start_s < first.end_s)
     return out
 
 

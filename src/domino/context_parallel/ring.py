@@ -45,8 +45,8 @@ def _neighbours(group: CommGroup) -> tuple[int, int]:
 
 @dataclass(eq=False)
 class FirstHop:
-    """The ring's first exchange, in flight: this rank's K/V block as sent, the buffer the
-    previous rank's arrives in, and the exchange's handle (see :func:`launch_first`)."""
+    """An exchange of the ring's forward in flight (the first one: :func:`launch_first`): the
+    K/V block sent, the buffer the previous rank's arrives in, and the exchange's handle."""
 
     block: torch.Tensor
     incoming: torch.Tensor
@@ -61,9 +61,6 @@ class Deferred:
 
     def __init__(self) -> None:
         self.parts: list[tuple[Handle, torch.Tensor]] = []  # (exchange, [2, b, g, 2, c, d])
-
-    def ready(self) -> bool:
-        return all(h.ready() for h, _ in self.parts)
 
     def wait(self) -> torch.Tensor | None:
         """The arrived dK/dV summed, in block layout [2, b, g, 2, c, d] (None: nothing
@@ -81,11 +78,15 @@ def launch_first(k: torch.Tensor, v: torch.Tensor, group: CommGroup,
     """Launch the ring's first exchange of this rank's K/V (k, v [s/cp, b, g, d], as the
     attention will be given them) now; hand the result to :func:`ring_attention` as
     ``first``. Every rank of ``group`` must launch it at the same place of its schedule."""
-    block = kv_blocks(k.detach(), v.detach())
+    return _hop(group, kv_blocks(k.detach(), v.detach()), 0, tags or {})
+
+
+def _hop(group: CommGroup, block: torch.Tensor, step: int, tags: dict) -> FirstHop:
+    """Send ``block`` to the next rank and receive the previous rank's (step ``step``)."""
     nxt, prev = _neighbours(group)
     incoming = torch.empty_like(block)
     handle = group.exchange([(nxt, block)], [(prev, incoming)], "cp fwd kv",
-                            {"step": 0, **(tags or {})})
+                            {"step": step, **tags})
     return FirstHop(block, incoming, handle)
 
 
@@ -98,30 +99,27 @@ class _RingAttention(torch.autograd.Function):
                 keep: bool, fused: bool, first: FirstHop | None,
                 poll: Callable[[], None] | None, tags: dict,
                 defer: Deferred | None) -> torch.Tensor:
-        nxt, prev = _neighbours(group)
         attention = BlockAttention(q, k.shape[2], chunk_ids(group.rank, group.size), masking,
                                    scale, limit, fused)
         block = kv_blocks(k, v) if first is None else first.block
         visitors = []  # with ``keep``: the other ranks' blocks, for backward
         for step in range(group.size):
             src = (group.rank - step) % group.size
-            pending, incoming = DONE, None
+            hop = None
             if step == 0 and first is not None:  # launched ahead by the caller
-                pending, incoming = first.handle, first.incoming
+                hop = first
             elif step + 1 < group.size:  # launched before this block's compute: it overlaps
-                incoming = torch.empty_like(block)
-                pending = group.exchange([(nxt, block)], [(prev, incoming)], "cp fwd kv",
-                                         {"step": step, **tags})
-            if not overlap:  # the un-overlapped baseline: the transfer waited for first
-                pending.wait()
+                hop = _hop(group, block, step, tags)
+            if hop is not None and not overlap:  # the un-overlapped baseline: waited first
+                hop.handle.wait()
             attention.add(block, chunk_ids(src, group.size))
             if step == 0 and poll is not None:  # other pieces' work before the first wait
                 poll()
-            pending.wait()
-            if incoming is not None:
-                block = incoming
+            if hop is not None:
+                hop.handle.wait()
+                block = hop.incoming
                 if keep:
-                    visitors.append(incoming)
+                    visitors.append(block)
         out, lse = attention.finish()
         # q, k, v, the output, the rows' log-sum-exp (and the visiting blocks)
         ctx.save_for_backward(q, k, v, out, lse, *visitors)
@@ -236,9 +234,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     ``first``: the first exchange, already launched by :func:`launch_first` from these k, v.
     ``poll`` runs once, after this rank's own block and before the first exchange is waited
     for (it runs in the grad mode of the call). ``tags`` label the exchanges for a hook."""
-    if first is not None and first.block.shape != (2, *_block_shape(k)):
-        raise ValueError(f"the first exchange carries a block of shape "
-                         f"{tuple(first.block.shape)}, not this k/v's {(2, *_block_shape(k))}")
+    if first is not None:
+        s, b, g, d = k.shape
+        if first.block.shape != (2, b, g, 2, s // 2, d):
+            raise ValueError(f"the first exchange carries a block of shape "
+                             f"{tuple(first.block.shape)}, not this k/v's "
+                             f"{(2, b, g, 2, s // 2, d)}")
     keep = group.size == 2 if keep_blocks is None else keep_blocks
     if fused is None:
         fused = q.device.type == "cpu"
@@ -249,12 +250,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         poll = _in_grad_mode(poll, torch.is_grad_enabled())
     return _RingAttention.apply(q, k, v, group, masking, scale, overlap, block_elements, keep,
                                 fused, first, poll, dict(tags or {}), defer)
-
-
-def _block_shape(k: torch.Tensor) -> tuple[int, ...]:
-    """One half (K or V) of :func:`kv_blocks`' shape for k [s, b, g, d]: [b, g, 2, s/2, d]."""
-    s, b, g, d = k.shape
-    return b, g, 2, s // 2, d
 
 
 def _in_grad_mode(fn: Callable[[], None], enabled: bool) -> Callable[[], None]:

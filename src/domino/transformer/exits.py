@@ -81,6 +81,30 @@ class Pending:
         return self.buffers[0] if len(self.buffers) == 1 else torch.cat(self.buffers, dim=-1)
 
 
+class Arriving:
+    """Exchanges in flight and what is made of them on arrival (``finish``, run once, on the
+    first wait); ``handles`` None: not launched yet (``start`` launches them)."""
+
+    def __init__(self, handles: list[Handle] | None, finish: Callable[[], torch.Tensor] | None,
+                 start: Callable[[], None] | None = None) -> None:
+        self.handles, self.finish, self.value, self.start = handles, finish, None, start
+
+    def ready(self) -> bool:
+        return self.handles is not None and all(h.ready() for h in self.handles)
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            if self.handles is None:
+                self.start()
+            for h in self.handles:
+                h.wait()
+            self.value = self.finish()
+            # Drop what made it (receive buffers) and the launch (which refers back to this
+            # object: a cycle only the garbage collector would free, buffers and all).
+            self.handles, self.finish, self.start = [], None, None
+        return self.value
+
+
 def sum_parts(group: CommGroup, sp: bool, parts: Iterable[torch.Tensor], direction: str,
               j: int, m: int, release: bool = False) -> Pending:
     """Sum each part over ``group`` as soon as ``parts`` (possibly a generator) yields it: an

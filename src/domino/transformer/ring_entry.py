@@ -37,7 +37,7 @@ import torch
 from domino.context_parallel.blocks import kv_seq
 from domino.context_parallel.ring import Deferred, FirstHop, launch_first
 from domino.tensor_parallel.layers import WgradStash
-from domino.transformer.exits import InFlight, Pending, Ready, sum_parts
+from domino.transformer.exits import Arriving, InFlight, Pending, Ready, sum_parts
 from domino.transformer.microbatch import MicroBatch
 
 
@@ -111,21 +111,9 @@ class RingEntry:
             torch.autograd.backward([packed], [grad])
             return sum_parts(self.attn.dense.group, False, [x.grad], "bwd", j, m)
 
-        return _Late(finish, defer) if self.late else finish()
-
-
-class _Late:
-    """The entry's input gradient, finished when first waited for (at one TP rank: its
-    all-reduce is the group of one's no-op); ready once the deferred dK/dV parts are in."""
-
-    def __init__(self, finish, defer: Deferred | None) -> None:
-        self.finish, self.defer, self.value = finish, defer, None
-
-    def ready(self) -> bool:
-        return self.value is not None or self.defer is None or self.defer.ready()
-
-    def wait(self) -> torch.Tensor:
-        if self.value is None:
-            self.value = self.finish().wait()
-            self.finish = self.defer = None
-        return self.value
+        if not self.late:
+            return finish()
+        # Finished when first waited for, once the dK/dV parts are in (at one TP rank the
+        # all-reduce is the group of one's no-op).
+        return Arriving([h for h, _ in defer.parts] if defer is not None else [],
+                        lambda: finish().wait())

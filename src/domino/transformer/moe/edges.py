@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from domino.tensor_parallel.comm import DONE, Handle
+from domino.tensor_parallel.comm import DONE
 from domino.tensor_parallel.layers import WgradStash, column_chunks
-from domino.transformer.exits import GradStep
+from domino.transformer.exits import Arriving, GradStep
 from domino.transformer.moe.dispatch import launch_counts, layout
 
 
@@ -75,35 +75,11 @@ class _Piece:
                                        device=self.counts.device) for d in range(ep)])
 
 
-class _Arriving:
-    """Exchanges in flight and what is made of them on arrival (``finish``, run once);
-    ``handles`` None: not launched yet (``start`` launches them)."""
-
-    def __init__(self, handles: list[Handle] | None, finish: Callable[[], torch.Tensor] | None,
-                 start: Callable[[], None] | None = None) -> None:
-        self.handles, self.finish, self.value, self.start = handles, finish, None, start
-
-    def ready(self) -> bool:
-        return self.handles is not None and all(h.ready() for h in self.handles)
-
-    def wait(self) -> torch.Tensor:
-        if self.value is None:
-            if self.handles is None:
-                self.start()
-            for h in self.handles:
-                h.wait()
-            self.value = self.finish()
-            # Drop what made it (receive buffers) and the launch (which refers back to this
-            # object: a cycle only the garbage collector would free, buffers and all).
-            self.handles, self.finish, self.start = [], None, None
-        return self.value
-
-
 class _Groups:
-    """One :class:`_Arriving` per group of experts (waited for all at once where a schedule
+    """One :class:`Arriving` per group of experts (waited for all at once where a schedule
     overlaps nothing)."""
 
-    def __init__(self, groups: list[_Arriving]) -> None:
+    def __init__(self, groups: list[Arriving]) -> None:
         self.groups = groups
 
     def ready(self) -> bool:
@@ -132,13 +108,13 @@ class MoEEntry:
     def __init__(self, op, pieces: dict[int, _Piece]) -> None:
         self.op, self.pieces = op, pieces
 
-    def launch(self, x: torch.Tensor, j: int, m: int, mb=None) -> _Arriving:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb=None) -> Arriving:
         # A graph exactly when the schedule records one (its leaf ``x`` requires grad), also
         # where this runs inside a piece recomputation runs without one.
         with torch.set_grad_enabled(x.requires_grad):
             return self._launch(x, j, m)
 
-    def _launch(self, x: torch.Tensor, j: int, m: int) -> _Arriving:
+    def _launch(self, x: torch.Tensor, j: int, m: int) -> Arriving:
         moe, ep = self.op.moe, self.op.moe.ep
         flat, rows, stats = moe.route(x, self.op.shards)
         # [x | weight | 0...]: rows padded so the experts' GEMMs can read the x columns in place
@@ -155,8 +131,8 @@ class MoEEntry:
         if ep.size == 1:
             piece.received_counts = rows.counts.view(1, -1)
             piece.sent = piece.received = [payload.shape[0]]
-            return _Arriving([DONE], lambda: payload.detach())
-        arriving, counts = _Arriving(None, None), rows.counts  # (not rows: its x copy is freed)
+            return Arriving([DONE], lambda: payload.detach())
+        arriving, counts = Arriving(None, None), rows.counts  # (not rows: its x copy is freed)
         del rows, flat
 
         def send() -> None:
@@ -187,7 +163,7 @@ class MoEEntry:
         arriving.start = send
         return arriving
 
-    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Arriving:
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> Arriving:
         """The received rows' gradient back to their ranks; on arrival, the backward of the
         sort and the router (and, while the rows travel, the shared expert's) -> the gradient
         of what the entry read."""
@@ -206,7 +182,7 @@ class MoEEntry:
         def finish() -> torch.Tensor:
             torch.autograd.backward([piece.payload], [buf])
             return piece.ln.grad
-        return _Arriving([handle], finish)
+        return Arriving([handle], finish)
 
 
 class MoEExit:
@@ -240,7 +216,7 @@ class MoEExit:
             yield y * core[rows, h:h + 1]
 
     def launch(self, parts: Iterable[torch.Tensor], j: int, m: int,
-               release: bool = False) -> _Arriving:
+               release: bool = False) -> Arriving:
         piece, ep = self.pieces[m], self.op.moe.ep
         bufs, places, handles = [], [], []
         for c, y in enumerate(parts):
@@ -257,7 +233,7 @@ class MoEExit:
             else:
                 buf = y.detach()
             bufs.append(buf)
-        return _Arriving(handles, lambda: self._deliver(m, bufs, places))
+        return Arriving(handles, lambda: self._deliver(m, bufs, places))
 
     def _deliver(self, m: int, bufs: list[torch.Tensor], places: list[torch.Tensor]):
         """The returned rows added into their tokens (+ the shared expert) -> [s, b, h]."""
@@ -283,7 +259,7 @@ class MoEExit:
         groups = []
         for c, (experts, rows) in enumerate(piece.groups):
             if ep.size == 1:  # the rows stay: sent order is the experts' order
-                groups.append(_Arriving([], lambda rows=rows: piece.grad_out[
+                groups.append(Arriving([], lambda rows=rows: piece.grad_out[
                     piece.tokens[rows]]))
                 continue
             send = piece.grad_out[piece.tokens[piece.sent_positions(experts, ep.size)]]
@@ -293,7 +269,7 @@ class MoEExit:
             handle = ep.all_to_all(buf, send, back.sum(1).tolist(), to, async_op=True,
                                    name=f"bwd combine b{j}",
                                    tags={"mb": m, "block": j, "chunk": c})
-            groups.append(_Arriving([handle], lambda buf=buf, back=back: buf[_by_expert(back)]))
+            groups.append(Arriving([handle], lambda buf=buf, back=back: buf[_by_expert(back)]))
         return _Groups(groups)
 
     def grad_steps(self, grad: _Groups, parts: list[torch.Tensor]) -> list[GradStep]:
