@@ -17,6 +17,11 @@ import pytest  # noqa: E402
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+# The suite starts over a hundred ranks through the launcher: as forks of a server that imported
+# torch once (domino.rank_fork), not fresh interpreters that each import it again. The launcher's
+# own tests cover both ways (test_rank_fork); a test that needs fresh interpreters sets "exec".
+os.environ.setdefault("DOMINO_RANK_START", "fork")
+
 # The GEMM rates MFU is measured against (domino.gemm_rate) are cached per process of the suite
 # (its ranks inherit the variable), never in the user's ~/.cache.
 _CACHE = None

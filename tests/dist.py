@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from domino import rank_fork
 from domino.utils import free_port  # below the kernel's ephemeral range (its docstring says why)
 
 # Imported once in the fork server; a module that fails to import there is skipped silently
 # (the rank imports it itself when it needs it).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "numpy",
-           "safetensors.torch", "matplotlib", "matplotlib.pyplot", "matplotlib.figure",
+# The launcher's forked ranks (domino.rank_fork, which the suite uses) share this server: its
+# list first, whichever of the two starts the server.
+PRELOAD = [*rank_fork.PRELOAD, "matplotlib.figure",
            # domino itself (0.2 s per rank): the modules a rank's model, trainer, pipeline
            # and checkpoints come from (importing them starts no thread).
            "domino.models.gpt", "domino.training.loop", "domino.pipeline.runtime",

@@ -26,6 +26,7 @@ from test_shm import _error_of, _report, _run_failing
 
 from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.tensor_parallel import CommGroup, shm
+from domino.transformer.moe.dispatch import launch_counts
 
 CASES = ((torch.float32, (3,)), (torch.bfloat16, (3,)), (torch.int64, ()))  # dtype, row shape
 
@@ -134,6 +135,19 @@ def _exchanges(rank: int, world: int) -> dict:
     out["disagree"] = _error_of(lambda: fast.all_to_all(torch.empty(world), torch.ones(world),
                                                         expect, None))
     out["posted"] = _posting_order(gloo)
+    # Disabled (the benchmark's nocomm): an MoE dispatch's per-expert counts still travel, since
+    # they decide how many rows each rank's experts compute; the rows themselves stay put.
+    off = CommGroup(gloo.group, world, rank, enabled=False)
+    counts = torch.arange(2 * world) * (rank + 1)  # 2 experts per rank, a different load each
+    real = torch.empty_like(counts)
+    dist.all_to_all_single(real, counts)
+    got, handle = launch_counts(counts, off)
+    handle.wait()
+    equal["nocomm_counts_travel"] = torch.equal(got, real) and not off.enabled
+    rows = torch.full((world, 2), float(rank))
+    y = torch.empty_like(rows)
+    off.all_to_all(y, rows)
+    equal["nocomm_rows_stay"] = torch.equal(y, rows) and off.stats.count == 1
     t.close()
     tiny.close()
     return out

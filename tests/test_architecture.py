@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 TIERS: list[tuple[str, ...]] = [
     ("domino", "domino.utils", "domino.enums", "domino.plan", "domino.runtime",
      "domino.config", "domino.data", "domino.memory", "domino.distributed", "domino.supervisor",
-     "domino.netem", "domino.flops", "domino.gemm_rate", "domino.precision"),
+     "domino.rank_fork", "domino.netem", "domino.flops", "domino.gemm_rate", "domino.precision"),
     ("domino.tensor_parallel", "domino.context_parallel", "domino.timing"),
     ("domino.parallel_state", "domino.megatron_compat"),
     ("domino.transformer",),

@@ -55,7 +55,9 @@ def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     err = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "domino.cli", "train", *argv],
                             stdout=subprocess.DEVNULL, stderr=err, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+                            # Fresh interpreters: _workers finds the ranks by command line.
+                            env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                     DOMINO_RANK_START="exec", **(env or {})))
     proc.err_file = err  # type: ignore[attr-defined]
     return proc
 

@@ -86,9 +86,11 @@ def byte_data(tmp_path_factory) -> list[str]:
 
 
 def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch, byte_data) -> None:
-    # The ranks start with tests/faults/sitecustomize.py, which makes rank 1 fail at step 2.
+    # The ranks start with tests/faults/sitecustomize.py, which makes rank 1 fail at step 2: a
+    # fresh interpreter's start-up reads it (forked ranks would not).
     path = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
     monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("DOMINO_RANK_START", "exec")
     monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", "1")
     monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", "2")
     t0 = time.monotonic()
@@ -125,7 +127,9 @@ def test_ctrl_c_stops_all_ranks(tmp_path, byte_data) -> None:
         [sys.executable, "-m", "domino.cli", "train", *SMALL, *byte_data, "--train-iters", "100000",
          "--nproc", "2", "--save", str(run)],
         stdout=subprocess.DEVNULL, stderr=err, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        # Fresh interpreters: _workers_of finds ranks by their command line (test_rank_fork
+        # stops forked ranks with Ctrl-C).
+        env=dict(os.environ, PYTHONUNBUFFERED="1", DOMINO_RANK_START="exec"),
         # As from a terminal: a test run started in the background (`pytest &`) has SIGINT
         # ignored, which the launcher would inherit.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -21,7 +21,8 @@ else calls ``torch.distributed`` collectives.
   ``stats`` counts collectives, bytes and the time spent blocked in ``wait()``.
 - Disabled: ``disabled()`` (or ``enabled=False``; a group of one always) makes every
   collective a no-op whose output is filled locally, as a group of one would: the same compute
-  without communication (the benchmark's ``nocomm``).
+  without communication (the benchmark's ``nocomm``). What is launched under ``shaping()``
+  still runs: the few integers that decide the compute's shapes (an MoE dispatch's counts).
 - The hook: tools that trace collectives or stand in for their transport (the benchmark's
   timeline and simulated link) attach a :class:`CommHook`; it sees each bulk collective's
   launch (kind and bytes) and wait, and may replace its transfer (the output then filled as
@@ -101,6 +102,18 @@ class CommGroup:
     def disabled(self) -> Iterator[None]:
         """Run the enclosed code with every collective of this group a no-op."""
         before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    @contextlib.contextmanager
+    def shaping(self) -> Iterator[None]:
+        """Collectives launched inside run even while the group is disabled: those whose result
+        decides the shapes of the compute after them (an MoE dispatch's per-expert row
+        counts). A disabled group stands for the same compute without communication, and
+        that compute is only the same when each rank works on the rows it really gets."""
+        before, self.enabled = self.enabled, True
         try:
             yield
         finally:

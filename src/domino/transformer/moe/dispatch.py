@@ -51,9 +51,13 @@ def launch_counts(counts: torch.Tensor, group: CommGroup, name: str = "moe dispa
                   tags: dict | None = None) -> tuple[torch.Tensor, Handle]:
     """Start exchanging ``counts`` [E] (rows this rank sends per global expert) over ``group``
     (a small all-to-all) -> (what arrives: rows each rank sends here per local expert, the
-    handle); :func:`layout` once it is there."""
+    handle); :func:`layout` once it is there. It runs even where ``group`` is disabled (the
+    benchmark's ``nocomm``): the counts decide how many rows each rank's experts compute, and
+    with real routing the ranks' loads differ, which is compute, not communication."""
     received = torch.empty_like(counts)
-    return received, group.all_to_all(received, counts, async_op=True, name=name, tags=tags)
+    with group.shaping():
+        return received, group.all_to_all(received, counts, async_op=True, name=name,
+                                          tags=tags)
 
 
 def layout(counts: torch.Tensor, received: torch.Tensor, size: int) -> Layout:
