@@ -272,6 +272,10 @@ def test_no_op_paths_and_the_hook() -> None:
     assert torch.equal(y, x) and hook.launched == [("all_to_all", 48)]
     assert hook.done == [("all_to_all", {"mb": 1}, 48)]
     assert (group.stats.count, group.stats.bytes) == (1, 48)
+    # A disabled stand-in group (no process group): the counts stay local too.
+    counts = torch.tensor([3, 1, 4, 1, 5, 9])
+    got, handle = launch_counts(counts, CommGroup(None, 3, 1, enabled=False))
+    assert handle.ready() and torch.equal(got, counts)
     # Malformed sizes are refused even where nothing is sent.
     with pytest.raises(ValueError, match="output_split_sizes="):
         CommGroup(None, 3, 1, enabled=False).all_to_all(y, x, [1, 1, 1], None)

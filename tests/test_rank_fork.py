@@ -22,22 +22,27 @@ TESTS = str(Path(__file__).parent)
 ECHO = [sys.executable, "-m", "rank_echo"]  # tests/rank_echo.py
 
 
-def _envs(n: int) -> list[dict[str, str]]:
-    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
-    return [local_env(r, n, 0, ECHO_MARKER=f"m{r}", PYTHONPATH=path) for r in range(n)]
+def _envs(n: int, extra: str = "/nonexistent-extra") -> list[dict[str, str]]:
+    path = os.pathsep.join(p for p in (TESTS, extra, os.environ.get("PYTHONPATH")) if p)
+    return [local_env(r, n, 0, ECHO_MARKER=f"m{r}", PYTHONPATH=path, ECHO_EXTRA=extra)
+            for r in range(n)]
 
 
 @pytest.mark.parametrize("mode", ["exec", "fork"])
 def test_a_rank_is_the_same_process_either_way(mode, tmp_path, capfd, monkeypatch) -> None:
     monkeypatch.setenv(rank_fork.ENV, mode)
     monkeypatch.chdir(tmp_path)
-    run_ranks([[*ECHO, str(tmp_path), "0"]] * 2, _envs(2), label="echo")
+    run_ranks([[*ECHO, str(tmp_path), "0"]] * 2, _envs(2, str(tmp_path / "extra")),
+              label="echo")
     out, err = capfd.readouterr()
     for r in range(2):
         seen = json.loads((tmp_path / f"{r}.json").read_text())
+        # Also: the rank's PYTHONPATH on its sys.path, its stdin on fd 0, no descriptor past
+        # stdio that a process it starts would inherit (Popen closes them).
         assert seen == {"argv": [str(tmp_path), "0"], "argv0": "rank_echo.py", "name": "__main__",
                         "rank": str(r), "marker": f"m{r}", "cwd": str(tmp_path),
-                        "session_leader": True, "pid": seen["pid"]}, seen
+                        "session_leader": True, "pid": seen["pid"], "stdin_fd": 0,
+                        "inheritable": [], "extra_path": True}, seen
         assert f"echo stdout rank {r}" in out and f"echo stderr rank {r}" in err
         assert seen["pid"] != os.getpid()
     # Exit codes, as Popen gives them: a code, or minus the signal that ended the rank.
@@ -47,6 +52,15 @@ def test_a_rank_is_the_same_process_either_way(mode, tmp_path, capfd, monkeypatc
                       _envs(2), label="echo", grace_s=2.0)
         assert (failed.value.rank, failed.value.code) == (0, reported)
         assert f"rank 0 exited with code {reported}" in str(failed.value)
+    if mode == "fork":  # the supervisor alone waits for its ranks: multiprocessing's exit
+        import multiprocessing  # hook would join one left running, hanging the launcher
+
+        rank = rank_fork.ForkedRank([*ECHO, str(tmp_path), "sleep"], _envs(1)[0])
+        try:
+            assert rank.poll() is None and multiprocessing.active_children() == []
+        finally:
+            rank.kill()
+        assert rank.wait(timeout=10) == -signal.SIGKILL
 
 
 def _gone(pid: int) -> bool:
@@ -95,6 +109,37 @@ def test_ranks_end_with_the_launcher(how, mode, tmp_path) -> None:
         for p in alive:
             os.kill(p, signal.SIGKILL)
         assert not alive, f"ranks {alive} outlived their launcher ({mode})"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked ranks are Linux's")
+def test_a_signal_to_the_launchers_group_keeps_the_wind_down(tmp_path) -> None:
+    """SIGTERM to the launcher's process group (`timeout`, `kill -TERM -PGID`) also ends the
+    fork server; the ranks, in their own sessions, still get the wind-down: the launcher exits
+    only after each has stopped in its own time."""
+    script = ("import json, sys\n"
+              "from domino.supervisor import Interrupted, run_ranks\n"
+              "argv, envs = json.loads(sys.argv[1])\n"
+              "try:\n"
+              "    run_ranks([argv] * len(envs), envs, label='echo', wind_down_s=30)\n"
+              "except Interrupted as err:\n"
+              "    sys.exit(err.exit_code)\n")
+    envs = _envs(2)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps([[*ECHO, str(tmp_path), "linger"], envs])],
+        env=dict(os.environ, **{rank_fork.ENV: "fork"}), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{r}.json").exists() for r in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no rank started"
+            time.sleep(0.1)
+        time.sleep(0.3)  # the ranks' SIGTERM handlers are in place
+        os.killpg(launcher.pid, signal.SIGTERM)  # the launcher and the server
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+        done = [(tmp_path / f"{r}.done").exists() for r in range(2)]
+        assert done == [True, True], "the launcher exited before its ranks had stopped"
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -12,8 +12,15 @@ interpreters, as torchrun does; commands of another form (an emulated host's ``i
 exec ...``) always run that way.
 
 What a fork cannot give: environment variables that a module reads when it is imported take
-the server's value (the launcher's when it started the server); the ranks' thread counts are
-set by the ranks themselves.
+the server's value (the launcher's when it started the server; the ranks' thread counts are set
+by the ranks themselves), and interpreter options (``-X``, ``PYTHONIOENCODING``; the rank's
+``PYTHONPATH`` and ``PYTHONUNBUFFERED`` are applied); a ``sitecustomize`` is not read again;
+multiprocessing imports the launcher's main module into the server as ``__mp_main__`` (so it
+must keep its work under ``if __name__ == "__main__"``, as domino's entry points do); an
+uncaught KeyboardInterrupt exits 1, not -2; ``ps`` shows every rank with the server's command
+line. It pays where one process launches ranks many times (the test suite, a script driving
+runs through ``domino.cli.main``): a single launch also starts the server, which imports its
+list one module after another.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from multiprocessing import reduction
 
@@ -69,20 +77,32 @@ class ForkedRank:
             args=(module, list(argv[3:]), dict(env), [_Fd(fd) if _is_open(fd) else None
                                                       for fd in (0, 1, 2)]))
         self._process.start()
+        # The supervisor alone waits for its ranks: multiprocessing's exit hook would join one
+        # left running (a second Ctrl-C mid-stop), hanging the launcher where a Popen'd rank
+        # would be left to its SIGTERM.
+        multiprocessing.process._children.discard(self._process)
         self.pid: int = self._process.pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None and not self._process.is_alive():
-            self.returncode = self._process.exitcode
+            code = self._process.exitcode
+            # 255 is also what multiprocessing reports when the server died (a signal to the
+            # launcher's process group reaches it): the fork may still run, unreaped.
+            if code != 255 or not _running(self.pid):
+                self.returncode = code
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        code = self.poll()
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return code
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            if self._process.exitcode is None:
+                self._process.join(0.05)
+            else:  # the server is gone: the fork is watched by its pid
+                time.sleep(0.05)
+        return self.returncode
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -117,6 +137,15 @@ def _terminate_after(sentinel: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _running(pid: int) -> bool:
+    """Is ``pid`` a process that has not exited (Linux: neither gone nor a zombie)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def _identity(x):
     return x
 
@@ -143,8 +172,25 @@ def _run_module(module: str, args: list[str], env: dict[str, str], fds: list) ->
         fd = fd.detach() if fd is not None else os.open(os.devnull, os.O_RDWR)
         os.dup2(fd, target)
         os.close(fd)
+    sys.stdin = open(0, closefd=False)  # multiprocessing gave the fork /dev/null
+    # Popen closes every other descriptor; here the server's pipes are open: a process the
+    # rank starts must not inherit them (it would keep the server, and through it the
+    # launcher's output pipes, open after the rank ends).
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2:
+            try:
+                os.set_inheritable(int(name), False)
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
     os.environ.clear()
     os.environ.update(env)
+    if env.get("PYTHONUNBUFFERED"):  # what the interpreter would have read at start
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    # sys.path is the launcher's (multiprocessing's); the rank's own PYTHONPATH goes first,
+    # as a fresh interpreter's would.
+    extra = [d for d in env.get("PYTHONPATH", "").split(os.pathsep) if d]
+    sys.path[:0] = [d for d in extra if d not in sys.path]
     import atexit
     import runpy
 

@@ -112,8 +112,10 @@ class CommGroup:
         """Collectives launched inside run even while the group is disabled: those whose result
         decides the shapes of the compute after them (an MoE dispatch's per-expert row
         counts). A disabled group stands for the same compute without communication, and
-        that compute is only the same when each rank works on the rows it really gets."""
-        before, self.enabled = self.enabled, True
+        that compute is only the same when each rank works on the rows it really gets. (A
+        stand-in group without a process group stays disabled.)"""
+        before = self.enabled
+        self.enabled = before or self.group is not None
         try:
             yield
         finally:
