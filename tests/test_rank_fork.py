@@ -71,6 +71,35 @@ def _gone(pid: int) -> bool:
     return state == "Z"  # exited, not yet reaped
 
 
+def _launcher(tmp_path: Path, code: str, mode: str, run_args: str,
+              **popen) -> subprocess.Popen:
+    """A launcher process running ``run_ranks`` (``run_args`` added to its call) over two
+    ``rank_echo CODE`` ranks, exiting with ``Interrupted``'s code; returns once both ranks
+    have written what they see."""
+    script = ("import json, sys\n"
+              "from domino.supervisor import Interrupted, run_ranks\n"
+              "argv, envs = json.loads(sys.argv[1])\n"
+              "try:\n"
+              f"    run_ranks([argv] * len(envs), envs, label='echo', {run_args})\n"
+              "except Interrupted as err:\n"
+              "    sys.exit(err.exit_code)\n")
+    envs = _envs(2)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps([[*ECHO, str(tmp_path), code], envs])],
+        env=dict(os.environ, **{rank_fork.ENV: mode}, PYTHONPATH=envs[0]["PYTHONPATH"]),
+        **popen)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{r}.json").exists() for r in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no rank started"
+            time.sleep(0.1)
+        time.sleep(0.3)  # the files are closed, a rank's SIGTERM handler is in place
+    except BaseException:
+        launcher.kill()
+        raise
+    return launcher
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize(("how", "mode"), [(signal.SIGINT, "fork"), (signal.SIGKILL, "fork"),
                                            (signal.SIGKILL, "exec")],
@@ -79,25 +108,10 @@ def test_ranks_end_with_the_launcher(how, mode, tmp_path) -> None:
     """Ctrl-C: the launcher stops its ranks and exits 130 (with fresh interpreters:
     test_train_cli's Ctrl-C test). SIGKILL: the launcher can do nothing; a rank it started gets
     SIGTERM from the kernel, a forked one from its thread watching the launcher."""
-    script = ("import json, sys\n"
-              "from domino.supervisor import Interrupted, run_ranks\n"
-              "argv, envs = json.loads(sys.argv[1])\n"
-              "try:\n"
-              "    run_ranks([argv] * len(envs), envs, label='echo', grace_s=2.0)\n"
-              "except Interrupted as err:\n"
-              "    sys.exit(err.exit_code)\n")
-    envs = _envs(2)
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", script, json.dumps([[*ECHO, str(tmp_path), "sleep"], envs])],
-        env=dict(os.environ, **{rank_fork.ENV: mode}, PYTHONPATH=envs[0]["PYTHONPATH"]),
-        # As from a terminal: a test run started in the background has SIGINT ignored.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # As from a terminal: a test run started in the background has SIGINT ignored.
+    launcher = _launcher(tmp_path, "sleep", mode, "grace_s=2.0",
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"{r}.json").exists() for r in range(2)):
-            assert launcher.poll() is None and time.monotonic() < deadline, "no rank started"
-            time.sleep(0.1)
-        time.sleep(0.2)  # the files are written; let them be closed
         pids = [json.loads((tmp_path / f"{r}.json").read_text())["pid"] for r in range(2)]
         assert not any(_gone(p) for p in pids)
         launcher.send_signal(how)
@@ -119,23 +133,8 @@ def test_a_signal_to_the_launchers_group_keeps_the_wind_down(tmp_path) -> None:
     """SIGTERM to the launcher's process group (`timeout`, `kill -TERM -PGID`) also ends the
     fork server; the ranks, in their own sessions, still get the wind-down: the launcher exits
     only after each has stopped in its own time."""
-    script = ("import json, sys\n"
-              "from domino.supervisor import Interrupted, run_ranks\n"
-              "argv, envs = json.loads(sys.argv[1])\n"
-              "try:\n"
-              "    run_ranks([argv] * len(envs), envs, label='echo', wind_down_s=30)\n"
-              "except Interrupted as err:\n"
-              "    sys.exit(err.exit_code)\n")
-    envs = _envs(2)
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", script, json.dumps([[*ECHO, str(tmp_path), "linger"], envs])],
-        env=dict(os.environ, **{rank_fork.ENV: "fork"}), start_new_session=True)
+    launcher = _launcher(tmp_path, "linger", "fork", "wind_down_s=30", start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"{r}.json").exists() for r in range(2)):
-            assert launcher.poll() is None and time.monotonic() < deadline, "no rank started"
-            time.sleep(0.1)
-        time.sleep(0.3)  # the ranks' SIGTERM handlers are in place
         os.killpg(launcher.pid, signal.SIGTERM)  # the launcher and the server
         assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
         done = [(tmp_path / f"{r}.done").exists() for r in range(2)]
