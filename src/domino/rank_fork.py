@@ -1,13 +1,13 @@
 """Rank processes forked from a server that imported torch once (``DOMINO_RANK_START=fork``).
 
 A fresh interpreter per rank spends seconds of CPU importing torch before it does anything;
-where many short runs start ranks (benchmark sweeps, the test suite: over a hundred ranks on
-two cores) that is most of their cost. With ``DOMINO_RANK_START=fork`` the supervisor starts
-each rank whose command is ``python -m MODULE ...`` as a fork of multiprocessing's fork server
-(a single-threaded interpreter that only imported modules, started once per launcher), and
-runs the module there as ``python -m`` would: its own session, the launcher's stdin, stdout,
-stderr and working directory, the rank's environment, SIGTERM when the launcher dies, however
-it dies. The default, ``exec``, starts fresh
+where one process starts many short runs' ranks (the test suite: over a hundred ranks on two
+cores) that is most of their cost. With ``DOMINO_RANK_START=fork`` the supervisor starts each
+rank whose command is ``python -m MODULE ...`` as a fork of multiprocessing's fork server (a
+single-threaded interpreter that only imported modules, started once per launcher process),
+and runs the module there as ``python -m`` would: its own session, the launcher's stdin,
+stdout, stderr and working directory, the rank's environment, no other inherited descriptor,
+SIGTERM when the launcher dies, however it dies. The default, ``exec``, starts fresh
 interpreters, as torchrun does; commands of another form (an emulated host's ``ip netns
 exec ...``) always run that way.
 
