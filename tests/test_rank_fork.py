@@ -144,12 +144,11 @@ def test_a_signal_to_the_launchers_group_keeps_the_wind_down(tmp_path) -> None:
             launcher.kill()
 
 
-def test_the_setting_is_checked() -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(rank_fork.ENV, "spawn")
-        with pytest.raises(ValueError, match=r"DOMINO_RANK_START='spawn': must be 'exec'.*'fork'"):
-            run_ranks([[*ECHO, "/nonexistent", "0"]], _envs(1), label="echo")
-        mp.delenv(rank_fork.ENV)
-        assert not rank_fork.forking()  # the default: fresh interpreters
+def test_the_setting_is_checked(monkeypatch) -> None:
+    monkeypatch.setenv(rank_fork.ENV, "spawn")
+    with pytest.raises(ValueError, match=r"DOMINO_RANK_START='spawn': must be 'exec'.*'fork'"):
+        run_ranks([[*ECHO, "/nonexistent", "0"]], _envs(1), label="echo")
+    monkeypatch.delenv(rank_fork.ENV)
+    assert not rank_fork.forking()  # the default: fresh interpreters
     assert rank_fork.module_of([sys.executable, "-m", "x", "a"]) == "x"
     assert rank_fork.module_of(["ip", "netns", "exec", "h0", sys.executable, "-m", "x"]) is None

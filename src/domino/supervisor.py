@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from domino import rank_fork
-from domino.utils import die_with_parent, stop_processes
+from domino.utils import stop_processes
 
 GRACE_S = 5.0  # SIGTERM first; SIGKILL whatever is left after this long
 SETTLE_S = 1.0  # after a rank fails, how long to wait for the others before naming who failed
@@ -53,6 +53,16 @@ class RankFailed(RuntimeError):
         return self.code if self.code is not None and self.code > 0 else 1
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_ranks(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
               label: str, straggler_s: float | None = None, grace_s: float = GRACE_S,
               wind_down_s: float | None = None, poll_s: float = 0.05) -> None:
@@ -67,7 +77,7 @@ def run_ranks(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
     """
     if len(commands) != len(envs):
         raise ValueError(f"{len(commands)} commands but {len(envs)} environments")
-    preexec = die_with_parent if sys.platform == "linux" else None
+    preexec = _die_with_parent if sys.platform == "linux" else None
     fork = rank_fork.forking()
     procs: list[subprocess.Popen | rank_fork.ForkedRank] = []
     previous = _on_sigterm_raise()

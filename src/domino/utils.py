@@ -8,7 +8,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -94,16 +93,6 @@ def _ephemeral_range() -> tuple[int, int]:
         return low, high
     except (OSError, ValueError):
         return 49152, 65535
-
-
-def die_with_parent() -> None:
-    """In a child process: SIGTERM when its parent dies (Linux; elsewhere a no-op)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
