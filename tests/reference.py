@@ -70,7 +70,10 @@ def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
     qkv = _linear(x, w, name + ".query_key_value").view(b, s, groups, per + 2, d)
     q = qkv[:, :, :, :per].reshape(b, s, heads, d)
     k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [b, s, groups, d]
-    if cfg.qk_layernorm:  # each head's queries and keys, over the head size
+    if cfg.qk_layernorm_full_width:  # all heads' queries together, all keys together (OLMoE)
+        q = _norm(q.reshape(b, s, heads * d), w, name + ".q_layernorm", cfg).view(b, s, heads, d)
+        k = _norm(k.reshape(b, s, groups * d), w, name + ".k_layernorm", cfg).view(b, s, groups, d)
+    elif cfg.qk_layernorm:  # each head's queries and keys, over the head size
         q, k = _norm(q, w, name + ".q_layernorm", cfg), _norm(k, w, name + ".k_layernorm", cfg)
     if cfg.position_embedding_type == "rope":
         q, k = _rope(q, pos, cfg), _rope(k, pos, cfg)

@@ -54,6 +54,12 @@ VARIANTS = {
              num_query_groups=4, add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True,
              window_size=3, vocab_size=1000),
         0.0, (2, "cross_layer", 2), "adam"),
+    # OLMoE's query/key norms over all heads: their squared sums are summed over TP.
+    "qk_norm_full_width": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, qk_layernorm=True,
+             qk_layernorm_full_width=True, vocab_size=1000),
+        0.0, (2, "cross_layer", 2), "adam"),
     "vocab_1000_pad_1_untied": (
         dict(vocab_size=1001, make_vocab_size_divisible_by=1,
              untie_embeddings_and_output_weights=True, num_layers=1),
@@ -174,7 +180,7 @@ def test_gpt_tp_matches_single_process(tp, variant) -> None:
 # ---- TP=1 vs the independent reference ---------------------------------------------------------
 
 REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied_smooth",
-                "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3"]
+                "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3", "qk_norm_full_width"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)

@@ -167,9 +167,27 @@ def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer
     _, folder = _ours(tmp_path / "run", config, bpe)
     assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
     assert choose_architecture(_llama_config(bpe.vocab_size, num_experts=4)) == "mixtral"
-    with pytest.raises(ValueError, match=r"Llama family \(Mixtral, Qwen3-MoE\).*a shared expert"):
+    family = r"Llama family \(Mixtral, Qwen3-MoE, OLMoE\)"
+    with pytest.raises(ValueError, match=family + ".*a shared expert"):
         choose_architecture(_llama_config(bpe.vocab_size, num_experts=4,
                                           moe_shared_expert_intermediate_size=8))
+    olmoe = dict(num_experts=4, qk_layernorm=True, qk_layernorm_full_width=True,
+                 add_bias_linear=False, kv_channels=12)
+    assert choose_architecture(_llama_config(bpe.vocab_size, **olmoe)) == "olmoe"
+    with pytest.raises(ValueError, match=r"OLMoE's query norm spans hidden_size"):
+        choose_architecture(_llama_config(bpe.vocab_size, **{**olmoe, "kv_channels": 16}))
+    with pytest.raises(ValueError, match=family + ".*dense layers among the MoE ones"):
+        choose_architecture(_llama_config(bpe.vocab_size, **olmoe, moe_first_k_dense_layers=1))
+    with pytest.raises(ValueError, match="query/key norms over all heads in a dense model"):
+        choose_architecture(_llama_config(bpe.vocab_size, **{**olmoe, "num_experts": None}))
+    from domino.checkpoint.hf_config import config_from_hf
+
+    raw = {"model_type": "olmoe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 4,
+           "num_experts_per_tok": 2, "clip_qkv": 8.0}
+    with pytest.raises(ValueError, match=r"OLMoE clip_qkv=8.0 is not supported"):
+        config_from_hf(raw)
+    assert config_from_hf({**raw, "clip_qkv": None})[1].qk_layernorm_full_width
 
 
 def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) -> None:
@@ -304,6 +322,10 @@ def _moe_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn
         model = t.MixtralForCausalLM(t.MixtralConfig(
             **common, intermediate_size=40, num_local_experts=4, tie_word_embeddings=False,
             sliding_window=None))
+    elif arch == "olmoe":  # q/k norms over all heads, top-k weights as scored, untied
+        model = t.OlmoeForCausalLM(t.OlmoeConfig(
+            **common, intermediate_size=24, num_experts=4, norm_topk_prob=False,
+            tie_word_embeddings=False, pad_token_id=None))
     else:  # Qwen3-MoE: a dense first layer, re-normalised top-k, q/k norms, tied
         model = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
             **common, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
@@ -332,9 +354,9 @@ def _moe_parallel(rank: int, world: int, run: str, ids: torch.Tensor, prompt: li
     return out
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
 def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch: str) -> None:
-    """Mixtral and Qwen3-MoE (random weights, the Hub's per-expert files) import with the
+    """Mixtral, Qwen3-MoE and OLMoE (random weights, the Hub's per-expert files) import with the
     original's logits and greedy generation, export back to the same logits; imported at TP=2
     they give the same logits at TP=2 x EP=2 and TP=1 x EP=4, and the same greedy tokens."""
     folder, original = _moe_folder(tmp_path, bpe, arch)
@@ -345,6 +367,7 @@ def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch:
     state = ParallelState.single()
     model, config, _, _ = load_saved_model(step_dir, state)
     assert config.num_experts == 4 and config.moe_first_k_dense_layers == (arch == "qwen3_moe")
+    assert config.qk_layernorm_full_width == (arch == "olmoe")
     with torch.no_grad():
         got = model(ids, None, None)[..., :config.vocab_size]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

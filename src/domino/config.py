@@ -85,6 +85,12 @@ class TransformerConfig:
         default=False,
         metadata={"help": "Normalise each head's queries and keys (the model's norm over the "
                           "head size) before RoPE (Qwen3)."})
+    qk_layernorm_full_width: bool = field(
+        default=False,
+        metadata={"help": "With qk_layernorm: normalise all heads' queries together (and all "
+                          "keys), over the Q and K projections' whole width (OLMoE's RMSNorm), "
+                          "instead of each head apart; under TP the squared sums are summed "
+                          "over the ranks' heads."})
     window_size: int | None = field(
         default=None,
         metadata={"help": "Sliding-window attention: each query sees itself and the "
@@ -242,6 +248,12 @@ class TransformerConfig:
                 f"seq_length={self.seq_length} is longer than max_position_embeddings="
                 f"{self.max_position_embeddings}: the learned position table has no rows for the "
                 "extra positions; raise max_position_embeddings or shorten seq_length.")
+        if self.qk_layernorm_full_width and not (self.qk_layernorm
+                                                 and self.normalization == "RMSNorm"):
+            raise ValueError(
+                "qk_layernorm_full_width=True normalises the queries and keys over their whole "
+                f"width with RMSNorm; it needs qk_layernorm=True and normalization='RMSNorm' "
+                f"(got qk_layernorm={self.qk_layernorm}, normalization={self.normalization!r}).")
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0.")
         if self.init_method_std <= 0:
@@ -384,7 +396,8 @@ ARCHITECTURE_FIELDS = (
     "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
     "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "qk_layernorm_full_width", "window_size", "num_experts", "moe_router_topk",
+    "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_first_k_dense_layers", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
     "moe_router_enable_expert_bias",

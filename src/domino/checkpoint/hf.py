@@ -7,7 +7,7 @@ Written from the formats' documented weight names and shapes, so neither directi
 * our fused QKV rows are grouped per query group, ``[q heads of group g | k_g | v_g]``; GPT-2's
   ``c_attn`` is ``[all q | all k | all v]`` (and, as a ``Conv1D``, stored transposed); the Llama
   family keeps ``q_proj`` / ``k_proj`` / ``v_proj`` apart (and Qwen3 adds ``q_norm`` /
-  ``k_norm``, our ``q_layernorm`` / ``k_layernorm``);
+  ``k_norm``, our ``q_layernorm`` / ``k_layernorm``, per head; OLMoE's span all heads);
 * our SwiGLU ``fc1`` is ``[gate; up]`` (Llama's ``gate_proj`` and ``up_proj``);
 * vocabulary tables are padded here (to a multiple of 128 x TP) and exact there.
 """
@@ -111,7 +111,8 @@ def _fused(config: TransformerConfig, arch: str, i: int) -> list[tuple[str, str]
 # reads it, fusing the experts itself). Our experts are stacked: fc1 [E, h, 2f] = [gate | up]
 # (each [in, out]), fc2 [E, f, h].
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def _moe_to_hf(ours: dict, config: TransformerConfig, arch: str, i: int) -> dict:

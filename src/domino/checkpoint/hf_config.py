@@ -1,7 +1,9 @@
 """Hugging Face ``transformers`` configs: which family expresses our model, its ``config.json``,
 and our config from theirs. GPT-2 (LayerNorm, GELU, learned positions, biases) or the Llama
 family (RMSNorm, SwiGLU, RoPE, grouped-query attention): Llama, Qwen2 (bias on Q/K/V only),
-Qwen3 (RMSNorm on each head's queries and keys) and Mistral (sliding-window attention). Gemma 1,
+Qwen3 (RMSNorm on each head's queries and keys) and Mistral (sliding-window attention), and
+their Mixtures of Experts: Mixtral, Qwen3-MoE and OLMoE (RMSNorm over all heads' queries and over
+all keys). Gemma 1,
 2 and 3 are refused with what stands in the way (:func:`config_from_hf`).
 
 Written from the formats' documented ``config.json`` keys, so neither direction needs
@@ -14,14 +16,14 @@ from typing import Any
 
 from domino.config import TransformerConfig
 
-ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe")
 LLAMA_FAMILY = ARCHITECTURES[1:]  # one weight layout (and experts), other config keys
 _CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 _NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-          "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
+          "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
 # What Gemma (1, 2, 3) has that this model cannot express, for the refusal.
 _GEMMA = ("RMSNorm scaling by (1 + weight)", "the embedding scaled by sqrt(hidden_size)",
           "GeGLU (a tanh-GELU gate)")
@@ -59,7 +61,7 @@ def choose_architecture(config: TransformerConfig) -> str:
     if config.window_size is not None:
         gpt2.append("sliding-window attention")
     if config.qk_layernorm:
-        gpt2.append("query/key norms per head")
+        gpt2.append("query/key norms")
     if config.num_experts is not None:
         gpt2.append("Mixture-of-Experts layers")
     if not gpt2:
@@ -81,13 +83,22 @@ def choose_architecture(config: TransformerConfig) -> str:
                      "Qwen3 and Mistral have no output or MLP bias)")
     if config.qk_layernorm and (config.add_bias_linear or config.add_qkv_bias):
         llama.append("query/key norms with biases (Qwen3, the member with the norms, has none)")
+    if config.qk_layernorm_full_width:
+        if config.num_experts is None:
+            llama.append("query/key norms over all heads in a dense model (of the family only "
+                         "OLMoE, a Mixture of Experts, has them)")
+        elif config.kv_channels * config.num_attention_heads != config.hidden_size:
+            llama.append("heads x head size != hidden size (OLMoE's query norm spans "
+                         "hidden_size)")
     if not llama and config.num_experts is not None:
+        if config.qk_layernorm_full_width:
+            return "olmoe"
         return "qwen3_moe" if config.qk_layernorm else "mixtral"
     if not llama:
         if config.qk_layernorm:
             return "qwen3"
         return "qwen2" if qkv_only else "mistral" if config.window_size is not None else "llama"
-    family = "Mixtral, Qwen3-MoE" if config.num_experts is not None else \
+    family = "Mixtral, Qwen3-MoE, OLMoE" if config.num_experts is not None else \
         "Llama, Qwen2, Qwen3, Mistral"
     raise ValueError(f"neither GPT-2 nor the Llama family ({family}) can express this model: "
                      "as GPT-2 it has " + "; ".join(gpt2) + ". As Llama it has "
@@ -95,13 +106,17 @@ def choose_architecture(config: TransformerConfig) -> str:
 
 
 def _moe_obstacles(config: TransformerConfig) -> list[str]:
-    """What keeps an MoE model from Mixtral / Qwen3-MoE (empty for a dense model)."""
+    """What keeps an MoE model from Mixtral / Qwen3-MoE / OLMoE (empty for a dense model)."""
     if config.num_experts is None:
         return []
     out = []
-    if config.moe_layer_freq != 1 or (config.moe_first_k_dense_layers
-                                      and not config.qk_layernorm):
-        out.append("dense layers among the MoE ones (Mixtral has none; Qwen3-MoE only first)")
+    per_head = config.qk_layernorm and not config.qk_layernorm_full_width  # Qwen3-MoE
+    if config.moe_layer_freq != 1 or (config.moe_first_k_dense_layers and not per_head):
+        out.append("dense layers among the MoE ones (Mixtral and OLMoE have none; Qwen3-MoE "
+                   "only first)")
+    if config.qk_layernorm_full_width and config.window_size is not None:
+        out.append("sliding-window attention with query/key norms over all heads (OLMoE has "
+                   "no window)")
     if config.moe_shared_expert_intermediate_size:
         out.append("a shared expert")
     if config.moe_router_score_function != "softmax" or config.moe_router_enable_expert_bias \
@@ -172,6 +187,13 @@ def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del out[key]
         out["sliding_window"] = config.window_size
+    elif arch == "olmoe":  # no head_dim key: its query norm spans hidden_size
+        for key in ("mlp_bias", "pretraining_tp", "head_dim"):
+            del out[key]
+        out.update(num_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                   intermediate_size=config.moe_ffn_hidden_size,
+                   norm_topk_prob=not config.moe_router_pre_softmax, clip_qkv=None,
+                   router_aux_loss_coef=config.moe_aux_loss_coeff)
     if arch == "mixtral":
         out.update(num_local_experts=config.num_experts,
                    num_experts_per_tok=config.moe_router_topk,
@@ -239,9 +261,12 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
         if arch == "llama" and bool(raw.get("mlp_bias", False)) != bias:
             raise ValueError("Llama attention_bias != mlp_bias is not supported: the output "
                              "projection's bias comes with the MLP's here (add_bias_linear)")
-        if arch in ("qwen3", "qwen3_moe") and bias:
+        if arch in ("qwen3", "qwen3_moe", "olmoe") and bias:
             raise ValueError(f"{name} attention_bias=true is not supported: the output "
                              "projection's bias comes with the MLP's here (add_bias_linear)")
+        if raw.get("clip_qkv") is not None:
+            raise ValueError(f"{name} clip_qkv={raw['clip_qkv']!r} is not supported (only null: "
+                             "the Q/K/V projections are not clipped here)")
         window = _window_from_hf(raw, arch, name)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -271,7 +296,8 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
             max_position_embeddings=positions, seq_length=min(positions, 4096),
             position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
             activation="swiglu", add_bias_linear=bias and arch == "llama",
-            add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+            add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_layernorm_full_width=arch == "olmoe",
             window_size=window,
             layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)), hidden_dropout=0.0,
             attention_dropout=float(raw.get("attention_dropout", 0.0)),
@@ -284,10 +310,16 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
 
 
 def _moe_from_hf(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
-    """Our MoE settings of a Mixtral / Qwen3-MoE config (none for a dense family)."""
+    """Our MoE settings of a Mixtral / Qwen3-MoE / OLMoE config (none for a dense family)."""
     if arch == "mixtral":
         return dict(num_experts=int(raw["num_local_experts"]),
                     moe_router_topk=int(raw["num_experts_per_tok"]),
+                    moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
+    if arch == "olmoe":  # every layer MoE; intermediate_size is the experts'
+        return dict(num_experts=int(raw["num_experts"]),
+                    moe_router_topk=int(raw["num_experts_per_tok"]),
+                    moe_ffn_hidden_size=int(raw["intermediate_size"]),
+                    moe_router_pre_softmax=not raw.get("norm_topk_prob", False),
                     moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
     if arch != "qwen3_moe":
         return {}

@@ -40,6 +40,25 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _SumOver(torch.autograd.Function):
+    """Forward all-reduce; backward all-reduce: every rank's input reaches every rank's result,
+    and each rank's result feeds its own different work (a norm over features split across the
+    ranks), so each input's gradient is the sum of all ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        group.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        ctx.group.all_reduce(grad)
+        return grad, None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     """Forward: keep this rank's slice of the last dim; backward: gather."""
 
@@ -130,6 +149,11 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> t
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return _ReduceFromRegion.apply(x, group) if group.size > 1 else x
+
+
+def sum_over(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """The sum of ``x`` over ``group``'s ranks, differentiable (see :class:`_SumOver`)."""
+    return _SumOver.apply(x, group) if group.size > 1 else x
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: CommGroup) -> torch.Tensor:

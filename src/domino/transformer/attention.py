@@ -29,7 +29,7 @@ from domino.tensor_parallel.mappings import sum_grads_over
 from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.kernels import Kernels, attention_keep
 from domino.transformer.microbatch import MicroBatch
-from domino.transformer.norms import build_norm
+from domino.transformer.norms import ShardedRMSNorm, build_norm
 from domino.transformer.ring_entry import RingEntry
 from domino.utils import divide
 
@@ -137,7 +137,12 @@ class SelfAttention(_AttentionBase):
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
         self.window = config.window_size
-        if config.qk_layernorm:  # per head, replicated: every rank's heads add to its gradient
+        self.qk_full_width = config.qk_layernorm and config.qk_layernorm_full_width
+        if self.qk_full_width:  # over all heads (OLMoE): sharded like the heads
+            args = (config.layernorm_epsilon, config.params_dtype, device, state.tp)
+            self.q_layernorm = ShardedRMSNorm(self.heads * self.head_dim, *args)
+            self.k_layernorm = ShardedRMSNorm(self.groups * self.head_dim, *args)
+        elif config.qk_layernorm:  # per head, replicated: every rank's heads add to its gradient
             self.q_layernorm = build_norm(config, device, self.head_dim)
             self.k_layernorm = build_norm(config, device, self.head_dim)
         self.qk_layernorm = config.qk_layernorm
@@ -172,8 +177,22 @@ class SelfAttention(_AttentionBase):
     def split(self, qkv: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         """q [s, b, heads, d], k, v [s, b, groups, d] from the GEMM's output (Q/K norms, RoPE)."""
         kernels = self.kernels.serving(mb.inference_params is not None)
+        if self.qk_full_width:
+            return kernels.split_qkv(self._full_width_norms(qkv), mb.rotary, self.groups,
+                                     self.q_per_group, self.head_dim)
         return kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim,
                                  *self._qk_norms())
+
+    def _full_width_norms(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The GEMM's output with its queries and keys normalised over all heads (OLMoE's
+        norms: our per-group layout, flattened, is their projections' channel order)."""
+        s, b = qkv.shape[:2]
+        g = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
+        q = self.q_layernorm(g[:, :, :, :-2].reshape(s, b, -1))
+        k = self.k_layernorm(g[:, :, :, -2].reshape(s, b, -1))
+        return torch.cat([q.view(s, b, self.groups, self.q_per_group, self.head_dim),
+                          k.view(s, b, self.groups, 1, self.head_dim), g[:, :, :, -1:]],
+                         dim=3).view(s, b, -1)
 
     def context_attend(self, q, k, v, mb: MicroBatch, first: FirstHop | None = None,
                        poll=None, defer: Deferred | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""LayerNorm and RMSNorm (replicated on every TP rank).
+"""LayerNorm and RMSNorm (replicated on every TP rank), and an RMSNorm over features split
+across the TP ranks (OLMoE's query/key norms).
 
 Called on a tensor, a norm normalises it. Called without one, it returns what the norm kernel
 reads (:data:`~domino.transformer.kernels.NormArgs`: its weights' compute copies and eps) for a
@@ -15,6 +16,9 @@ from torch import nn
 
 from domino.config import TransformerConfig
 from domino.precision import compute
+from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.mappings import sum_over
+from domino.tensor_parallel.placement import Placement, place
 from domino.transformer.kernels import NormArgs, norm
 
 
@@ -30,6 +34,29 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
         args = (compute(self.weight), None, self.eps, True)
         return args if x is None else norm(x, args)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm of vectors whose features are split over ``group`` (this rank holds ``size`` of
+    them, the weight's matching slice): the squared sums are summed over the group, so each
+    rank scales its part by the whole vector's RMS. The weight is sharded along dim 0 over TP
+    (checkpoints hold it whole)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | None,
+                 group: CommGroup) -> None:
+        super().__init__()
+        self.eps, self.group = eps, group
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        place(self.weight, Placement("tp", 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.group.size == 1:  # the plain kernel's arithmetic (mean, not sum / n)
+            ms = xf.pow(2).mean(-1, keepdim=True)
+        else:
+            ms = sum_over(xf.pow(2).sum(-1, keepdim=True), self.group) / (
+                x.shape[-1] * self.group.size)
+        return (xf * torch.rsqrt(ms + self.eps)).to(x.dtype) * compute(self.weight)
 
 
 class LayerNorm(nn.LayerNorm):
