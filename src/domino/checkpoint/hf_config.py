@@ -82,7 +82,8 @@ def choose_architecture(config: TransformerConfig) -> str:
         llama.append("sliding-window attention with every bias (Llama has no window; Qwen2, "
                      "Qwen3 and Mistral have no output or MLP bias)")
     if config.qk_layernorm and (config.add_bias_linear or config.add_qkv_bias):
-        llama.append("query/key norms with biases (Qwen3, the member with the norms, has none)")
+        llama.append("query/key norms with biases (Qwen3, Qwen3-MoE and OLMoE, the members "
+                     "with the norms, have none)")
     if config.qk_layernorm_full_width:
         if config.num_experts is None:
             llama.append("query/key norms over all heads in a dense model (of the family only "

@@ -40,7 +40,7 @@ class ShardedRMSNorm(nn.Module):
     """RMSNorm of vectors whose features are split over ``group`` (this rank holds ``size`` of
     them, the weight's matching slice): the squared sums are summed over the group, so each
     rank scales its part by the whole vector's RMS. The weight is sharded along dim 0 over TP
-    (checkpoints hold it whole)."""
+    (its placement: checkpoints reshard it to another TP size)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | None,
                  group: CommGroup) -> None:
