@@ -11,6 +11,13 @@ import torch
 from domino.tensor_parallel.comm import CommGroup
 
 
+def _summed(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """A copy of ``x`` all-reduced (summed) over ``group``."""
+    out = x.clone()
+    group.all_reduce(out)
+    return out
+
+
 class _CopyToRegion(torch.autograd.Function):
     """Forward identity; backward all-reduce (the input fans out to every rank's shard)."""
 
@@ -21,9 +28,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        ctx.group.all_reduce(grad)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -31,32 +36,23 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        out = x.clone()
-        group.all_reduce(out)
-        return out
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-class _SumOver(torch.autograd.Function):
-    """Forward all-reduce; backward all-reduce: every rank's input reaches every rank's result,
-    and each rank's result feeds its own different work (a norm over features split across the
-    ranks), so each input's gradient is the sum of all ranks' gradients."""
+class _SumOver(_CopyToRegion):
+    """Forward all-reduce; backward all-reduce (:class:`_CopyToRegion`'s): every rank's input
+    reaches every rank's result, and each rank's result feeds its own different work (a norm
+    over features split across the ranks), so each input's gradient is the sum of all ranks'
+    gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.clone()
-        group.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        ctx.group.all_reduce(grad)
-        return grad, None
+        return _summed(x, group)
 
 
 class _ScatterToRegion(torch.autograd.Function):
