@@ -18,6 +18,7 @@ from domino.config import TransformerConfig
 
 ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe")
 LLAMA_FAMILY = ARCHITECTURES[1:]  # one weight layout (and experts), other config keys
+_QK_NORMED = ("qwen3", "qwen3_moe", "olmoe")  # the members with query/key norms
 _CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -262,7 +263,7 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
         if arch == "llama" and bool(raw.get("mlp_bias", False)) != bias:
             raise ValueError("Llama attention_bias != mlp_bias is not supported: the output "
                              "projection's bias comes with the MLP's here (add_bias_linear)")
-        if arch in ("qwen3", "qwen3_moe", "olmoe") and bias:
+        if arch in _QK_NORMED and bias:
             raise ValueError(f"{name} attention_bias=true is not supported: the output "
                              "projection's bias comes with the MLP's here (add_bias_linear)")
         if raw.get("clip_qkv") is not None:
@@ -297,7 +298,7 @@ def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | N
             max_position_embeddings=positions, seq_length=min(positions, 4096),
             position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
             activation="swiglu", add_bias_linear=bias and arch == "llama",
-            add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            add_qkv_bias=arch == "qwen2", qk_layernorm=arch in _QK_NORMED,
             qk_layernorm_full_width=arch == "olmoe",
             window_size=window,
             layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)), hidden_dropout=0.0,

@@ -137,7 +137,7 @@ class SelfAttention(_AttentionBase):
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
         self.window = config.window_size
-        self.qk_full_width = config.qk_layernorm and config.qk_layernorm_full_width
+        self.qk_full_width = config.qk_layernorm_full_width  # (implies qk_layernorm)
         if self.qk_full_width:  # over all heads (OLMoE): sharded like the heads
             args = (config.layernorm_epsilon, config.params_dtype, device, state.tp)
             self.q_layernorm = ShardedRMSNorm(self.heads * self.head_dim, *args)
