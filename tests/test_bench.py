@@ -31,7 +31,8 @@ ROW_KEYS = {
     "step_times_s", "step_times_s_per_rank", "tokens_per_s", "exposed_comm_s",
     "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
-    "chrome_trace", "allreduce_bytes_per_step", "comm_cpu_s_per_step", "sequence_parallel",
+    "chrome_trace", "allreduce_bytes_per_step", "exchange_bytes_per_step", "comm_cpu_s_per_step",
+    "sequence_parallel",
     "model_flops_per_s_per_rank", "mfu", "compiled",
 }
 
@@ -167,6 +168,15 @@ def test_compute_results_and_best_mode() -> None:
     assert bound["floor_s"] == pytest.approx(0.1)
     assert bound["comm_hidden_ceiling"] == pytest.approx(0.75)
     assert figures.comm_cpu_bound([rows["nocomm"]], cpus=2) is None
+    sp = {**rows["sync"], "mode": "sync:sp"}  # without a plain sync: its sequence-parallel kind
+    assert figures.comm_cpu_bound([sp, rows["nocomm"]], cpus=2)["floor_s"] == pytest.approx(0.1)
+    # Exchanged bytes (EP, CP) at the all-to-all probe's cost, the rest at the all-reduce's;
+    # bytes of a kind whose probe did not run: no figure.
+    assert figures.comm_cpu_s({"allreduce_8mib_cpu_s": 0.05, "exchange_8mib_cpu_s": 0.02},
+                              24 << 20, 16 << 20) == pytest.approx(0.05 + 0.04)
+    assert figures.comm_cpu_s({"allreduce_8mib_cpu_s": 0.05}, 24 << 20, 16 << 20) is None
+    assert figures.comm_cpu_s({"exchange_8mib_cpu_s": 0.02}, 16 << 20, 16 << 20) == \
+        pytest.approx(0.04)
     assert all(set(r) == ROW_KEYS for r in rows.values())
     assert rows["sync"]["comm_hidden"] is None and rows["nocomm"]["comm_hidden"] is None
     assert rows["domino:m2:cross"]["comm_hidden"] == pytest.approx(1 - 0.1 / 0.4)
@@ -362,7 +372,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert bound["comm_cpu_s_per_step"] == rows["sync"]["comm_cpu_s_per_step"]
     mib = rows["sync"]["allreduce_bytes_per_step"] / 2**20
     if bound is not None:
-        assert f"TP comm per step: {mib:.1f} MiB all-reduced per rank, at least" in table
+        assert f"comm per step: {mib:.1f} MiB all-reduced per rank, at least" in table
 
     # Traced: every comm-enabled mode; comm-free ones have nothing to overlap.
     for name in ("sync", "domino:m2:cross", "domino:m2:intra:c2"):
@@ -473,7 +483,8 @@ def test_moe_expert_parallel_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
                         "--moe-router-force-load-balancing",
                         "--modes", "sync,nocomm,domino:m2:cross:c2", "--json", str(out_json)]
     assert main(["bench", *argv]) == 0
-    assert "domino:m2:cross:c2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "domino:m2:cross:c2" in out
     report = json.loads(out_json.read_text())
     rows = {r["mode"]: r for r in report["results"]}
     assert report["config"]["tokens_per_step"] == 2 * 4 * 32  # each EP rank its own tokens
@@ -481,4 +492,21 @@ def test_moe_expert_parallel_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
     # average, 64 floats + the weight column each) - a lower bound, routing is random
     assert rows["sync"]["allreduce_bytes_per_step"] > 4 * 32 * 4 * 64 * 4 * 0.25
     assert rows["nocomm"]["allreduce_bytes_per_step"] == 0
+    # All of it exchanged (TP = 1), counted without the rows a rank sends itself (half of
+    # them, balanced): well under the rows of all T x k assignments (64 + 4 floats: the weight
+    # and padding) in each of the 4 exchanges of each of the 2 layers.
+    for name in ("sync", "domino:m2:cross:c2"):
+        r = rows[name]
+        assert r["exchange_bytes_per_step"] == r["allreduce_bytes_per_step"], name
+        assert r["allreduce_bytes_per_step"] < 0.75 * 2 * 4 * (32 * 4 * 2) * 68 * 4, name
+    # The all-to-all probe ran on the EP group and prices the step's exchanges.
+    config = report["config"]
+    assert config["allreduce_8mib_s"] is None and config["exchange_8mib_s"] > 0
+    if config["exchange_8mib_cpu_s"] is not None:
+        assert rows["sync"]["comm_cpu_s_per_step"] == pytest.approx(
+            config["exchange_8mib_cpu_s"] * rows["sync"]["exchange_bytes_per_step"] / (8 << 20))
+        if (os.cpu_count() or 1) <= 2:  # 2 ranks x 1 thread fill the host: a bound
+            mib = rows["sync"]["exchange_bytes_per_step"] / 2**20
+            assert report["comm_cpu_bound"]["exchange_bytes_per_step"] > 0
+            assert f"comm per step: {mib:.1f} MiB exchanged per rank, at least" in out
     assert all(r["step_time_s"] > 0 for r in rows.values())

@@ -27,8 +27,8 @@ def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
 
 def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list[dict[str, Any]]:
     """One figures dict per mode from the workers' raw measurements."""
-    cpu_8mib = raw.get("allreduce_8mib_cpu_s")
     sent = raw.get("allreduce_bytes_per_step", {})
+    exchanged = raw.get("exchange_bytes_per_step", {})
     med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
     flops, peak = raw.get("model_flops_per_step"), raw.get("peak_flops_per_s")
     rows = []
@@ -75,17 +75,35 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "comm_hidden": hidden,
             "speedup_vs_sync": f_sync / t if f_sync is not None else None,
             "peak_mem_bytes": max(known) if known else None,
-            # Bytes this rank all-reduced in one step, and the host CPU that moving them takes
-            # (scaled from the 8 MiB probe): overlapped comm still costs this much CPU.
+            # Bytes this rank's collectives sent in one step (of them, in exchanges: EP's
+            # all-to-alls, CP's transfers), and the host CPU that moving them takes (scaled
+            # from the 8 MiB probes): overlapped comm still costs this much CPU.
             "allreduce_bytes_per_step": sent.get(mode.name),
-            "comm_cpu_s_per_step": (None if cpu_8mib is None or sent.get(mode.name) is None
-                                    else cpu_8mib * sent[mode.name] / (8 << 20)),
+            "exchange_bytes_per_step": exchanged.get(mode.name, 0),
+            "comm_cpu_s_per_step": comm_cpu_s(raw, sent.get(mode.name),
+                                              exchanged.get(mode.name, 0)),
             "peak_mem_bytes_per_rank": peaks,
             "peak_rss_bytes_per_rank": raw["peak_rss_bytes"][mode.name],
             "timeline_png": None,
             "chrome_trace": None,
         })
     return rows
+
+
+def comm_cpu_s(raw: dict[str, Any], sent: int | None, exchanged: int) -> float | None:
+    """Host CPU seconds that moving a step's bytes takes: the all-reduced ones at the
+    all-reduce probe's cost per byte, the exchanged ones at the all-to-all probe's (None where
+    bytes of a kind were sent and its probe did not run or could not read the CPU)."""
+    if sent is None:
+        return None
+    total = 0.0
+    for nbytes, cpu_8mib in ((sent - exchanged, raw.get("allreduce_8mib_cpu_s")),
+                             (exchanged, raw.get("exchange_8mib_cpu_s"))):
+        if nbytes:
+            if cpu_8mib is None:
+                return None
+            total += cpu_8mib * nbytes / (8 << 20)
+    return total
 
 
 def best_mode(rows: list[dict[str, Any]]) -> str | None:
@@ -108,6 +126,8 @@ def detect_regime(rows: list[dict[str, Any]], raw: dict[str, Any], cpus: int,
     if "sync" not in med or "nocomm" not in med:
         return None
     wall, cpu = raw.get("allreduce_8mib_s"), raw.get("allreduce_8mib_cpu_s")
+    if wall is None:  # no TP group: the exchanges' probe (EP, CP)
+        wall, cpu = raw.get("exchange_8mib_s"), raw.get("exchange_8mib_cpu_s")
     # cpu_s is host-wide busy CPU seconds per all-reduce: the share of the host's CPU capacity
     # a transfer takes while it runs.
     share = cpu / (wall * max(1, cpus)) if busy and wall and cpu is not None else None
@@ -123,9 +143,11 @@ def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | No
     overlap can hide at most when compute already keeps every CPU busy: the comm's CPU time is
     then taken from compute (``floor_s`` = CPU seconds / CPUs), hidden or not.
 
-    None without a ``sync`` row or a CPU probe.
+    None without a ``sync`` row (or ``sync:sp``, ...) or a CPU probe.
     """
-    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    syncs = [r for r in rows if r["mode"].split(":")[0] == "sync"]
+    # ``sync`` where it ran, else its sequence-parallel or compiled kind
+    sync = next((r for r in syncs if r["mode"] == "sync"), syncs[0] if syncs else None)
     if sync is None or sync.get("comm_cpu_s_per_step") is None:
         return None
     cpu = sync["comm_cpu_s_per_step"]
@@ -133,6 +155,7 @@ def comm_cpu_bound(rows: list[dict[str, Any]], cpus: int) -> dict[str, Any] | No
     exposed = sync["exposed_comm_s"]
     return {
         "allreduce_bytes_per_step": sync["allreduce_bytes_per_step"],
+        "exchange_bytes_per_step": sync["exchange_bytes_per_step"],
         "comm_cpu_s_per_step": cpu,
         "cpus": cpus,
         "floor_s": floor,

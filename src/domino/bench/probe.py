@@ -1,5 +1,5 @@
-"""The all-reduce probe: how long an all-reduce of a fixed size takes between the ranks, and how
-much host CPU it costs. Every benchmark run measures it (``worker.py``); :func:`measure_link`
+"""The probes: how long an all-reduce (and an all-to-all) of a fixed size takes between the ranks,
+and how much host CPU it costs. Every benchmark run measures them (``worker.py``); :func:`measure_link`
 runs it on its own, over an emulated link or loopback, as
 ``python -m domino.bench.probe RESULT.json NBYTES ITERS TIMEOUT_S`` per rank.
 """
@@ -57,31 +57,67 @@ def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
     packet work, read on rank 0), i.e. what a transfer takes from compute when it overlaps it
     on the same host, from as many windows of back-to-back all-reduces (enough for
     ``window_s`` each): the median over windows, so one window disturbed by another process on
-    the host does not skew it. With ``check``, every all-reduce starts from ones (refilled
-    outside the timed part, inside the CPU window) and ``ok`` says whether each summed to the
-    group size. None for a group of one.
+    the host does not skew it. With ``check``, every timed all-reduce starts from ones (refilled
+    outside the timing) and ``ok`` says whether each summed to the group size. None for a
+    group of one.
     """
     if group.size < 2:
         return None
+    x = torch.ones(nbytes // 4, device=group.device)
+    ok = [True]
+
+    def verify() -> None:
+        ok[0] = ok[0] and float(x[0]) == group.size and float(x[-1]) == group.size
+
+    result = _probe(group, lambda: group.all_reduce(x), windows, window_s, min_iters,
+                    max_iters, prepare=(lambda: x.fill_(1.0)) if check else None,
+                    verify=verify if check else None, before_cpu=x.zero_)
+    if check:
+        flag = torch.tensor([0.0 if ok[0] else 1.0], device=group.device)
+        group.all_reduce(flag, op=dist.ReduceOp.MAX)
+        result["ok"] = flag.item() == 0.0
+    return result
+
+
+def probe_exchange(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
+                   window_s: float = 0.2, min_iters: int = 2,
+                   max_iters: int = 40) -> dict[str, object] | None:
+    """:func:`probe_allreduce` for an all-to-all (expert parallelism's dispatch and combine,
+    the transport of context parallelism's exchanges): each rank sends ``nbytes`` of fp32,
+    split evenly over the other ranks, and receives as much. ``cpu_s``: host-wide busy CPU
+    seconds per exchange. None for a group of one."""
+    if group.size < 2:
+        return None
+    rows = [0 if q == group.rank else nbytes // 4 // (group.size - 1)
+            for q in range(group.size)]
+    x = torch.ones(sum(rows), device=group.device)
+    out = torch.empty_like(x)
+    return _probe(group, lambda: group.all_to_all(out, x, rows, rows), windows, window_s,
+                  min_iters, max_iters)
+
+
+def _probe(group: CommGroup, once, windows: int, window_s: float, min_iters: int,
+           max_iters: int, prepare=None, verify=None, before_cpu=None) -> dict[str, object]:
+    """Time the collective ``once()`` and measure its host CPU (see :func:`probe_allreduce`);
+    ``prepare`` / ``verify`` run before / after each timed one (outside the timing),
+    ``before_cpu`` before the CPU windows."""
     device = group.device
-    x = torch.ones(nbytes // 4, device=device)
     group.all_reduce(torch.ones(1024, device=device))  # connect before timing
     times: list[float] = []
-    ok = True
     for _ in range(windows):
         start, n = time.perf_counter(), 0
         while True:
-            if check:
-                x.fill_(1.0)
+            if prepare is not None:
+                prepare()
             group.barrier()
             device_sync(device)
             t0 = time.perf_counter()
-            group.all_reduce(x)
+            once()
             device_sync(device)
             times.append(time.perf_counter() - t0)
             n += 1
-            if check:
-                ok = ok and float(x[0]) == group.size and float(x[-1]) == group.size
+            if verify is not None:
+                verify()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
                                    device=device)
             group.broadcast(elapsed)
@@ -92,26 +128,21 @@ def probe_allreduce(group: CommGroup, nbytes: int = 8 << 20, windows: int = 5,
     group.all_reduce(t, op=dist.ReduceOp.MAX)
     per_iter = t.tolist()
     seconds = float(statistics.median(per_iter))
-    # CPU windows run the all-reduces back to back: the timing loop's barriers and broadcasts
+    # CPU windows run the collectives back to back: the timing loop's barriers and broadcasts
     # cost CPU too, as much as a whole all-reduce of a fast transport. Every rank derives the
     # same count from the same (reduced) times.
     burst = max(min_iters, min(max_iters, math.ceil(window_s / max(seconds, 1e-6))))
-    x.zero_()  # sums stay zeros: no growth over the windows
+    if before_cpu is not None:
+        before_cpu()  # (e.g. zeros, which stay zeros summed: no growth over the windows)
     cpu_windows: list[tuple[float | None, float | None, int]] = []
     for _ in range(windows):
         group.barrier()
         busy0 = busy_cpu_s()
         for _ in range(burst):
-            group.all_reduce(x)
+            once()
         device_sync(device)
         cpu_windows.append((busy0, busy_cpu_s(), burst))
-    result: dict[str, object] = {"seconds": seconds, "per_iter_s": per_iter,
-                                 "cpu_s": cpu_per_op(cpu_windows)}
-    if check:
-        flag = torch.tensor([0.0 if ok else 1.0], device=device)
-        group.all_reduce(flag, op=dist.ReduceOp.MAX)
-        result["ok"] = flag.item() == 0.0
-    return result
+    return {"seconds": seconds, "per_iter_s": per_iter, "cpu_s": cpu_per_op(cpu_windows)}
 
 
 def measure_link(

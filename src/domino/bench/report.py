@@ -47,6 +47,8 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "transports": raw.get("transports"),
         "allreduce_8mib_s": raw["allreduce_8mib_s"],
         "allreduce_8mib_cpu_s": raw.get("allreduce_8mib_cpu_s"),
+        "exchange_8mib_s": raw.get("exchange_8mib_s"),
+        "exchange_8mib_cpu_s": raw.get("exchange_8mib_cpu_s"),
         "param_bytes_per_rank": raw["param_bytes"],
         "model_flops_per_step": raw.get("model_flops_per_step"),
         "peak_flops_per_s": raw.get("peak_flops_per_s"),
@@ -69,8 +71,9 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         render_timelines(raw, rows, args.out_dir, link)
     best = best_mode(rows)
     # Only meaningful where the ranks' threads fill the host's CPUs (the default set-up on CPU).
+    ranks = len(raw["param_bytes"])
     busy = (raw["device"] == "cpu" and "simulate_link" not in spec
-            and args.tensor_model_parallel_size * args.threads_per_rank >= (os.cpu_count() or 1))
+            and ranks * args.threads_per_rank >= (os.cpu_count() or 1))
     return {"config": config, "results": rows, "best_domino_mode": best,
             "comm_cpu_bound": comm_cpu_bound(rows, os.cpu_count() or 1) if busy else None,
             "regime": detect_regime(rows, raw, cpus=os.cpu_count() or 1, busy=busy)}
@@ -92,7 +95,7 @@ def render_timelines(raw: dict[str, Any], rows: list[dict[str, Any]], out_dir: s
         trace = os.path.join(out_dir, f"trace_{slug}.json")
         to_chrome_trace(tls, trace)
         title = (f"{row['mode']}: one traced fwd+bwd step (median {row['step_time_s'] * 1e3:.0f} "
-                 f"ms untraced), TP={len(tls)}, link {link}")
+                 f"ms untraced), {len(tls)} ranks, link {link}")
         render_png(tls, png, title=title)
         row["timeline_png"], row["chrome_trace"] = png, trace
 
@@ -105,6 +108,7 @@ def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned text table plus a line naming the best Domino mode."""
     c = report["config"]
     ar, ar_cpu = c.get("allreduce_8mib_s"), c.get("allreduce_8mib_cpu_s")
+    a2a, a2a_cpu = c.get("exchange_8mib_s"), c.get("exchange_8mib_cpu_s")
     lines = [
         f"domino bench: {c['model']}, {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']} heads, seq {c['seq_length']}, batch {c['micro_batch_size']}, "
@@ -120,6 +124,10 @@ def format_table(report: dict[str, Any]) -> str:
         + (f" (8 MiB all-reduce {ar * 1e3:.1f} ms" if ar is not None else "")
         + (f", {ar_cpu * 1e3:.1f} ms of host CPU" if ar is not None and ar_cpu is not None else "")
         + (")" if ar is not None else "")
+        + (f" (8 MiB all-to-all {a2a * 1e3:.1f} ms" if a2a is not None else "")
+        + (f", {a2a_cpu * 1e3:.1f} ms of host CPU" if a2a is not None and a2a_cpu is not None
+           else "")
+        + (")" if a2a is not None else "")
         + f", {c['steps']} steps after {c['warmup']} warm-up",
     ]
     if mfu_line(c) is not None:
@@ -156,11 +164,16 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}")
     bound = report.get("comm_cpu_bound")
     if bound is not None:
+        exchanged = bound["exchange_bytes_per_step"]
+        reduced = bound["allreduce_bytes_per_step"] - exchanged
+        sent = " and ".join(
+            ([f"{reduced / 2**20:.1f} MiB all-reduced"] if reduced else [])
+            + ([f"{exchanged / 2**20:.1f} MiB exchanged"] if exchanged else [])) or "0 MiB"
         lines.append(
-            f"TP comm per step: {bound['allreduce_bytes_per_step'] / 2**20:.1f} MiB all-reduced "
-            f"per rank, at least {bound['comm_cpu_s_per_step'] * 1e3:.0f} ms of host CPU (both "
-            f"ranks and the kernel, scaled from the 8 MiB probe; smaller messages cost more per "
-            f"byte); with the ranks' compute filling the {bound['cpus']} CPUs, overlapped comm "
+            f"comm per step: {sent} per rank, at least {bound['comm_cpu_s_per_step'] * 1e3:.0f} "
+            f"ms of host CPU (the ranks and the kernel, scaled from the 8 MiB probes; smaller "
+            f"messages cost more per byte); with the ranks' compute filling the "
+            f"{bound['cpus']} CPUs, overlapped comm "
             f"still takes about {bound['floor_s'] * 1e3:.0f} ms or more per step from compute"
             + (f", so at most {bound['comm_hidden_ceiling'] * 100:.0f}% of sync's exposed comm "
                "can be hidden on this host" if bound["comm_hidden_ceiling"] is not None else ""))

@@ -23,7 +23,7 @@ from domino.bench.figures import compile_figures
 from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
-from domino.bench.probe import probe_allreduce
+from domino.bench.probe import probe_allreduce, probe_exchange
 from domino.bench.spec import build_config, build_runtime, compiled_runtime
 from domino.bench.timeline import Timeline
 from domino.context_parallel import shard_sequence
@@ -168,7 +168,17 @@ def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> di
 def _sent(state: ParallelState) -> int:
     """Bytes this rank's step collectives sent: TP's, the experts' (EP) all-to-alls and the
     context-parallel (CP) attention's transfers."""
-    return state.tp.stats.bytes + sum(g.stats.bytes for g in (state.ep, state.cp) if g.size > 1)
+    return state.tp.stats.bytes + _exchanged(state)
+
+
+def _exchanged(state: ParallelState) -> int:
+    """Of those, the bytes sent in exchanges (EP's all-to-alls, CP's transfers) rather than
+    TP's all-reduces and their kin."""
+    return sum(g.stats.bytes for g in _exchange_groups(state))
+
+
+def _exchange_groups(state: ParallelState) -> list:
+    return [g for g in (state.ep, state.cp) if g.size > 1]
 
 
 def _reset_sent(state: ParallelState) -> None:
@@ -191,12 +201,14 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             torch.cuda.synchronize(device)
             out[mode.name] = {"peak_bytes": torch.cuda.max_memory_allocated(device) - base,
                               "peak_rss_bytes": None,
-                              "allreduce_bytes": _sent(bench.state) if mode.comm else 0}
+                              "allreduce_bytes": _sent(bench.state) if mode.comm else 0,
+                              "exchange_bytes": _exchanged(bench.state) if mode.comm else 0}
         return out
     from torch.profiler import ProfilerActivity, profile, record_function
 
     rss: dict[str, int | None] = {}
     sent: dict[str, int] = {}
+    exchanged: dict[str, int] = {}
     # One profiler session for all modes (starting one costs about a second); each mode's step
     # is a labelled range whose memory events are summed separately.
     with quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -210,6 +222,7 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
             with record_function(f"domino-bench-mem:{mode.name}"):
                 bench.step(mode)
             sent[mode.name] = _sent(bench.state) if mode.comm else 0
+            exchanged[mode.name] = _exchanged(bench.state) if mode.comm else 0
             rss[mode.name] = peak_bytes(torch.device("cpu")) if hwm_ok else None
     events = list(prof.profiler.kineto_results.events())
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
@@ -224,7 +237,8 @@ def _measure_memory(bench: _Bench, modes: list[Mode]) -> dict[str, dict[str, int
                 cur += e.nbytes()
                 peak = max(peak, cur)
         out[mode.name] = {"peak_bytes": peak, "peak_rss_bytes": rss[mode.name],
-                          "allreduce_bytes": sent[mode.name]}
+                          "allreduce_bytes": sent[mode.name],
+                          "exchange_bytes": exchanged[mode.name]}
     return out
 
 
@@ -240,6 +254,10 @@ def measure(spec: dict[str, Any], device: torch.device,
                                  rank_gemms(config, tokens, state.tp.size),
                                  spec.get("peak_tflops"))
     allreduce = probe_allreduce(state.tp)
+    # The exchanges' probe on the EP (else CP) group: where both are > 1 their ranks differ,
+    # the cost per byte does not.
+    groups = _exchange_groups(state)
+    exchange = probe_exchange(groups[0]) if groups else None
     if len(bench.models) > 1 or spec.get("compile"):
         for mode in modes:  # each mode's first step compiles its pieces: before any timing
             bench.step(mode)
@@ -272,7 +290,10 @@ def measure(spec: dict[str, Any], device: torch.device,
         "transports": state.transports(),
         "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],
         "allreduce_8mib_cpu_s": None if allreduce is None else allreduce["cpu_s"],
+        "exchange_8mib_s": None if exchange is None else exchange["seconds"],
+        "exchange_8mib_cpu_s": None if exchange is None else exchange["cpu_s"],
         "allreduce_bytes_per_step": {n: gathered[0]["memory"][n]["allreduce_bytes"] for n in names},
+        "exchange_bytes_per_step": {n: gathered[0]["memory"][n]["exchange_bytes"] for n in names},
         "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
         "param_bytes": [g["param_bytes"] for g in gathered],
         # The step time of a round is its slowest rank's: the TP group moves at that pace.

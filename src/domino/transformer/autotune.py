@@ -66,10 +66,10 @@ def regime_of(t_sync: float, t_nocomm: float | None = None, comm_cpu_share: floa
     else:
         raise ValueError("regime_of needs t_nocomm or t_best_split")
     if comm_cpu_share is not None and comm_cpu_share >= HOST_BOUND_CPU:
-        return Regime("host-bound", f"{exposed}; an all-reduce keeps the host's CPUs busy "
+        return Regime("host-bound", f"{exposed}; a transfer keeps the host's CPUs busy "
                       f"{comm_cpu_share:.0%} of its time")
     cpu = "" if comm_cpu_share is None else (
-        f"; an all-reduce keeps the host's CPUs busy {comm_cpu_share:.0%} of its time")
+        f"; a transfer keeps the host's CPUs busy {comm_cpu_share:.0%} of its time")
     return Regime("link-bound", exposed + cpu)
 
 

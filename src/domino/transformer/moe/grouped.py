@@ -10,7 +10,9 @@ layers). Like those, it multiplies by the weight's compute copy (:mod:`domino.pr
 accumulates the gradient in the weight's own gradient dtype.
 
 On CUDA both directions are PyTorch's grouped GEMM kernels; on a CPU PyTorch runs each as a
-loop over the groups inside one operator.
+loop over the groups inside one operator, and the weight gradient is a loop of GEMMs that
+accumulate into the gradient themselves (``addmm_``: no temporary and no extra pass over the
+gradient per micro-batch).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class _GroupedLinear(torch.autograd.Function):
 def _weight_grad(weight: torch.Tensor, experts: slice, x: torch.Tensor, grad: torch.Tensor,
                  offs: torch.Tensor) -> None:
     """weight.grad[experts] += x_e^T grad_e for every expert e (its rows end at ``offs[e]``)."""
+    if x.device.type == "cpu" and grad.dtype == grad_dtype(weight):
+        _weight_grad_in_place(weight, experts, x.to(grad.dtype), grad, offs)
+        return
     if weight.grad is None:
         weight.grad = zeros_grad(weight)
     n = x.shape[0]
@@ -65,6 +70,27 @@ def _weight_grad(weight: torch.Tensor, experts: slice, x: torch.Tensor, grad: to
         grad = torch.cat([grad, grad.new_zeros(pad, grad.shape[1])])
     wgrad = F.grouped_mm(x.t().to(grad.dtype), grad, offs=offs)
     weight.grad[experts] += wgrad.to(grad_dtype(weight))
+
+
+def _weight_grad_in_place(weight: torch.Tensor, experts: slice, x: torch.Tensor,
+                          grad: torch.Tensor, offs: torch.Tensor) -> None:
+    """:func:`_weight_grad` on a CPU, where ``grouped_mm`` is a loop of GEMMs anyway: each
+    expert's GEMM writes (the step's first) or accumulates (``addmm_``) into its gradient
+    itself, with no padded copies of the rows, no temporary and no pass adding it (a Domino
+    split runs this once per micro-batch: that pass would grow with the split)."""
+    local = range(weight.shape[0])[experts]
+    first = weight.grad is None and len(local) == weight.shape[0]
+    if weight.grad is None:  # a group of experts: the others' gradients start at zero
+        weight.grad = (torch.empty if first else torch.zeros)(
+            weight.shape, dtype=grad_dtype(weight), device=weight.device)
+    start = 0
+    for e, end in zip(local, offs.tolist(), strict=True):
+        xe, ge = x[start:end].t(), grad[start:end]
+        if first:
+            torch.mm(xe, ge, out=weight.grad[e])
+        else:
+            weight.grad[e].addmm_(xe, ge)
+        start = end
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
