@@ -32,7 +32,7 @@ ROW_KEYS = {
     "exposed_comm_vs_split_nocomm_s", "split_cost_s", "comm_hidden", "speedup_vs_sync",
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
     "chrome_trace", "allreduce_bytes_per_step", "exchange_bytes_per_step", "comm_cpu_s_per_step",
-    "sequence_parallel",
+    "sequence_parallel", "traced_work_s_per_rank", "traced_wait_s_per_rank",
     "model_flops_per_s_per_rank", "mfu", "compiled",
 }
 
@@ -382,7 +382,16 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         spans = [e for e in events if e["ph"] == "X"]
         assert {e["pid"] for e in spans} == {0, 1}
         assert {"compute", "comm"} <= {e["cat"] for e in spans}
+        # Each rank worked and (sync) waited some of its traced step, at most all of it.
+        step = [max(e["ts"] + e["dur"] for e in spans if e["pid"] == r)
+                - min(e["ts"] for e in spans if e["pid"] == r) for r in (0, 1)]
+        work, wait = rows[name]["traced_work_s_per_rank"], rows[name]["traced_wait_s_per_rank"]
+        for r in (0, 1):
+            assert 0 < work[r] and 0 <= wait[r] and work[r] + wait[r] <= step[r] / 1e6 + 1e-6
+        assert name != "sync" or min(wait) > 0, (name, wait)
     assert rows["nocomm"]["timeline_png"] is None
+    assert rows["nocomm"]["traced_work_s_per_rank"] is None
+    assert "traced step, per rank: sync worked " in table
 
 
 # The ranks meet on MASTER_PORT as a process group's would (without importing torch: seconds of

@@ -38,6 +38,21 @@ def test_record_and_span() -> None:
     assert set(CATEGORIES) >= {"compute", "comm", "wait"}
 
 
+def test_covered_time() -> None:
+    """Overlapping spans count once; ``minus`` takes out what another category covers (a piece
+    that waits inside its compute span is not working then)."""
+    tl = Timeline(0)
+    tl.record("par", "compute", 0.0, 4.0)
+    tl.record("local", "compute", 3.0, 5.0)  # overlaps par by 1
+    tl.record("wgrad", "compute", 7.0, 8.0)
+    tl.record("wait a", "wait", 1.0, 2.0)  # inside par
+    tl.record("wait b", "wait", 4.5, 6.0)  # half inside local
+    assert tl.covered_s("compute") == pytest.approx(6.0)
+    assert tl.covered_s("wait") == pytest.approx(2.5)
+    assert tl.covered_s("compute", minus="wait") == pytest.approx(6.0 - 1.0 - 0.5)
+    assert Timeline(1).covered_s("compute", minus="wait") == 0.0
+
+
 def test_span_records_on_exception() -> None:
     tl = Timeline(0)
     with pytest.raises(RuntimeError), tl.span("boom", "compute"):

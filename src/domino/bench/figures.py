@@ -86,6 +86,8 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "peak_rss_bytes_per_rank": raw["peak_rss_bytes"][mode.name],
             "timeline_png": None,
             "chrome_trace": None,
+            "traced_work_s_per_rank": None,
+            "traced_wait_s_per_rank": None,
         })
     return rows
 

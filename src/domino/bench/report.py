@@ -98,6 +98,14 @@ def render_timelines(raw: dict[str, Any], rows: list[dict[str, Any]], out_dir: s
                  f"ms untraced), {len(tls)} ranks, link {link}")
         render_png(tls, png, title=title)
         row["timeline_png"], row["chrome_trace"] = png, trace
+        # Where the traced step's time went on each rank: working (compute not spent blocked)
+        # and blocked on a collective.
+        row["traced_work_s_per_rank"] = [tl.covered_s("compute", minus="wait") for tl in tls]
+        row["traced_wait_s_per_rank"] = [tl.covered_s("wait") for tl in tls]
+
+
+def _per_rank(seconds: list[float]) -> str:
+    return " / ".join(f"{v * 1e3:.0f}" for v in seconds)
 
 
 def _fmt(value: float | None, scale: float = 1.0, spec: str = ".1f", suffix: str = "") -> str:
@@ -162,6 +170,11 @@ def format_table(report: dict[str, Any]) -> str:
     regime = report.get("regime")
     if regime is not None:
         lines.append(f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}")
+    traced = [r for r in report["results"] if r.get("traced_work_s_per_rank")]
+    if traced:
+        lines.append("traced step, per rank: " + "; ".join(
+            f"{r['mode']} worked {_per_rank(r['traced_work_s_per_rank'])} ms, waited "
+            f"{_per_rank(r['traced_wait_s_per_rank'])} ms" for r in traced))
     bound = report.get("comm_cpu_bound")
     if bound is not None:
         exchanged = bound["exchange_bytes_per_step"]

@@ -97,6 +97,16 @@ class Timeline:
     def by_category(self, category: str) -> list[Span]:
         return [s for s in self.spans if s.category == category]
 
+    def covered_s(self, category: str, minus: str | None = None) -> float:
+        """Seconds covered by at least one span of ``category`` (overlaps counted once), less
+        those also covered by a span of ``minus`` (e.g. compute not spent waiting)."""
+        covered = _union([(s.start_s, s.end_s) for s in self.by_category(category)])
+        total = sum(b - a for a, b in covered)
+        if minus is not None:
+            other = _union([(s.start_s, s.end_s) for s in self.by_category(minus)])
+            total -= sum(max(0.0, min(b, d) - max(a, c)) for a, b in covered for c, d in other)
+        return total
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable form, for sending to the parent process."""
         return {"rank": self.rank, "spans": [s.to_dict() for s in self.spans]}
@@ -104,6 +114,17 @@ class Timeline:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Timeline:
         return cls(int(d["rank"]), [Span.from_dict(s) for s in d["spans"]])
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same points as ``intervals``."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _lanes(timelines: Sequence[Timeline]) -> list[str]:
