@@ -1,6 +1,6 @@
-"""The probes: how long an all-reduce (and an all-to-all) of a fixed size takes between the ranks,
-and how much host CPU it costs. Every benchmark run measures them (``worker.py``); :func:`measure_link`
-runs it on its own, over an emulated link or loopback, as
+"""The probes: how long an all-reduce (and an all-to-all) of a fixed size takes between the
+ranks, and how much host CPU it costs. Every benchmark run measures them (``worker.py``);
+:func:`measure_link` runs the all-reduce's on its own, over an emulated link or loopback, as
 ``python -m domino.bench.probe RESULT.json NBYTES ITERS TIMEOUT_S`` per rank.
 """
 
