@@ -116,12 +116,12 @@ def test_parse_modes() -> None:
         (["--expert-model-parallel-size", "2"], "needs MoE layers: add --num-experts"),
         (["--num-experts", "6", "--expert-model-parallel-size", "4"], "not divisible by"),
         (["--num-experts", "4", "--modes", "sync:sp,nocomm"], "nocomm lack it; end them in"),
-        (["--num-experts", "4", "--tensor-model-parallel-size", "1",
-          "--expert-model-parallel-size", "2", "--simulate-link", "1gbit"], "--emulate-link"),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "1", "--simulate-link",
+          "1gbit"], "--tensor-model-parallel-size >= 2 or --expert-model-parallel-size >= 2"),
         (["--context-parallel-size", "3"], r"--seq-length 32 is not divisible by 2 x "
                                            r"--context-parallel-size = 6"),
         (["--context-parallel-size", "2", "--num-experts", "4"], "measures context parallelism and MoE in separate"),
-        (["--context-parallel-size", "2", "--simulate-link", "1gbit"], "no expert or context"),
+        (["--context-parallel-size", "2", "--simulate-link", "1gbit"], "no context parallel"),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
          r"--tensor-model-parallel-size x --context-parallel-size = 8"),
         (["--context-parallel-size", "0"], "--context-parallel-size=0 must be >= 1"),
@@ -442,6 +442,19 @@ def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # all-reduce moves its size once per rank).
     floor = rows["sync"]["allreduce_bytes_per_step"] * 8 / 1e8
     assert floor > 0.02 and min(rows["sync"]["step_times_s"]) >= floor
+    # Expert parallelism: the link times the rows' all-to-alls (the counts travel for real, so
+    # each rank's experts compute the rows the routing sends them). Sync waits for each: at
+    # least the bytes that cross it (the simulated link charges half of each input at EP = 2,
+    # the counted bytes leave out the own rows: about the same with balanced routing).
+    argv = TINY[:-6] + ["--steps", "1", "--warmup", "0", "--peak-tflops", "1", "--model", "moe",
+                        "--num-experts", "4", "--tensor-model-parallel-size", "1",
+                        "--expert-model-parallel-size", "2", "--moe-router-force-load-balancing",
+                        "--modes", "sync,domino:m2:cross", "--simulate-link", "100mbit",
+                        "--json", str(out_json)]
+    assert main(["bench", *argv]) == 0
+    rows = {r["mode"]: r for r in json.loads(out_json.read_text())["results"]}
+    floor = rows["sync"]["exchange_bytes_per_step"] * 8 / 1e8
+    assert floor > 0.01 and min(rows["sync"]["step_times_s"]) >= 0.8 * floor
 
 
 def test_ranks_failing_together_are_all_named() -> None:

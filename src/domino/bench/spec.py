@@ -189,11 +189,11 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
                              "CPU-free link or emulate a real one, not both")
         spec["simulate_link"] = parse_rate(args.simulate_link)
-        if tp < 2 or ep > 1 or cp > 1:
-            raise ValueError("--simulate-link times TP all-reduces: it needs "
-                             "--tensor-model-parallel-size >= 2 and no expert or context "
-                             "parallelism (use --emulate-link for the all-to-alls and the CP "
-                             "ring)")
+        if (tp < 2 and ep < 2) or cp > 1:
+            raise ValueError("--simulate-link times TP all-reduces and expert-parallel "
+                             "all-to-alls: it needs --tensor-model-parallel-size >= 2 or "
+                             "--expert-model-parallel-size >= 2, and no context parallelism "
+                             "(use --emulate-link for the CP ring)")
     check_link(args, spec, hosts=world)
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))

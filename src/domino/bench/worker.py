@@ -74,9 +74,15 @@ class _Bench:
             from domino.netem import rate_bits_per_s
 
             self.link = SimulatedLink(rate_bits_per_s(spec["simulate_link"]))
-        state.tp.hook = BenchHook(link=self.link) if self.link is not None else None
+        # The rank's one link: TP's and the experts' transfers queue on it.
+        for g in self._linked():
+            g.hook = BenchHook(link=self.link) if self.link is not None else None
         self.param_bytes = sum(p.numel() * p.element_size()
                                for p in self.models[False].parameters())
+
+    def _linked(self) -> list:
+        """The groups whose transfers a simulated link times: TP's, and EP's where it is one."""
+        return [self.state.tp, *([self.state.ep] if self.state.ep.size > 1 else [])]
 
     def _build(self, runtime) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
         spec, state = self.spec, self.state
@@ -140,7 +146,7 @@ class _Bench:
         groups = [state.tp, *(g for g in (state.ep, state.cp) if g.size > 1)]  # TP, EP, CP
         before = [g.hook for g in groups]
         for g in groups:
-            g.hook = BenchHook(timeline=tl, link=self.link if g is state.tp else None)
+            g.hook = BenchHook(timeline=tl, link=self.link if g in self._linked() else None)
         try:
             state.world.barrier()  # every rank starts the traced step together
             self.step(mode)

@@ -70,6 +70,7 @@ class CommGroup:
     # place of the process group when set (shm.SharedMemoryTransport: ranks on one host).
     transport: Any = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
+    _shaping: bool = field(default=False, repr=False)  # inside shaping(): the real collective
 
     @property
     def pairwise(self) -> bool:
@@ -113,14 +114,15 @@ class CommGroup:
         """Collectives launched inside run even while the group is disabled: those whose result
         decides the shapes of the compute after them (an MoE dispatch's per-expert row
         counts). A disabled group stands for the same compute without communication, and
-        that compute is only the same when each rank works on the rows it really gets. (A
-        stand-in group without a process group stays disabled.)"""
-        before = self.enabled
-        self.enabled = before or self.group is not None
+        that compute is only the same when each rank works on the rows it really gets; for
+        the same reason a hook never stands in for them (a simulated link). (A stand-in group
+        without a process group stays disabled.)"""
+        before = self.enabled, self._shaping
+        self.enabled, self._shaping = before[0] or self.group is not None, True
         try:
             yield
         finally:
-            self.enabled = before
+            self.enabled, self._shaping = before
 
     def region(self, name: str, category: str = "compute",
                **tags: Any) -> AbstractContextManager[None]:
@@ -292,7 +294,7 @@ class CommGroup:
         trace = work = None
         if self.hook is not None:
             trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
-            work = self.hook.launch(tensor, self, kind)
+            work = None if self._shaping else self.hook.launch(tensor, self, kind)
             if work is not None:
                 local()
         if work is None:
