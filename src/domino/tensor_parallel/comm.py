@@ -115,8 +115,9 @@ class CommGroup:
         decides the shapes of the compute after them (an MoE dispatch's per-expert row
         counts). A disabled group stands for the same compute without communication, and
         that compute is only the same when each rank works on the rows it really gets; for
-        the same reason a hook never stands in for them (a simulated link). (A stand-in group
-        without a process group stays disabled.)"""
+        the same reason a hook's stand-in (a simulated link) is not used for them: the hook
+        sees them launched, the real collective runs. (A stand-in group without a process
+        group stays disabled.)"""
         before = self.enabled, self._shaping
         self.enabled, self._shaping = before[0] or self.group is not None, True
         try:
@@ -294,7 +295,9 @@ class CommGroup:
         trace = work = None
         if self.hook is not None:
             trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())
-            work = None if self._shaping else self.hook.launch(tensor, self, kind)
+            work = self.hook.launch(tensor, self, kind)
+            if self._shaping:  # it watches, but the shapes need the real result
+                work = None
             if work is not None:
                 local()
         if work is None:

@@ -42,7 +42,8 @@ class CommHook(Protocol):
         ``tensor`` its input - all_gather - its output - or p2p - a tensor of the bytes this
         rank sends, on the meta device): a work object (``wait()``,
         ``is_completed()``) to use instead of the real collective, or None to run the real
-        one."""
+        one (which runs anyway for a collective whose result decides shapes:
+        ``CommGroup.shaping``)."""
 
     def finished(self, name: str, tags: dict[str, Any], nbytes: int, launched_s: float,
                  wait_s: float, done_s: float) -> None:
