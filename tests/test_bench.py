@@ -261,8 +261,9 @@ def test_compiled_modes_take_compiled_baselines_only() -> None:
 
 
 def test_simulated_link_charges_each_kind_its_bytes() -> None:
-    """Bytes on one rank's link: an all-reduce twice (size-1)/size of its buffer, an all-to-all
-    (size-1)/size of its input, point-to-point sends all they send; transfers queue."""
+    """Bytes on one rank's link: an all-reduce twice (size-1)/size of its buffer; an all-to-all
+    (shown the rows it sends other ranks) and point-to-point sends all they send; transfers
+    queue."""
     from domino.bench.hooks import SimulatedLink
 
     link = SimulatedLink(8e6)  # 1 MB/s: n bytes take n microseconds
@@ -271,7 +272,7 @@ def test_simulated_link_charges_each_kind_its_bytes() -> None:
              link.schedule(1000, 2, "p2p")]
     ends = [w.done_at - t0 for w in works]
     assert ends[0] == pytest.approx(1000e-6, abs=5e-4)
-    assert ends[1] - ends[0] == pytest.approx(750e-6, rel=1e-6)
+    assert ends[1] - ends[0] == pytest.approx(1000e-6, rel=1e-6)
     assert ends[2] - ends[1] == pytest.approx(1000e-6, rel=1e-6)
 
 
@@ -444,8 +445,7 @@ def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert floor > 0.02 and min(rows["sync"]["step_times_s"]) >= floor
     # Expert parallelism: the link times the rows' all-to-alls (the counts travel for real, so
     # each rank's experts compute the rows the routing sends them). Sync waits for each: at
-    # least the bytes that cross it (the simulated link charges half of each input at EP = 2,
-    # the counted bytes leave out the own rows: about the same with balanced routing).
+    # least the time of the bytes that cross the link, the rows sent to the other rank.
     argv = TINY[:-6] + ["--steps", "1", "--warmup", "0", "--peak-tflops", "1", "--model", "moe",
                         "--num-experts", "4", "--tensor-model-parallel-size", "1",
                         "--expert-model-parallel-size", "2", "--moe-router-force-load-balancing",
@@ -454,7 +454,7 @@ def test_simulated_link_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["bench", *argv]) == 0
     rows = {r["mode"]: r for r in json.loads(out_json.read_text())["results"]}
     floor = rows["sync"]["exchange_bytes_per_step"] * 8 / 1e8
-    assert floor > 0.01 and min(rows["sync"]["step_times_s"]) >= 0.8 * floor
+    assert floor > 0.01 and min(rows["sync"]["step_times_s"]) >= floor
 
 
 def test_ranks_failing_together_are_all_named() -> None:

@@ -91,7 +91,8 @@ class _SlowLaunches:
 
     def launch(self, tensor, group, kind="all_reduce"):
         self.launched.append((kind, tuple(tensor.shape[1:])))  # rows differ by routing
-        self.events.append(("launch", tensor.shape[-1]))
+        # (an all-to-all shows the rows it sends other ranks: the counts' 1-d, named so)
+        self.events.append(("launch", tensor.shape[-1] if tensor.dim() > 1 else "counts"))
         if self.rank == 1:
             time.sleep(0.002)
         return None
@@ -206,11 +207,12 @@ def test_expert_parallel_plans_equal_the_reference(world: int) -> None:
                 tol = 3e-2 if name == "bf16" else 1e-5  # a few bf16 roundings deep
                 for rank, res in enumerate(ranks):
                     _check_like(res[name], one, rank, world, f"EP=2 {name}", tol)
-        # Overlap: micro-batch 1's dispatch (counts, then rows with their weight column) goes
-        # out before micro-batch 0's experts run; with groups of experts its rows go right
-        # after the first group's combine (its counts travel under that group); with one
-        # piece, the experts run right after their own dispatch.
-        e, h = BASE["num_experts"], BASE["hidden_size"]
+        # Overlap (a launch's last dim; "counts" for the per-expert counts): micro-batch 1's
+        # dispatch (counts, then rows with their weight column) goes out before micro-batch
+        # 0's experts run; with groups of experts its rows go right after the first group's
+        # combine (its counts travel under that group); with one piece, the experts run right
+        # after their own dispatch.
+        e, h = "counts", BASE["hidden_size"]
         for plan, before, between in (("m2:cross", [e, 36, e, 36], None),
                                       ("m4:cross:c2", [e, 36, e], [h, 36]),
                                       ("m1:none", [e, 36], None)):

@@ -20,11 +20,10 @@ class SimulatedLink:
     """A link that costs wall time but no CPU, for timing schedules alone.
 
     An all-reduce of ``n`` bytes over ``size`` ranks moves ``2 (size - 1) / size * n`` bytes per
-    rank (ring), a reduce-scatter of ``n`` bytes (its input), an all-gather into ``n`` bytes or
-    an all-to-all of ``n`` bytes (its input; exact for even splits) half that, point-to-point
-sends of ``n`` bytes all ``n``; transfers queue
-    on the one link in launch order. Tensors are left as they are (like a disabled group), so
-    only timings mean anything.
+    rank (ring), a reduce-scatter of ``n`` bytes (its input) or an all-gather into ``n`` bytes
+    half that; an all-to-all (shown the ``n`` bytes it sends other ranks) and point-to-point
+    sends of ``n`` bytes all ``n``; transfers queue on the one link in launch order. Tensors are
+    left as they are (like a disabled group), so only timings mean anything.
     """
 
     bits_per_s: float
@@ -35,7 +34,7 @@ sends of ``n`` bytes all ``n``; transfers queue
             raise ValueError(f"SimulatedLink.bits_per_s={self.bits_per_s} must be > 0.")
 
     def schedule(self, nbytes: int, size: int, kind: str = "all_reduce") -> _SimulatedWork:
-        if kind == "p2p":  # point to point: every byte sent crosses this rank's link
+        if kind in ("p2p", "all_to_all"):  # the bytes sent to other ranks: all cross the link
             seconds = nbytes * 8 / self.bits_per_s
         else:
             passes = 2 if kind == "all_reduce" else 1

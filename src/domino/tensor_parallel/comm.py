@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -213,9 +212,11 @@ class CommGroup:
         else:
             real = partial(dist.all_to_all_single, output, input, outs, ins, group=self.group,
                            async_op=True)
-        row = math.prod(input.shape[1:]) * input.element_size()
-        sent = (sum(ins) - ins[self.rank]) * row  # (a rank's own rows cross no link)
-        return self._start(input, name, real, async_op, local, tags, "all_to_all", sent)
+        # Counted and shown to the hook: the rows that go to other ranks (a rank's own rows
+        # cross no link), as a tensor of their shape holding no data.
+        crossing = input.new_empty((sum(ins) - ins[self.rank], *input.shape[1:]),
+                                   device="meta")
+        return self._start(crossing, name, real, async_op, local, tags, "all_to_all")
 
     def _exchange_all_to_all(self, output: torch.Tensor, input: torch.Tensor, outs: list[int],
                              ins: list[int]) -> _Exchange:
@@ -285,13 +286,10 @@ class CommGroup:
         return tensor.chunk(self.size)[self.rank]
 
     def _start(self, tensor: torch.Tensor, name: str, real, async_op: bool, local,
-               tags: dict | None = None, kind: str = "all_reduce",
-               nbytes: int | None = None) -> Handle:
-        """A collective moving ``tensor``'s bytes (``nbytes`` of them where not all):
-        counted, traced, or replaced by the hook's transport (then ``local()`` fills the
-        output as a disabled group would)."""
-        if nbytes is None:
-            nbytes = tensor.numel() * tensor.element_size()
+               tags: dict | None = None, kind: str = "all_reduce") -> Handle:
+        """A collective moving ``tensor``'s bytes: counted, traced, or replaced by the hook's
+        transport (then ``local()`` fills the output as a disabled group would)."""
+        nbytes = tensor.numel() * tensor.element_size()
         trace = work = None
         if self.hook is not None:
             trace = (self.hook, name, dict(tags or {}), nbytes, time.perf_counter())

@@ -38,9 +38,10 @@ class CommHook(Protocol):
 
     def launch(self, tensor: torch.Tensor, group: CommGroup, kind: str = "all_reduce"
                ) -> Any | None:
-        """At a collective's launch (``kind``: all_reduce, reduce_scatter or all_to_all -
-        ``tensor`` its input - all_gather - its output - or p2p - a tensor of the bytes this
-        rank sends, on the meta device): a work object (``wait()``,
+        """At a collective's launch (``kind``: all_reduce or reduce_scatter - ``tensor`` its
+        input - all_gather - its output - all_to_all - the rows this rank sends to other ranks,
+        on the meta device - or p2p - a tensor of the bytes this rank sends, on the meta
+        device): a work object (``wait()``,
         ``is_completed()``) to use instead of the real collective, or None to run the real
         one (which runs anyway for a collective whose result decides shapes:
         ``CommGroup.shaping``)."""
