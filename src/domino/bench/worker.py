@@ -143,10 +143,12 @@ class _Bench:
         """One step of ``mode`` recorded on a timeline (as a dict)."""
         tl = Timeline(rank)
         state = self.state
-        groups = [state.tp, *(g for g in (state.ep, state.cp) if g.size > 1)]  # TP, EP, CP
+        groups = [state.tp, *_exchange_groups(state)]  # TP, EP, CP
+        linked = self._linked()
         before = [g.hook for g in groups]
         for g in groups:
-            g.hook = BenchHook(timeline=tl, link=self.link if g in self._linked() else None)
+            timed = any(g is other for other in linked)  # (the groups, not equal ones)
+            g.hook = BenchHook(timeline=tl, link=self.link if timed else None)
         try:
             state.world.barrier()  # every rank starts the traced step together
             self.step(mode)

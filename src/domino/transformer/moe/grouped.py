@@ -80,9 +80,9 @@ def _weight_grad_in_place(weight: torch.Tensor, experts: slice, x: torch.Tensor,
     split runs this once per micro-batch: that pass would grow with the split)."""
     local = range(weight.shape[0])[experts]
     first = weight.grad is None and len(local) == weight.shape[0]
-    if weight.grad is None:  # a group of experts: the others' gradients start at zero
-        weight.grad = (torch.empty if first else torch.zeros)(
-            weight.shape, dtype=grad_dtype(weight), device=weight.device)
+    if weight.grad is None:  # (a group of experts: the others' gradients start at zero)
+        weight.grad = (torch.empty(weight.shape, dtype=grad_dtype(weight), device=weight.device)
+                       if first else zeros_grad(weight))
     start = 0
     for e, end in zip(local, offs.tolist(), strict=True):
         xe, ge = x[start:end].t(), grad[start:end]
