@@ -33,7 +33,7 @@ ROW_KEYS = {
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
     "chrome_trace", "allreduce_bytes_per_step", "exchange_bytes_per_step", "comm_cpu_s_per_step",
     "sequence_parallel", "traced_work_s_per_rank", "traced_wait_s_per_rank",
-    "model_flops_per_s_per_rank", "mfu", "compiled",
+    "model_flops_per_s_per_rank", "mfu", "compiled", "comm_hidden_paired",
 }
 
 
@@ -204,6 +204,29 @@ def test_compute_results_and_best_mode() -> None:
     regime = figures.detect_regime(list(rows.values()), raw, cpus=2, busy=True)
     assert (regime["name"], regime["pick"]) == ("negligible", "sync")
     assert figures.detect_regime([rows["sync"]], raw, cpus=2, busy=True) is None
+
+
+def test_hidden_share_paired_by_round_cancels_drift() -> None:
+    """The host slowing down 1.6x during round 3 (after its sync ran) moves the medians of
+    different modes to different speeds; differences within a round (the modes run back to
+    back) keep the share near what each speed alone shows (75%)."""
+    modes = parse_modes("sync,nocomm,domino:m2:cross")
+    times = {"nocomm": [0.6, 0.6, 0.96, 0.96, 0.96],
+             "sync": [1.0, 1.0, 1.0, 1.6, 1.6],
+             "domino:m2:cross": [0.7, 0.7, 1.12, 1.12, 1.12]}
+    raw = {"step_times_s": times,
+           "per_rank_step_times_s": {n: [t, t] for n, t in times.items()},
+           "peak_bytes": {n: [1, 1] for n in times}, "peak_rss_bytes": {n: [None] for n in times}}
+    rows = {r["mode"]: r for r in figures.compute_results(raw, modes, tokens=100)}
+    dom = rows["domino:m2:cross"]
+    assert dom["comm_hidden"] == pytest.approx(1 - 0.16 / 0.04)  # medians: fast sync, slow rest
+    # Per round sync exposes 0.4, 0.4, 0.04, 0.64, 0.64 s (median 0.4), m2:cross 0.1, 0.1,
+    # 0.16, 0.16, 0.16 (median 0.16).
+    assert figures.paired_exposed_s(times, "sync", "nocomm") == pytest.approx(0.4)
+    assert dom["comm_hidden_paired"] == pytest.approx(1 - 0.16 / 0.4)
+    assert rows["sync"]["comm_hidden_paired"] is None  # for Domino modes only
+    flat = {**times, "sync": list(times["nocomm"])}  # sync exposing nothing: no share
+    assert figures.hidden_share_paired(flat, "domino:m2:cross", "sync", "nocomm") is None
 
 
 def test_sequence_parallel_modes_take_their_own_baselines() -> None:

@@ -172,6 +172,39 @@ def test_every_plan_equals_one_piece_on_one_rank(variant: str) -> None:
     assert variant == "capacity_pad" or float(counts[-1]) == 0
 
 
+def test_the_received_rows_gradient_is_gathered_once() -> None:
+    """The experts read the received rows (and their weight column) group by group; their
+    gradients land in one buffer per micro-batch and MoE layer, not in a zero-filled gradient
+    of all the rows per read (autograd's slice backward), which grew with the groups."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    width = BASE["hidden_size"] + 4  # the rows sent: h, the weight, padding to 16 bytes
+
+    class Made(TorchDispatchMode):
+        """Counts the ops that write a tensor of the rows' width (not views of one)."""
+
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (not func.is_view and isinstance(out, torch.Tensor) and out.dim() == 2
+                    and out.shape[1] == width):
+                Made.ops.append(str(func))
+            return out
+
+    model = _model("dropless", "m2:cross:c4", ParallelState.single())
+    loss = model(_ids(0)[:, :-1], None, None, labels=_ids(0)[:, 1:])
+    with Made():
+        loss.sum().backward()
+    # One zero-filled buffer per micro-batch and MoE layer (was: a slice backward per read
+    # and group, and the adds of their sums: 92 here).
+    assert Made.ops == ["aten.zeros_like.default"] * 2 * BASE["num_layers"], Made.ops
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    want = _reference("dropless", 1)[0]["grads"]
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_the_one_piece_model_equals_the_plain_reference() -> None:
     for variant in ("dropless", "shared_gelu"):
         cfg = TransformerConfig(**{**BASE, **VARIANTS[variant], "moe_aux_loss_coeff": 0.0,

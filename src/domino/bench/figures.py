@@ -4,7 +4,10 @@ no processes, no files).
 Per mode (medians over rounds; a round's time is its slowest rank's): exposed comm = T_mode -
 T_nocomm, comm hidden = 1 - exposed(mode) / exposed(sync), speedup = T_sync / T_mode, tokens/s =
 micro_batch_size * seq_length / T_mode (per TP group); a sequence-parallel mode (``...:sp``) takes
-sync:sp and nocomm:sp as its sync and nocomm.
+sync:sp and nocomm:sp as its sync and nocomm. The same share *paired by round*
+(``comm_hidden_paired``) takes each exposed time as the median over rounds of T_mode - T_nocomm
+within a round: the modes of a round run back to back, so a drift of the host's speed between
+rounds (which moves the medians of different modes apart) cancels.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
         # compiled one never to eager ones (they would mix eager compute into its figures).
         fam = mode.family
         kind = ":compiled" if mode.compiled else ""
-        f_sync = med.get("sync" + fam, med.get("sync" + kind))
-        f_nocomm = med.get("nocomm" + fam, med.get("nocomm" + kind))
+        sync_name = next((n for n in ("sync" + fam, "sync" + kind) if n in med), None)
+        nocomm_name = next((n for n in ("nocomm" + fam, "nocomm" + kind) if n in med), None)
+        f_sync, f_nocomm = med.get(sync_name), med.get(nocomm_name)
         f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
                           else None)
         base = t - f_nocomm if f_nocomm is not None else None
@@ -51,6 +55,9 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
         if (mode.is_domino and exposed is not None and f_exposed_sync is not None
                 and f_exposed_sync > 0):
             hidden = 1.0 - exposed / f_exposed_sync
+        hidden_paired = (hidden_share_paired(raw["step_times_s"], mode.name, sync_name,
+                                             nocomm_name)
+                         if mode.is_domino and sync_name and nocomm_name else None)
         peaks = raw["peak_bytes"][mode.name]
         known = [p for p in peaks if p is not None]
         rows.append({
@@ -73,6 +80,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             # For comm-free split runs: what splitting alone costs over unsplit compute.
             "split_cost_s": base if not mode.comm and mode.split != (1, 1) else None,
             "comm_hidden": hidden,
+            "comm_hidden_paired": hidden_paired,
             "speedup_vs_sync": f_sync / t if f_sync is not None else None,
             "peak_mem_bytes": max(known) if known else None,
             # Bytes this rank's collectives sent in one step (of them, in exchanges: EP's
@@ -90,6 +98,21 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "traced_wait_s_per_rank": None,
         })
     return rows
+
+
+def paired_exposed_s(times: dict[str, list[float]], mode: str, nocomm: str) -> float:
+    """Median over rounds of ``mode``'s time less ``nocomm``'s in the same round (``times``:
+    seconds per round of each mode, rounds aligned)."""
+    return statistics.median(t - n for t, n in zip(times[mode], times[nocomm], strict=True))
+
+
+def hidden_share_paired(times: dict[str, list[float]], mode: str, sync: str,
+                        nocomm: str) -> float | None:
+    """1 - paired exposed(mode) / paired exposed(sync) (None when sync exposes nothing)."""
+    exposed_sync = paired_exposed_s(times, sync, nocomm)
+    if exposed_sync <= 0:
+        return None
+    return 1.0 - paired_exposed_s(times, mode, nocomm) / exposed_sync
 
 
 def comm_cpu_s(raw: dict[str, Any], sent: int | None, exchanged: int) -> float | None:

@@ -166,7 +166,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"best Domino mode: {best} ({r['step_time_s'] * 1e3:.1f} ms"
                      + (f", {r['speedup_vs_sync']:.2f}x vs sync" if r["speedup_vs_sync"] else "")
                      + (f", hides {r['comm_hidden'] * 100:.0f}% of sync's exposed comm"
-                        if r["comm_hidden"] is not None else "") + ")")
+                        if r["comm_hidden"] is not None else "")
+                     + (f"; {r['comm_hidden_paired'] * 100:.0f}% paired by round"
+                        if r.get("comm_hidden_paired") is not None else "") + ")")
     regime = report.get("regime")
     if regime is not None:
         lines.append(f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}")

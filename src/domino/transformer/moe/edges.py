@@ -75,6 +75,29 @@ class _Piece:
                                        device=self.counts.device) for d in range(ep)])
 
 
+class _CoreGrad:
+    """The received rows' gradient, gathered where the experts read them: each group of
+    experts reads its rows and their weights as leaves of their own (:meth:`leaf`), whose
+    gradients are added into one buffer as they land, which is the core's ``.grad`` from the
+    first on. (Reading slices of the core itself would have autograd make a zero-filled
+    gradient of the whole core per slice and add those up: passes over every row, per group.)"""
+
+    def __init__(self, core: torch.Tensor) -> None:
+        self.core = core
+
+    def leaf(self, rows: slice, cols: slice) -> torch.Tensor:
+        """``core[rows, cols]`` (the same memory) as a leaf of its own."""
+        leaf = self.core.detach()[rows, cols].requires_grad_()
+        leaf.register_post_accumulate_grad_hook(lambda t: self._land(t, rows, cols))
+        return leaf
+
+    def _land(self, leaf: torch.Tensor, rows: slice, cols: slice) -> None:
+        if self.core.grad is None:  # columns no group reads (padding) keep a zero gradient
+            self.core.grad = torch.zeros_like(self.core)
+        self.core.grad[rows, cols].add_(leaf.grad)
+        leaf.grad = None
+
+
 class _Groups:
     """One :class:`Arriving` per group of experts (waited for all at once where a schedule
     overlaps nothing)."""
@@ -202,6 +225,8 @@ class MoEExit:
         piece.groups = []
         start = 0
         groups = column_chunks(per_expert.numel(), chunks)
+        read = _CoreGrad(core).leaf if core.requires_grad and torch.is_grad_enabled() else (
+            lambda rows, cols: core[rows, cols])
         for c, experts in enumerate(groups):
             if c == min(1, len(groups) - 1) and piece.then is not None:
                 # The next micro-batch's rows go out after this one's first group's combine
@@ -212,8 +237,8 @@ class MoEExit:
             rows = slice(start, start + n)
             piece.groups.append((experts, rows))
             start += n
-            y = moe.experts(core[rows, :h], per_expert[experts], stash, experts)
-            yield y * core[rows, h:h + 1]
+            y = moe.experts(read(rows, slice(0, h)), per_expert[experts], stash, experts)
+            yield y * read(rows, slice(h, h + 1))
 
     def launch(self, parts: Iterable[torch.Tensor], j: int, m: int,
                release: bool = False) -> Arriving:
