@@ -78,12 +78,14 @@ class _Piece:
 class _CoreGrad:
     """The received rows' gradient, gathered where the experts read them: each group of
     experts reads its rows and their weights as leaves of their own (:meth:`leaf`), whose
-    gradients are added into one buffer as they land, which is the core's ``.grad`` from the
+    gradients are copied into one buffer as they land, which is the core's ``.grad`` from the
     first on. (Reading slices of the core itself would have autograd make a zero-filled
-    gradient of the whole core per slice and add those up: passes over every row, per group.)"""
+    gradient of the whole core per slice and add those up: passes over every row, per group.)
+    The groups' rows cover the core's and each is read once, so only the columns past
+    ``read`` (padding no group reads) are zeroed."""
 
-    def __init__(self, core: torch.Tensor) -> None:
-        self.core = core
+    def __init__(self, core: torch.Tensor, read: int) -> None:
+        self.core, self.read = core, read
 
     def leaf(self, rows: slice, cols: slice) -> torch.Tensor:
         """``core[rows, cols]`` (the same memory) as a leaf of its own."""
@@ -92,9 +94,10 @@ class _CoreGrad:
         return leaf
 
     def _land(self, leaf: torch.Tensor, rows: slice, cols: slice) -> None:
-        if self.core.grad is None:  # columns no group reads (padding) keep a zero gradient
-            self.core.grad = torch.zeros_like(self.core)
-        self.core.grad[rows, cols].add_(leaf.grad)
+        if self.core.grad is None:
+            self.core.grad = torch.empty_like(self.core)
+            self.core.grad[:, self.read:].zero_()
+        self.core.grad[rows, cols].copy_(leaf.grad)
         leaf.grad = None
 
 
@@ -225,7 +228,7 @@ class MoEExit:
         piece.groups = []
         start = 0
         groups = column_chunks(per_expert.numel(), chunks)
-        read = _CoreGrad(core).leaf if core.requires_grad and torch.is_grad_enabled() else (
+        read = _CoreGrad(core, h + 1).leaf if core.requires_grad and torch.is_grad_enabled() else (
             lambda rows, cols: core[rows, cols])
         for c, experts in enumerate(groups):
             if c == min(1, len(groups) - 1) and piece.then is not None:
@@ -264,10 +267,9 @@ class MoEExit:
         """The returned rows added into their tokens (+ the shared expert) -> [s, b, h]."""
         piece = self.pieces[m]  # (kept for the backward; the run's executor owns the dict)
         h = piece.ln.shape[-1]
-        rows = bufs[0].new_empty(piece.tokens.numel(), h)
+        out = bufs[0].new_zeros(piece.ln.numel() // h, h)
         for buf, place in zip(bufs, places, strict=True):
-            rows.index_copy_(0, place, buf)
-        out = rows.new_zeros(piece.ln.numel() // h, h).index_add_(0, piece.tokens, rows)
+            out.index_add_(0, piece.tokens[place], buf)
         if piece.shared is not None:
             out = out + piece.shared.detach()
         return out.view(piece.ln.shape)
