@@ -104,6 +104,14 @@ def render_timelines(raw: dict[str, Any], rows: list[dict[str, Any]], out_dir: s
         row["traced_wait_s_per_rank"] = [tl.covered_s("wait") for tl in tls]
 
 
+def _probe_text(kind: str, seconds: float | None, cpu_s: float | None) -> str:
+    """The header's note on a probe that ran: ' (8 MiB <kind> N ms, M ms of host CPU)'."""
+    if seconds is None:
+        return ""
+    cpu = f", {cpu_s * 1e3:.1f} ms of host CPU" if cpu_s is not None else ""
+    return f" (8 MiB {kind} {seconds * 1e3:.1f} ms{cpu})"
+
+
 def _per_rank(seconds: list[float]) -> str:
     return " / ".join(f"{v * 1e3:.0f}" for v in seconds)
 
@@ -115,8 +123,6 @@ def _fmt(value: float | None, scale: float = 1.0, spec: str = ".1f", suffix: str
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned text table plus a line naming the best Domino mode."""
     c = report["config"]
-    ar, ar_cpu = c.get("allreduce_8mib_s"), c.get("allreduce_8mib_cpu_s")
-    a2a, a2a_cpu = c.get("exchange_8mib_s"), c.get("exchange_8mib_cpu_s")
     lines = [
         f"domino bench: {c['model']}, {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']} heads, seq {c['seq_length']}, batch {c['micro_batch_size']}, "
@@ -129,13 +135,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
         + (f" MTU {c['link_mtu']}" if c.get("link_mtu") else "")
         + (f", TP over {c['transports']['tp']}" if c.get("transports") else "")
-        + (f" (8 MiB all-reduce {ar * 1e3:.1f} ms" if ar is not None else "")
-        + (f", {ar_cpu * 1e3:.1f} ms of host CPU" if ar is not None and ar_cpu is not None else "")
-        + (")" if ar is not None else "")
-        + (f" (8 MiB all-to-all {a2a * 1e3:.1f} ms" if a2a is not None else "")
-        + (f", {a2a_cpu * 1e3:.1f} ms of host CPU" if a2a is not None and a2a_cpu is not None
-           else "")
-        + (")" if a2a is not None else "")
+        + _probe_text("all-reduce", c.get("allreduce_8mib_s"), c.get("allreduce_8mib_cpu_s"))
+        + _probe_text("all-to-all", c.get("exchange_8mib_s"), c.get("exchange_8mib_cpu_s"))
         + f", {c['steps']} steps after {c['warmup']} warm-up",
     ]
     if mfu_line(c) is not None:
