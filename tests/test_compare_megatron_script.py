@@ -68,10 +68,11 @@ def test_ours_command_is_domino_bench_moe():
                         ("--moe-router-topk", "2"), ("--seq-length", "256"),
                         ("--micro-batch-size", "4"), ("--tensor-model-parallel-size", "1"),
                         ("--expert-model-parallel-size", "2"), ("--steps", "6"),
-                        ("--warmup", "2"), ("--json", "o.json"), ("--modes", args.modes)]:
+                        ("--warmup", "2"), ("--json", "o.json"), ("--modes", args.modes),
+                        ("--moe-aux-loss-coeff", "0.01")]:  # the loss Megatron's side computes
         assert _flag(cmd, name) == value, name
     for absent in ("--emulate-link", "--no-shared-memory-comm", "--swiglu",
-                   "--moe-router-force-load-balancing", "--moe-aux-loss-coeff"):
+                   "--moe-router-force-load-balancing", "--unit"):
         assert absent not in cmd
     slow = compare.ours_command(args, "1gbit", "o.json", gloo=False)
     assert _flag(slow, "--emulate-link") == "1gbit"
@@ -80,17 +81,21 @@ def test_ours_command_is_domino_bench_moe():
 
 def test_options_reach_both_sides():
     args = compare.parse_args(["--swiglu", "--force-load-balancing", "--moe-aux-loss-coeff",
-                               "0.001", "--ours-extra-args", "--moe-aux-loss-coeff 0.001",
+                               "0.001", "--ours-extra-args=--no-shared-memory-comm",
                                "--expert-model-parallel-size", "4", "--mcore-python", "/v/py"])
     ours = compare.ours_command(args, "loopback", "o.json")
     mc = compare.megatron_command(args, "m.json", "r0.log")
     for cmd in (ours, mc):
         assert "--swiglu" in cmd and "--moe-router-force-load-balancing" in cmd
         assert _flag(cmd, "--micro-batch-size") == "4" and _flag(cmd, "--dtype") == "fp32"
-    assert ours[-2:] == ["--moe-aux-loss-coeff", "0.001"]
+    assert ours[-1] == "--no-shared-memory-comm"  # --ours-extra-args, last
+    assert _flag(ours, "--moe-aux-loss-coeff") == "0.001"
     assert _flag(ours, "--expert-model-parallel-size") == "4"
     assert mc[:2] == ["/v/py", compare.WORKER]
     assert _flag(mc, "--moe-aux-loss-coeff") == "0.001"
+    assert _flag(mc, "--unit") == "block"  # the unit our side times
+    layer = compare.parse_args(["--megatron-unit", "layer"])
+    assert _flag(compare.megatron_command(layer, "m.json", "r0.log"), "--unit") == "layer"
     assert (_flag(mc, "--out"), _flag(mc, "--log")) == ("m.json", "r0.log")
     assert "--model" not in mc and "--modes" not in mc  # the worker has one model, no modes
 

@@ -174,7 +174,8 @@ def shared_flags(args: argparse.Namespace) -> list[str]:
              "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
              "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--threads-per-rank", str(args.threads_per_rank), "--dtype", args.dtype,
-             "--seed", str(args.seed), "--timeout", str(args.timeout)]
+             "--seed", str(args.seed), "--timeout", str(args.timeout),
+             "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
     if args.force_load_balancing:
         flags.append("--moe-router-force-load-balancing")
     if args.swiglu:
@@ -199,8 +200,8 @@ def ours_command(args: argparse.Namespace, link: str, out: str, gloo: bool = Fal
 
 def megatron_command(args: argparse.Namespace, out: str, log: str) -> list[str]:
     """One Megatron rank's command (the same for every rank; the rank is in its environment)."""
-    return [args.mcore_python, WORKER, *shared_flags(args),
-            "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff), "--out", out, "--log", log]
+    return [args.mcore_python, WORKER, *shared_flags(args), "--unit", args.megatron_unit,
+            "--out", out, "--log", log]
 
 
 def megatron_env(base: dict[str, str]) -> dict[str, str]:
@@ -273,6 +274,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--moe-aux-loss-coeff", type=float, default=0.01,
       help="Megatron's load-balancing loss weight (our side: see --ours-extra-args)")
     a("--timeout", type=float, default=300.0, help="seconds a rank may wait for a peer")
+    a("--megatron-unit", choices=("block", "layer"), default="block",
+      help="what Megatron's side times: block (default) the unit our side times - pre-MLP "
+           "LayerNorm, MoELayer, residual, final LayerNorm, from Megatron's own modules; layer "
+           "the bare MoELayer (less work than our unit)")
     a("--mcore-python", default=os.path.join(DEFAULT_MCORE_VENV, "bin", "python"),
       help=f"python of the Megatron venv (made by {SETUP_CMD})")
     a("--ours-extra-args", default="",
@@ -407,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t0
     summaries = [row.summary() for row in rows]
     ep = args.expert_model_parallel_size
-    desc = (f"one MoE layer, hidden {args.hidden_size}, {args.num_experts} experts of ffn "
+    unit = ("final norm(x + MoE(norm(x))): on Megatron's side its TransformerBlock of one "
+            "TransformerLayer (attention an IdentityOp)" if args.megatron_unit == "block" else
+            "ours final norm(x + MoE(norm(x))), Megatron's the bare MoELayer")
+    desc = (f"one MoE layer ({unit}), hidden {args.hidden_size}, {args.num_experts} experts of ffn "
             f"{args.moe_ffn_hidden_size} ({'SwiGLU' if args.swiglu else 'GELU'}, no biases), "
             f"top-{args.moe_router_topk}, seq {args.seq_length}, batch {args.micro_batch_size} "
             f"per rank ({args.seq_length * args.micro_batch_size} tokens), {args.dtype}, "
@@ -425,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         f"rounds in brackets); {args.rounds} interleaved rounds, {args.steps} steps after "
         f"{args.warmup} warm-up per run and mode. Megatron-core {info['megatron_core']} (torch "
         f"{info['torch']}) MoELayer: alltoall dispatcher, SequentialMLP experts, softmax top-k "
-        f"router, aux loss coeff {args.moe_aux_loss_coeff:g}; {ours}. Megatron / ours = "
-        f"Megatron median / our best Domino median (per-round ratios in brackets). Took "
+        f"router; {ours}; both sides: load-balancing loss coeff "
+        f"{args.moe_aux_loss_coeff:g}. Megatron / ours = Megatron median / our best Domino "
+        f"median (per-round ratios in brackets). Took "
         f"{elapsed / 60:.1f} min on {os.cpu_count()} CPUs.",
         "",
         format_table(summaries),

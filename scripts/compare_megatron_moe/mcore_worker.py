@@ -2,13 +2,20 @@
 
 Run by the Megatron venv's python (see ``setup.sh``), one process per rank, with torchrun's
 variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and GLOO_SOCKET_IFNAME in
-the environment; ``compare.py`` starts it. It never imports ``domino``. The layer is
+the environment; ``compare.py`` starts it. It never imports ``domino``. The MoE layer is
 megatron-core's ``MoELayer`` exactly as installed, built from Megatron's own local (non-Transformer
 Engine) spec, ``get_moe_module_spec(use_te=False, moe_grouped_gemm=False)``: a ``TopKRouter``
 (softmax top-k, the switch load-balancing loss), the ``alltoall`` token dispatcher
 (``MoEAlltoAllTokenDispatcher``) and ``SequentialMLP`` experts (one local ``MLP`` per expert, run
 one after the other; the grouped-GEMM experts need CUDA). Process groups come from Megatron's
 ``parallel_state.initialize_model_parallel`` over gloo.
+
+What is timed (``--unit``): ``block`` (the default) is the unit ``domino bench --model moe``
+times, built from Megatron's own modules: a ``TransformerBlock`` of one ``TransformerLayer``
+whose attention half is Megatron's ``IdentityOp`` (so the layer is its pre-MLP ``LayerNorm``,
+the ``MoELayer`` and the residual add) and the block's final ``LayerNorm``:
+``final_norm(x + moe(norm(x)))``. ``layer`` times the bare ``MoELayer`` (``moe(x)``), which does
+less work than our unit (no norms, no residual).
 
 Megatron-core 0.16 assumes CUDA in three places on this path; :func:`patch_megatron_for_cpu`
 changes them at run time, in this process only (no installed file is edited), without changing
@@ -56,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from peer_worker import gather_rows, timed_steps, write_report  # noqa: E402
 
 DTYPES = {"fp32": torch.float32}
+UNITS = ("block", "layer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--threads-per-rank", type=int, default=1)
     a("--dtype", choices=tuple(DTYPES), default="fp32")
     a("--seed", type=int, default=1234)
+    a("--unit", choices=UNITS, default="block",
+      help="block: norm, MoE layer, residual and final norm (the unit domino bench --model moe "
+           "times); layer: the bare MoELayer")
     a("--timeout", type=float, default=300.0, help="seconds a collective may wait for a peer")
     a("--out", default=None, help="also write rank 0's JSON report here")
     a("--log", default=None, help="send this rank's stdout and stderr to this file")
@@ -157,6 +168,38 @@ def patch_megatron_for_cpu(rng_seed: int | None = None) -> list[str]:
     return applied
 
 
+def build_unit(kind: str, config, num_experts: int, pg):
+    """(the module timed, its ``MoELayer``): the layer alone, or a one-layer
+    ``TransformerBlock`` around it from Megatron's local spec pieces (see the module doc)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    moe = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    if kind == "layer":
+        layer = build_module(moe, config=config, layer_number=1, pg_collection=pg)
+        return layer, layer
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+    )
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    norm = LocalSpecProvider().layer_norm(rms_norm=False, for_qk=False)  # torch's LayerNorm
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp,
+        pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add))
+    block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[layer],
+                                                                layer_norm=norm),
+                             post_process=True)
+    return block, block.layers[0].mlp
+
+
 # ---- the measurement --------------------------------------------------------------------------
 
 
@@ -223,12 +266,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import megatron.core
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_default_pg_collection,
     )
-    from megatron.core.transformer.spec_utils import build_module
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -236,11 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     pg = get_default_pg_collection()
 
     config = build_config(args, tp, ep)
-    spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts,
-                               moe_grouped_gemm=False)
     torch.manual_seed(args.seed + rank)  # each rank's experts drawn independently
-    layer = build_module(spec, config=config, layer_number=1, pg_collection=pg)
-    layer.train()
+    unit, layer = build_unit(args.unit, config, args.num_experts, pg)
+    unit.train()
 
     # Sequence parallel: each TP rank holds s / TP of the sequence. Every rank draws its own
     # tokens (EP ranks hold different tokens; TP ranks different sequence pieces).
@@ -252,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     dispatcher = layer.token_dispatcher
 
     def step() -> float:
-        layer.zero_grad(set_to_none=True)
-        out, _bias = layer(x)
+        unit.zero_grad(set_to_none=True)
+        out = unit(hidden_states=x, attention_mask=None) if args.unit == "block" else layer(x)[0]
         loss = (out * w).float().sum()
         loss.backward()
         return loss.item()
@@ -284,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "system": "megatron-core",
             "model": "megatron.core.transformer.moe.moe_layer.MoELayer (TopKRouter softmax "
-                     "top-k + aux loss, MoEAlltoAllTokenDispatcher, SequentialMLP)",
+                     "top-k + aux loss, MoEAlltoAllTokenDispatcher, SequentialMLP)"
+                     + (" in a TransformerBlock of one TransformerLayer (attention: IdentityOp; "
+                        "pre-MLP LayerNorm, residual, final LayerNorm)"
+                        if args.unit == "block" else ""),
+            "unit": args.unit,
             "megatron_core_version": megatron.core.__version__,
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),
@@ -302,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_rank": s * b, "dtype": args.dtype,
             "threads_per_rank": args.threads_per_rank,
             "steps": args.steps, "warmup": args.warmup,
-            "param_bytes_rank0": sum(p.numel() * p.element_size() for p in layer.parameters()),
+            "param_bytes_rank0": sum(p.numel() * p.element_size() for p in unit.parameters()),
             "last_loss_rank0": loss,
             "step_times_s": [max(col) for col in zip(*rows)],
             "step_times_s_per_rank": rows,
