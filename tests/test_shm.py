@@ -184,6 +184,39 @@ def test_parallel_state_uses_it_on_one_host_and_leaves_nothing() -> None:
     assert all(r["transports"] == {"tp": "gloo", "dp": "-"} for r in off)
 
 
+def _expert_exchange(rank: int, world: int) -> dict:
+    """At EP = world the MoE layers' token all-to-alls ride the transport too: uneven splits,
+    launched asynchronously back to back, as the Domino schedule launches them."""
+    out = {}
+    for shared in (True, False):
+        state = ParallelState.build(expert_model_parallel_size=world, shared_memory=shared)
+        ep = state.ep
+        sends = [[1, 5, 0, 7], [3, 0, 2, 4], [6, 2, 0, 1], [0, 9, 3, 2]]  # rows q -> d
+        rows = [torch.full((sends[rank][d], 3), 100.0 * rank + d) for d in range(world)]
+        bufs, handles = [], []
+        for k in range(2):  # two in flight at once
+            flat = torch.cat(rows) + k
+            buf = flat.new_empty(sum(sends[q][rank] for q in range(world)), 3)
+            handles.append(ep.all_to_all(buf, flat, [sends[q][rank] for q in range(world)],
+                                         sends[rank][:world], async_op=True))
+            bufs.append(buf)
+        for h in handles:
+            h.wait()
+        want = torch.cat([torch.full((sends[q][rank], 3), 100.0 * q + rank)
+                          for q in range(world)])
+        out[shared] = {"transports": state.transports(),
+                       "right": all(torch.equal(b, want + k) for k, b in enumerate(bufs))}
+        state.close()
+    return out
+
+
+def test_expert_parallel_exchanges_use_it() -> None:
+    for r in run_distributed(_expert_exchange, 4):
+        assert r[True] == {"transports": {"tp": "-", "dp": "shm", "ep": "shm"}, "right": True}
+        assert r[False] == {"transports": {"tp": "-", "dp": "gloo", "ep": "gloo"},
+                            "right": True}
+
+
 def _refused(rank: int, world: int, how: str) -> dict:
     if how == "host" and rank == 1:
         shm.setup.host_key = lambda: "another host"  # this rank's copy of the module only

@@ -202,11 +202,12 @@ class ParallelState:
 
     def transports(self) -> dict[str, str]:
         """How the TP and DP groups (and, in a pipeline with tied embeddings, the embedding
-        group) move bytes: ``shm``, ``gloo``, ``nccl``, or ``-`` (one rank)."""
+        group; with expert parallelism the EP group) move bytes: ``shm``, ``gloo``, ``nccl``,
+        or ``-`` (one rank)."""
         out = {}
         for name in _SHARED:
             g = getattr(self, name)
-            if name == "embedding" and g.size == 1:
+            if name in ("embedding", "ep") and g.size == 1:
                 continue
             out[name] = ("-" if g.size == 1 else "shm" if g.transport is not None
                          else str(dist.get_backend(g.group)))
@@ -224,8 +225,9 @@ class ParallelState:
 # The groups gradients are summed over (by a reducer, as blocks become final).
 _GRADIENT_GROUPS = ("dp", "dp_cp", "expert_dp")
 # The groups whose collectives carry bulk data (the embedding group: the tied word table's
-# gradient, once a step); pp moves its data point to point, world only small agreements.
-_SHARED = ("tp", "dp", "embedding")
+# gradient, once a step; ep: the MoE layers' token all-to-alls); pp and cp move their data
+# point to point, world only small agreements.
+_SHARED = ("tp", "dp", "embedding", "ep")
 
 
 def _group_of(me: int, lists: list[list[int]], device: torch.device) -> CommGroup:

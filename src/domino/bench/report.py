@@ -135,6 +135,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{c['threads_per_rank']} thread(s)/rank, link {c['link']}"
         + (f" MTU {c['link_mtu']}" if c.get("link_mtu") else "")
         + (f", TP over {c['transports']['tp']}" if c.get("transports") else "")
+        + (f", EP over {c['transports']['ep']}" if "ep" in (c.get("transports") or {}) else "")
         + _probe_text("all-reduce", c.get("allreduce_8mib_s"), c.get("allreduce_8mib_cpu_s"))
         + _probe_text("all-to-all", c.get("exchange_8mib_s"), c.get("exchange_8mib_cpu_s"))
         + f", {c['steps']} steps after {c['warmup']} warm-up",

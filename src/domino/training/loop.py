@@ -395,7 +395,8 @@ class Trainer:
                  "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
 
 
-_GROUP_NAMES = {"tp": "TP", "dp": "DP", "embedding": "tied-embedding sums"}
+_GROUP_NAMES = {"tp": "TP", "dp": "DP", "embedding": "tied-embedding sums",
+                "ep": "EP all-to-alls"}
 
 
 def train(run: Run, state: ParallelState | None = None,
