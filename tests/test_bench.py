@@ -331,6 +331,8 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     config = report["config"]
     assert config["tensor_model_parallel_size"] == 2 and config["link"] == "loopback"
     assert config["transports"] == {"tp": "shm", "dp": "-"} and "TP over shm" in table
+    # every rank kept its freed memory (domino.host_memory), and the header says so
+    assert config["host_malloc"] == "freed memory kept" and "malloc keeps freed memory" in table
     assert config["torch_version"] and config["memory_method"] and config["timing_method"]
     assert config["compile_graphs"] > 0 and config["compile_graphs_timed"] == 0
     assert config["modes"] == modes.split(",")

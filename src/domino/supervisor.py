@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from domino import rank_fork
+from domino import host_memory, rank_fork
 from domino.utils import stop_processes
 
 GRACE_S = 5.0  # SIGTERM first; SIGKILL whatever is left after this long
@@ -79,6 +79,7 @@ def run_ranks(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str
         raise ValueError(f"{len(commands)} commands but {len(envs)} environments")
     preexec = _die_with_parent if sys.platform == "linux" else None
     fork = rank_fork.forking()
+    host_memory.enabled()  # a bad DOMINO_MALLOC_TUNING fails here, before any rank starts
     procs: list[subprocess.Popen | rank_fork.ForkedRank] = []
     previous = _on_sigterm_raise()
     try:

@@ -45,6 +45,7 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "link": link,
         "link_rate_bits_per_s": rate_bits_per_s(rate) if rate is not None else None,
         "transports": raw.get("transports"),
+        "host_malloc": raw.get("host_malloc"),
         "allreduce_8mib_s": raw["allreduce_8mib_s"],
         "allreduce_8mib_cpu_s": raw.get("allreduce_8mib_cpu_s"),
         "exchange_8mib_s": raw.get("exchange_8mib_s"),
@@ -136,6 +137,7 @@ def format_table(report: dict[str, Any]) -> str:
         + (f" MTU {c['link_mtu']}" if c.get("link_mtu") else "")
         + (f", TP over {c['transports']['tp']}" if c.get("transports") else "")
         + (f", EP over {c['transports']['ep']}" if "ep" in (c.get("transports") or {}) else "")
+        + (", malloc keeps freed memory" if c.get("host_malloc") == "freed memory kept" else "")
         + _probe_text("all-reduce", c.get("allreduce_8mib_s"), c.get("allreduce_8mib_cpu_s"))
         + _probe_text("all-to-all", c.get("exchange_8mib_s"), c.get("exchange_8mib_cpu_s"))
         + f", {c['steps']} steps after {c['warmup']} warm-up",

@@ -31,6 +31,7 @@ from domino.distributed import init_distributed, shutdown_distributed
 from domino.enums import AttnMaskType
 from domino.flops import rank_gemms, train_flops_per_step
 from domino.gemm_rate import peak_flops
+from domino.host_memory import keep_freed_memory
 from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(device, timeout_s=spec["timeout"])
+    kept = device.type == "cpu" and keep_freed_memory()
     state = None
     try:
         state = ParallelState.build(spec["tensor_model_parallel_size"],
@@ -347,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             raw = measure_pipeline(spec, device, state)
         else:
             raw = measure(spec, device, state)
+        if raw is not None:
+            raw["host_malloc"] = "freed memory kept" if kept else "default"
         state.close()  # its transports' threads stop before the process group goes
         if raw is not None:
             tmp = spec["result_path"] + ".tmp"

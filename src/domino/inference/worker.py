@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from domino.distributed import init_distributed, shutdown_distributed
+from domino.host_memory import keep_freed_memory
 from domino.inference.tasks import eval_rank, generate_rank
 from domino.parallel_state import ParallelState
 
@@ -26,6 +27,7 @@ def run_rank(spec: dict[str, Any]) -> int:
     try:
         device = init_distributed(spec["device"])
         if device.type == "cpu":
+            keep_freed_memory()
             local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         state = ParallelState.build(spec["tp"], device=device)

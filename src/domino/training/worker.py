@@ -15,6 +15,7 @@ from typing import NoReturn
 import torch
 
 from domino.distributed import init_distributed, shutdown_distributed
+from domino.host_memory import keep_freed_memory
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
@@ -56,6 +57,7 @@ def run_worker(run: Run) -> int:
     try:
         device = init_distributed(args.device, args.distributed_timeout_minutes * 60.0)
         if device.type == "cpu":
+            keep_freed_memory()
             local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         world = CommGroup.world(device)
