@@ -97,8 +97,8 @@ class _SlowLaunches:
             time.sleep(0.002)
         return None
 
-    def finished(self, *args) -> None:
-        pass
+    def finished(self, name, tags, *args) -> None:
+        self.events.append(("wait", (name, tags.get("mb"), tags.get("chunk"))))
 
     def region(self, name: str, category: str, **tags):
         return contextlib.nullcontext()
@@ -246,16 +246,23 @@ def test_expert_parallel_plans_equal_the_reference(world: int) -> None:
         # 0's experts run; with groups of experts its rows go right after the first group's
         # combine (its counts travel under that group); with one piece, the experts run right
         # after their own dispatch.
+        # With groups the dispatch is sent per group too (its token chunks): the first
+        # group's experts run before the second group's rows are waited for.
         e, h = "counts", BASE["hidden_size"]
         for plan, before, between in (("m2:cross", [e, 36, e, 36], None),
-                                      ("m4:cross:c2", [e, 36, e], [h, 36]),
+                                      ("m4:cross:c2", [e, 36, 36, e], [h, 36, 36]),
                                       ("m1:none", [e, 36], None)):
             events = ranks[0][variant, plan]["events"]
             first = events.index(("experts", 0))
             second = events.index(("experts", 0), first + 1)
-            assert [w for _, w in events[:first]] == before, (plan, events[:first])
-            got = [w for _, w in events[first + 1:second]]
+            launched = [w for k, w in events[:first] if k == "launch"]
+            assert launched == before, (plan, events[:first])
+            got = [w for k, w in events[first + 1:second] if k == "launch"]
             assert between is None or got == between, (plan, got)
+            if plan == "m4:cross:c2":  # (where micro-batch 0's groups' rows are waited for)
+                at = {w[1:]: i for i, (k, w) in enumerate(events[:second])
+                      if k == "wait" and w[0].startswith("fwd dispatch b")}
+                assert at[0, 0] < first < at[0, 1] < second, events[:second]
 
 
 # TP = 2 x EP = 2 on four ranks (DP = 2): each TP rank routes its sequence shard to whole

@@ -269,7 +269,8 @@ class Executor:
                     rec.local[(j, m)] = piece
                     ln, res = piece.ln_leaf, piece.res_leaf
                 residual[m] = res
-                entered[(j, m)] = self.eager(self.entries[j].launch(ln, j, m, mbs[m]))
+                entered[(j, m)] = self.eager(self.entries[j].launch(
+                    ln, j, m, mbs[m], chunks=self._chunks(j, m, B, M)))
 
         def run_par(j: int, m: int, between: Callable[[], None] | None) -> None:
             """par(j, m); ``between`` (a local piece) runs right after its entry GEMM."""

@@ -153,10 +153,12 @@ class Entry(Protocol):
     # gives the rest, with the op core's signature; None: the op's core runs whole.
     core: Callable | None
 
-    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None
-               ) -> InFlight:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None,
+               chunks: int = 1) -> InFlight:
         """Forward: the region's input from the norm output ``x`` of the replicated stream
-        (of micro-batch ``mb``, whose index is ``m``)."""
+        (of micro-batch ``mb``, whose index is ``m``). ``chunks``: the parts the exit will
+        split the region's output into (an entry that exchanges the input per part, an MoE
+        dispatch per group of experts, splits alike)."""
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
         """Backward: the stream's gradient from the gradient of the region's input."""
@@ -211,8 +213,8 @@ class ColumnParallelEntry:
     def __init__(self, group: CommGroup, sequence_parallel: bool) -> None:
         self.group, self.sp = group, sequence_parallel
 
-    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None
-               ) -> InFlight:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None,
+               chunks: int = 1) -> InFlight:
         return gather_seq(self.group, x, "fwd", j, m) if self.sp else Ready(x)
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:

@@ -55,8 +55,8 @@ class RingEntry:
         self.graphs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, output)
         self.deferred: dict[int, Deferred] = {}  # the backward's dK/dV parts in flight
 
-    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None
-               ) -> InFlight:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None,
+               chunks: int = 1) -> InFlight:
         if mb is None:
             raise ValueError("the ring entry needs the micro-batch (its RoPE angles)")
         # A graph exactly when the schedule records one (its leaf ``x`` requires grad), also

@@ -5,11 +5,15 @@ Forward, per micro-batch m of the block:
 
 * ``entry.launch`` (at the end of the local piece, after the norm): the router, the sort of the
   (token, expert) assignments by expert (:func:`.experts.permute`), the exchange of per-expert
-  row counts (a small blocking all-to-all), then the rows' all-to-all, launched asynchronously;
-  the shared expert runs while it is in flight. The schedule runs this local piece inside the
-  piece before it (``lookahead``): micro-batch m + 1's dispatch goes out before micro-batch m's
-  experts run, micro-batch 0's during the attention before.
-* ``core`` (the par piece): the received rows, sorted by local expert.
+  row counts (a small blocking all-to-all), then the rows' all-to-alls, launched
+  asynchronously, one per group of the receiving rank's experts (the exit's groups below:
+  the dispatch's token chunks); the shared expert runs while they are in flight. The schedule
+  runs this local piece inside the piece before it (``lookahead``): micro-batch m + 1's
+  dispatch goes out before micro-batch m's experts run, micro-batch 0's during the attention
+  before.
+* ``core`` (the par piece): the received rows, sorted by local expert. Only the first group's
+  rows are waited for before it starts; each later group's land when the exit reaches it, so
+  a group's experts compute while the next groups' rows travel.
 * ``exit.parts`` / ``exit.launch``: the rank's experts in ``chunks`` groups of consecutive local
   experts (a group of experts is the analogue of a column chunk); each group's weighted outputs
   go back to their ranks in their own all-to-all as soon as they are computed, so the combine
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import accumulate
 
 import torch
 
@@ -63,6 +69,15 @@ class _Piece:
     groups: list[tuple[slice, slice]] = field(default_factory=list)  # (experts, rows) per part
     grad_out: torch.Tensor | None = None  # the delivered output's gradient [T, h]
     then: Callable[[], None] | None = None  # the next micro-batch's rows, sent from parts()
+    chunks: int = 1  # the exit's groups of experts, which the dispatch sends apart
+    # The dispatch's groups not yet in the core: (their first local expert, land them).
+    landing: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
+
+    def land_through(self, stop: int) -> None:
+        """Wait for the dispatched rows of every local expert before ``stop`` and put them in
+        the core."""
+        while self.landing and self.landing[0][0] < stop:
+            self.landing.pop(0)[1]()
 
     def sent_positions(self, experts: slice, ep: int) -> torch.Tensor:
         """Where the rows for the local experts ``experts`` of every rank sit among the rows
@@ -116,6 +131,13 @@ class _Groups:
             g.wait()
 
 
+def _landed(handle, land: Callable[[], object] | None) -> None:
+    """A group of the dispatch: wait for its rows, then put them in the core."""
+    handle.wait()
+    if land is not None:
+        land()
+
+
 def _by_expert(counts: torch.Tensor) -> torch.Tensor:
     """Rows received per source, each sorted by expert (``counts`` [source, expert]) ->
     the order that sorts them by expert (stable: by source within an expert)."""
@@ -134,13 +156,13 @@ class MoEEntry:
     def __init__(self, op, pieces: dict[int, _Piece]) -> None:
         self.op, self.pieces = op, pieces
 
-    def launch(self, x: torch.Tensor, j: int, m: int, mb=None) -> Arriving:
+    def launch(self, x: torch.Tensor, j: int, m: int, mb=None, chunks: int = 1) -> Arriving:
         # A graph exactly when the schedule records one (its leaf ``x`` requires grad), also
         # where this runs inside a piece recomputation runs without one.
         with torch.set_grad_enabled(x.requires_grad):
-            return self._launch(x, j, m)
+            return self._launch(x, j, m, chunks)
 
-    def _launch(self, x: torch.Tensor, j: int, m: int) -> Arriving:
+    def _launch(self, x: torch.Tensor, j: int, m: int, chunks: int) -> Arriving:
         moe, ep = self.op.moe, self.op.moe.ep
         flat, rows, stats = moe.route(x, self.op.shards)
         # [x | weight | 0...]: rows padded so the experts' GEMMs can read the x columns in place
@@ -153,7 +175,8 @@ class MoEEntry:
         if ep.size > 1:
             arrived, counted = launch_counts(rows.counts, ep, f"fwd dispatch counts b{j}", tags)
         shared = moe.shared(flat) if moe.shared is not None else None  # under the dispatch
-        piece = self.pieces[m] = _Piece(x, payload, rows.tokens, rows.counts, shared)
+        piece = self.pieces[m] = _Piece(x, payload, rows.tokens, rows.counts, shared,
+                                        chunks=chunks)
         if ep.size == 1:
             piece.received_counts = rows.counts.view(1, -1)
             piece.sent = piece.received = [payload.shape[0]]
@@ -162,21 +185,18 @@ class MoEEntry:
         del rows, flat
 
         def send() -> None:
-            """The rows' all-to-all, once the counts are in (once)."""
+            """The rows' all-to-alls, once the counts are in (once)."""
             if arriving.handles is not None:
                 return
             counted.wait()
             plan = layout(counts, arrived, ep.size)
             piece.received_counts, piece.sent, piece.received = (
                 plan.received_counts, plan.sent, plan.received)
-            buf = payload.new_empty(sum(plan.received), payload.shape[1])
-            handle = ep.all_to_all(buf, payload.detach(), plan.received, plan.sent,
-                                   async_op=True, name=f"fwd dispatch b{j}", tags=tags)
             # Rows arrive per source, each sorted by local expert: by local expert on arrival.
             piece.order = plan.order
             piece.source = torch.arange(ep.size, device=x.device).repeat_interleave(
                 torch.tensor(plan.received, device=x.device))[plan.order]
-            arriving.handles, arriving.finish = [handle], lambda: buf[plan.order]
+            arriving.handles, arriving.finish = self._send(piece, plan, j, tags)
 
         # The counts travel while the micro-batch before computes its first group of experts
         # (its exit starts the rows then), or - with none pending - the rows go now. Where is
@@ -188,6 +208,58 @@ class MoEEntry:
             send()
         arriving.start = send
         return arriving
+
+    def _send(self, piece: _Piece, plan, j: int, tags: dict
+              ) -> tuple[list, Callable[[], torch.Tensor]]:
+        """The rows' all-to-all, one per group of local experts (the exit's groups, the
+        token chunks of the dispatch): the first group's experts start once their own rows
+        are in, while the next groups' rows travel (:meth:`_Piece.land_through`, from the
+        exit's parts). -> the first group's handles and what makes the core (the received
+        rows by local expert) of them."""
+        ep, payload = self.op.moe.ep, piece.payload.detach()
+        local = piece.counts.numel() // ep.size
+        groups = column_chunks(local, piece.chunks)
+        if len(groups) == 1:
+            buf = payload.new_empty(sum(plan.received), payload.shape[1])
+            handle = ep.all_to_all(buf, payload, plan.received, plan.sent, async_op=True,
+                                   name=f"fwd dispatch b{j}", tags=tags)
+            return [handle], lambda: buf[plan.order]
+        # One host sync for the splits of every group.
+        sent = piece.counts.view(ep.size, local).tolist()  # [destination, local expert]
+        received = plan.received_counts.tolist()  # [source, local expert]
+        starts = list(accumulate(piece.counts.tolist(), initial=0))  # per global expert
+        core = payload.new_empty(sum(plan.received), payload.shape[1])
+        # Writes into the core go through ``.data``: the autograd version counter of the core
+        # (a leaf of the schedule's graph) and of its groups' views (leaves the experts' GEMMs
+        # save) must not see a later group land, which touches rows none of them read.
+        into = core.data
+        handles, start = [], 0
+        for c, experts in enumerate(groups):
+            to = [sum(row[experts]) for row in sent]
+            back = [sum(row[experts]) for row in received]
+            # The rows for these experts of every destination: a slice per destination.
+            send = torch.cat([payload[starts[d * local + experts.start]:][:n]
+                              for d, n in enumerate(to)])
+            rows = slice(start, start + sum(back))
+            start = rows.stop
+            if experts.stop - experts.start == 1:  # per source is by expert: land in place
+                buf, land = into[rows], None
+            else:
+                buf = payload.new_empty(rows.stop - rows.start, payload.shape[1])
+                order = _by_expert(plan.received_counts[:, experts])
+                land = partial(torch.index_select, buf, 0, order, out=into[rows])
+            handle = ep.all_to_all(buf, send, back, to, async_op=True,
+                                   name=f"fwd dispatch b{j}", tags={**tags, "chunk": c})
+            handles.append((experts.start, handle, land))
+
+        piece.landing = [(e, partial(_landed, h, land)) for e, h, land in handles[1:]]
+        _, handle, land = handles[0]
+
+        def first() -> torch.Tensor:
+            if land is not None:
+                land()
+            return core
+        return [handle], first
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> Arriving:
         """The received rows' gradient back to their ranks; on arrival, the backward of the
@@ -236,6 +308,7 @@ class MoEExit:
                 # (with one group, before it): its counts arrived meanwhile.
                 send, piece.then = piece.then, None
                 send()
+            piece.land_through(experts.stop)  # (the dispatch's groups: this one's rows in)
             n = int(per_expert[experts].sum())
             rows = slice(start, start + n)
             piece.groups.append((experts, rows))
