@@ -14,7 +14,7 @@ from dist import run_distributed
 from domino import ParallelState, TransformerConfig
 from domino.enums import AttnMaskType
 from domino.transformer import DominoTransformer, Plan
-from domino.transformer.autotune import autotune, candidate_plans, choose, regime_of
+from domino.transformer.autotune import autotune, candidate_plans, choose, moe_groups, regime_of
 
 SYNC, M2, M3 = Plan(1, "none", 1), Plan(2, "cross_layer", 1), Plan(3, "cross_layer", 1)
 
@@ -26,6 +26,11 @@ def test_candidate_plans() -> None:
     assert len(candidate_plans(8)) == 7 and len(candidate_plans(8, 6, (1,))) == 6
     with pytest.raises(ValueError, match="batch_size=0"):
         candidate_plans(0)
+    # MoE layers with expert parallelism: groups of experts alone, right after sync.
+    assert candidate_plans(2, groups=(2, 4))[:3] == [SYNC, Plan(1, "cross_layer", 2),
+                                                     Plan(1, "cross_layer", 4)]
+    assert moe_groups(8, 2) == (2, 4) and moe_groups(4, 2) == (2,) and moe_groups(2, 2) == ()
+    assert moe_groups(8, 1) == () and moe_groups(None, 2) == ()
 
 
 def test_choose_lowest_median_first_on_ties() -> None:

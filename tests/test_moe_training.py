@@ -134,6 +134,8 @@ MOE_ARGS = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
 
 
 def _moe_train(rank: int, world: int, data: str, tmp: str) -> dict:
+    import json
+
     from test_checkpoint_resume import _args, _train
 
     out = {}
@@ -145,6 +147,9 @@ def _moe_train(rank: int, world: int, data: str, tmp: str) -> dict:
     if world == 2:  # expert parallelism: EP=2 (with ZeRO-1), its checkpoint continued at EP=1
         ep = dict(run, expert_model_parallel_size=2)
         out["ep2"] = _train(_args(data, **ep), f"{tmp}/ep2")
+        out["ep2_tuned"] = _train(_args(data, domino_autotune=True, **ep), f"{tmp}/ep2_tuned")
+        out["ep2_tuned"]["tried"] = sorted(json.loads(
+            open(f"{tmp}/ep2_tuned/autotune.json").read())["median_s"])
         zero = dict(ep, use_distributed_optimizer=True)  # ZeRO-1's full_state, cut over EP
         out["ep2_zero"] = _train(_args(data, **zero), f"{tmp}/ep2_zero")
         _train(_args(data, exit_interval=3, **zero), f"{tmp}/ep2_zero_cut")
@@ -226,8 +231,10 @@ def test_moe_trains_resumes_exactly_and_is_dp_invariant(byte_dataset, tmp_path) 
     assert two[0]["full"]["losses"] == pytest.approx(full["losses"], rel=1e-5)
     # Expert parallelism changes where experts run, not the math; its checkpoint holds whole
     # experts, so it resumes exactly at EP=2 and continues at EP=1.
+    # --domino-autotune at EP=2 also tries the experts' groups alone (one micro-batch).
+    assert two[0]["ep2_tuned"]["tried"] == ["m1:cross:c2", "m1:none", "m2:cross", "m2:cross:c2"]
     for rank in two:
-        for key in ("ep2", "ep2_zero"):
+        for key in ("ep2", "ep2_zero", "ep2_tuned"):
             assert rank[key]["losses"] == pytest.approx(full["losses"], rel=1e-5), key
             assert rank[key]["norms"] == pytest.approx(full["norms"], rel=1e-5), key
         assert rank["ep2_resumed"]["losses"] == rank["ep2"]["losses"][3:]

@@ -45,7 +45,7 @@ from domino.training.optim import (
 )
 from domino.training.prepare import Run
 from domino.training.step import TrainResult, evaluate, forward_loss, train_step
-from domino.transformer.autotune import autotune, candidate_plans, regime_of
+from domino.transformer.autotune import autotune, candidate_plans, moe_groups, regime_of
 from domino.transformer.stack import compile_cost, set_plan, stacks_of
 
 
@@ -379,7 +379,9 @@ class Trainer:
         def fwd_bwd() -> None:
             forward_loss(self.model, batch).backward()
 
-        best, times = autotune(self.model, fwd_bwd, state, candidate_plans(args.micro_batch_size))
+        best, times = autotune(self.model, fwd_bwd, state,
+                               candidate_plans(args.micro_batch_size,
+                                               groups=moe_groups(args.num_experts, state.ep.size)))
         medians = {str(p): statistics.median(t) for p, t in times.items()}
         splits = [statistics.median(t) for p, t in times.items() if p.splits]
         regime = (regime_of(medians[str(SYNC)], t_best_split=min(splits))

@@ -74,15 +74,27 @@ def regime_of(t_sync: float, t_nocomm: float | None = None, comm_cpu_share: floa
 
 
 def candidate_plans(batch_size: int, max_micro_batches: int = 4,
-                    column_chunks: Sequence[int] = (1, 2)) -> list[Plan]:
-    """Sync TP, then cross-layer Domino with 2..max micro-batches (at most ``batch_size``) times
-    each column-chunk count."""
+                    column_chunks: Sequence[int] = (1, 2), groups: Sequence[int] = ()
+                    ) -> list[Plan]:
+    """Sync TP, then one micro-batch in each of ``groups`` chunks (``m1:cross:cK``: an MoE
+    layer with expert parallelism then pipelines its all-to-alls with its groups of experts
+    without splitting the batch), then cross-layer Domino with 2..max micro-batches (at most
+    ``batch_size``) times each column-chunk count."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1.")
-    plans = [SYNC]
+    plans = [SYNC] + [Plan(1, "cross_layer", c) for c in groups if c > 1]
     for m in range(2, min(max_micro_batches, batch_size) + 1):
         plans += [Plan(m, "cross_layer", c) for c in column_chunks]
     return plans
+
+
+def moe_groups(num_experts: int | None, ep_size: int) -> tuple[int, ...]:
+    """The group counts :func:`candidate_plans` tries with one micro-batch for MoE layers of
+    ``num_experts`` experts over ``ep_size`` ranks: 2 and 4 where a rank holds that many
+    experts; none without expert parallelism (nothing to pipeline)."""
+    if not num_experts or ep_size < 2:
+        return ()
+    return tuple(c for c in (2, 4) if c <= num_experts // ep_size)
 
 
 def choose(times: dict[Plan, list[float]], margin: float = AUTO_MARGIN) -> Plan:
