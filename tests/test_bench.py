@@ -33,7 +33,8 @@ ROW_KEYS = {
     "peak_mem_bytes", "peak_mem_bytes_per_rank", "peak_rss_bytes_per_rank", "timeline_png",
     "chrome_trace", "allreduce_bytes_per_step", "exchange_bytes_per_step", "comm_cpu_s_per_step",
     "sequence_parallel", "traced_work_s_per_rank", "traced_wait_s_per_rank",
-    "model_flops_per_s_per_rank", "mfu", "compiled", "comm_hidden_paired",
+    "model_flops_per_s_per_rank", "mfu", "compiled", "comm_hidden_paired", "cpu_s_per_step",
+    "cpu_s_per_step_per_rank", "cpu_vs_split_nocomm_s",
 }
 
 
@@ -183,6 +184,16 @@ def test_compute_results_and_best_mode() -> None:
     assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] is None
     assert rows["domino:m4:cross:c2"]["exposed_comm_vs_split_nocomm_s"] == pytest.approx(0.03)
     assert rows["nocomm:m4:cross:c2"]["split_cost_s"] == pytest.approx(0.02)
+    assert rows["sync"]["cpu_s_per_step"] is None  # no CPU times measured: no CPU figures
+    # CPU per step: the ranks' mean per round, the median over rounds; against the split.
+    raw["per_rank_step_cpu_s"] = {n: [[0.5, 0.7, 0.6], [0.7, 0.9, 0.8]] for n in med}
+    raw["per_rank_step_cpu_s"]["domino:m4:cross:c2"] = [[0.9, 0.8, 1.0], [0.9, 1.2, 1.0]]
+    cpu = {r["mode"]: r for r in figures.compute_results(raw, modes, tokens=100)}
+    assert cpu["sync"]["cpu_s_per_step"] == pytest.approx(0.7)
+    assert cpu["sync"]["cpu_s_per_step_per_rank"] == pytest.approx([0.6, 0.8])
+    assert cpu["domino:m4:cross:c2"]["cpu_s_per_step"] == pytest.approx(1.0)
+    assert cpu["domino:m4:cross:c2"]["cpu_vs_split_nocomm_s"] == pytest.approx(0.3)
+    assert cpu["domino:m2:cross"]["cpu_vs_split_nocomm_s"] is None  # its split did not run
     assert rows["nocomm:m4:cross:c2"]["exposed_comm_s"] is None
     assert rows["domino:m2:cross"]["speedup_vs_sync"] == pytest.approx(1 / 0.7)
     assert rows["sync"]["tokens_per_s"] == pytest.approx(100.0)
@@ -344,6 +355,8 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert len(r["step_times_s"]) == 2 and all(t > 0 for t in r["step_times_s"])
         assert len(r["step_times_s_per_rank"]) == 2
         assert len(r["peak_mem_bytes_per_rank"]) == 2 and r["peak_mem_bytes"] > 0
+        # each rank's process CPU time per step (all its threads)
+        assert 0 < r["cpu_s_per_step"] and len(r["cpu_s_per_step_per_rank"]) == 2
         assert r["comm_enabled"] == (not name.startswith("nocomm"))
         assert r["compiled"] == name.endswith(":compiled")
         # Model FLOPs per rank over the step time; MFU against the measured GEMM rate.
@@ -365,6 +378,7 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert rows[name]["exposed_comm_s"] is not None
         assert (rows[name]["comm_hidden"] is not None) == (sync_exposed > 0), (name, rows)
     assert rows["domino:m2:cross"]["exposed_comm_vs_split_nocomm_s"] is not None
+    assert rows["domino:m2:cross"]["cpu_vs_split_nocomm_s"] is not None and "CPU ms" in table
     assert rows["domino:m2:intra:c2"]["exposed_comm_vs_split_nocomm_s"] is None
     assert (rows["domino:m2:intra:c2"]["micro_batches"], rows["domino:m2:intra:c2"]["overlap"],
             rows["domino:m2:intra:c2"]["column_chunks"]) == (2, "intra_layer", 2)

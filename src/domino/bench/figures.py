@@ -33,6 +33,10 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
     sent = raw.get("allreduce_bytes_per_step", {})
     exchanged = raw.get("exchange_bytes_per_step", {})
     med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
+    cpu_rounds = raw.get("per_rank_step_cpu_s") or {}
+    # A mode's CPU per step and rank: the ranks' mean in each round, the median over rounds.
+    cpu = {n: statistics.median(statistics.fmean(r) for r in zip(*v, strict=True))
+           for n, v in cpu_rounds.items() if v and v[0]}
     flops, peak = raw.get("model_flops_per_step"), raw.get("peak_flops_per_s")
     rows = []
     for mode in modes:
@@ -77,6 +81,14 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "mfu": mfu,
             "exposed_comm_s": exposed,
             "exposed_comm_vs_split_nocomm_s": t - med[split.name] if split is not None else None,
+            # The CPU time (all threads, kernel work included) a rank's process spent per
+            # step, and over the same split without comm: what the comm costs the CPUs.
+            "cpu_s_per_step": cpu.get(mode.name),
+            "cpu_s_per_step_per_rank": ([statistics.median(v) for v in cpu_rounds[mode.name]]
+                                        if mode.name in cpu else None),
+            "cpu_vs_split_nocomm_s": (cpu[mode.name] - cpu[split.name]
+                                      if split is not None and mode.name in cpu
+                                      and split.name in cpu else None),
             # For comm-free split runs: what splitting alone costs over unsplit compute.
             "split_cost_s": base if not mode.comm and mode.split != (1, 1) else None,
             "comm_hidden": hidden,

@@ -146,14 +146,14 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(mfu_line(c))
     if compile_line(c) is not None:
         lines.append(compile_line(c))
-    head = ("mode", "step ms", "min ms", "tokens/s", "TFLOP/s/rank", "MFU", "exposed ms",
-            "vs split ms", "hidden", "speedup", "peak MiB")
+    head = ("mode", "step ms", "min ms", "CPU ms", "tokens/s", "TFLOP/s/rank", "MFU",
+            "exposed ms", "vs split ms", "hidden", "speedup", "peak MiB")
     body = []
     for r in report["results"]:
         exposed = r["exposed_comm_s"] if r["comm_enabled"] else r["split_cost_s"]
         body.append((
             r["mode"], _fmt(r["step_time_s"], 1e3), _fmt(min(r["step_times_s"]), 1e3),
-            _fmt(r["tokens_per_s"], 1.0, ".0f"),
+            _fmt(r.get("cpu_s_per_step"), 1e3), _fmt(r["tokens_per_s"], 1.0, ".0f"),
             _fmt(r.get("model_flops_per_s_per_rank"), 1e-12, ".3f"),
             _fmt(r.get("mfu"), 100, ".1f", "%"),
             _fmt(exposed, 1e3) + ("" if r["comm_enabled"] or exposed is None else " (split)"),
@@ -172,7 +172,10 @@ def format_table(report: dict[str, Any]) -> str:
                      + (f", hides {r['comm_hidden'] * 100:.0f}% of sync's exposed comm"
                         if r["comm_hidden"] is not None else "")
                      + (f"; {r['comm_hidden_paired'] * 100:.0f}% paired by round"
-                        if r.get("comm_hidden_paired") is not None else "") + ")")
+                        if r.get("comm_hidden_paired") is not None else "") + ")"
+                     + (f"; its ranks' CPU per step {r['cpu_vs_split_nocomm_s'] * 1e3:+.1f} ms "
+                        "against the same split without comm"
+                        if r.get("cpu_vs_split_nocomm_s") is not None else ""))
     regime = report.get("regime")
     if regime is not None:
         lines.append(f"regime: {regime['name']} ({regime['why']}) -> pick {regime['pick']}")

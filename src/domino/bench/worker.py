@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -167,11 +168,21 @@ class _MoEBlocks(DominoTransformer):
         return [b for b in super().blocks() if b.kind == "mlp"]
 
 
-def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int) -> dict[str, list]:
-    """Per mode, this rank's time of each measured round."""
-    rows = time_rotated(len(modes), lambda i: bench.step(modes[i]), warmup, steps,
-                        bench.state.world, bench.state.device)
-    return {m.name: row for m, row in zip(modes, rows, strict=True)}
+def _time_modes(bench: _Bench, modes: list[Mode], warmup: int, steps: int
+                ) -> tuple[dict[str, list], dict[str, list]]:
+    """Per mode, this rank's time of each measured round, and the CPU time its process spent
+    in that step (``time.process_time``: every thread's, with the kernel work charged to the
+    process): what a mode's communication costs the host's CPUs, hidden or not."""
+    cpu: list[list[float]] = [[] for _ in modes]
+
+    def step(i: int) -> None:
+        start = time.process_time()
+        bench.step(modes[i])
+        cpu[i].append(time.process_time() - start)
+    rows = time_rotated(len(modes), step, warmup, steps, bench.state.world, bench.state.device)
+    # (each mode runs once per round: its first ``warmup`` steps are the warm-up rounds')
+    return ({m.name: row for m, row in zip(modes, rows, strict=True)},
+            {m.name: c[warmup:] for m, c in zip(modes, cpu, strict=True)})
 
 
 def _sent(state: ParallelState) -> int:
@@ -271,7 +282,7 @@ def measure(spec: dict[str, Any], device: torch.device,
         for mode in modes:  # each mode's first step compiles its pieces: before any timing
             bench.step(mode)
     compiled = compile_cost(*bench.models.values())
-    times = _time_modes(bench, modes, spec["warmup"], spec["steps"])
+    times, cpu = _time_modes(bench, modes, spec["warmup"], spec["steps"])
     recompiled = compile_cost(*bench.models.values())[0] - compiled[0]  # 0 unless a new shape
     memory = _measure_memory(bench, modes)
     traces: dict[str, dict[str, Any]] = {}
@@ -279,7 +290,7 @@ def measure(spec: dict[str, Any], device: torch.device,
         for mode in modes:
             if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
                 traces[mode.name] = bench.traced_step(mode, state.world.rank)
-    mine = {"times": times, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
+    mine = {"times": times, "cpu": cpu, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
             "peak": peak, "compile": compiled + [recompiled]}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
@@ -309,6 +320,7 @@ def measure(spec: dict[str, Any], device: torch.device,
         "step_times_s": {n: [max(vals) for vals in zip(*(g["times"][n] for g in gathered), strict=True)]
                          for n in names},
         "per_rank_step_times_s": {n: [g["times"][n] for g in gathered] for n in names},
+        "per_rank_step_cpu_s": {n: [g["cpu"][n] for g in gathered] for n in names},
         "peak_bytes": {n: [g["memory"][n]["peak_bytes"] for g in gathered] for n in names},
         "peak_rss_bytes": {n: [g["memory"][n]["peak_rss_bytes"] for g in gathered] for n in names},
         "traces": {n: [g["traces"][n] for g in gathered] for n in traces},
