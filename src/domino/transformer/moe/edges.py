@@ -72,6 +72,7 @@ class _Piece:
     chunks: int = 1  # the exit's groups of experts, which the dispatch sends apart
     # The dispatch's groups not yet in the core: (their first local expert, land them).
     landing: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
+    starts: list[int] | None = None  # (spans) where each global expert's sent rows begin
 
     def land_through(self, stop: int) -> None:
         """Wait for the dispatched rows of every local expert before ``stop`` and put them in
@@ -79,15 +80,19 @@ class _Piece:
         while self.landing and self.landing[0][0] < stop:
             self.landing.pop(0)[1]()
 
-    def sent_positions(self, experts: slice, ep: int) -> torch.Tensor:
-        """Where the rows for the local experts ``experts`` of every rank sit among the rows
-        sent (sorted by global expert)."""
+    def spans(self, experts: slice, ep: int) -> list[tuple[int, int]]:
+        """Where the rows for the local experts ``experts`` of each rank sit among the rows
+        sent (sorted by global expert): a [start, end) per rank (one host copy per piece)."""
+        if self.starts is None:
+            self.starts = list(accumulate(self.counts.tolist(), initial=0))
         local = self.counts.numel() // ep
-        ends = torch.cumsum(self.counts, 0)
-        starts = ends - self.counts
-        return torch.cat([torch.arange(int(starts[d * local + experts.start]),
-                                       int(ends[d * local + experts.stop - 1]),
-                                       device=self.counts.device) for d in range(ep)])
+        return [(self.starts[d * local + experts.start], self.starts[d * local + experts.stop])
+                for d in range(ep)]
+
+    def sent_positions(self, experts: slice, ep: int) -> torch.Tensor:
+        """The rows of :meth:`spans`, as indices."""
+        return torch.cat([torch.arange(a, b, device=self.counts.device)
+                          for a, b in self.spans(experts, ep)])
 
 
 class _CoreGrad:
@@ -224,10 +229,7 @@ class MoEEntry:
             handle = ep.all_to_all(buf, payload, plan.received, plan.sent, async_op=True,
                                    name=f"fwd dispatch b{j}", tags=tags)
             return [handle], lambda: buf[plan.order]
-        # One host sync for the splits of every group.
-        sent = piece.counts.view(ep.size, local).tolist()  # [destination, local expert]
         received = plan.received_counts.tolist()  # [source, local expert]
-        starts = list(accumulate(piece.counts.tolist(), initial=0))  # per global expert
         core = payload.new_empty(sum(plan.received), payload.shape[1])
         # Writes into the core go through ``.data``: the autograd version counter of the core
         # (a leaf of the schedule's graph) and of its groups' views (leaves the experts' GEMMs
@@ -235,11 +237,10 @@ class MoEEntry:
         into = core.data
         handles, start = [], 0
         for c, experts in enumerate(groups):
-            to = [sum(row[experts]) for row in sent]
+            spans = piece.spans(experts, ep.size)  # these experts' rows, per destination
+            to = [b - a for a, b in spans]
             back = [sum(row[experts]) for row in received]
-            # The rows for these experts of every destination: a slice per destination.
-            send = torch.cat([payload[starts[d * local + experts.start]:][:n]
-                              for d, n in enumerate(to)])
+            send = torch.cat([payload[a:b] for a, b in spans])
             rows = slice(start, start + sum(back))
             start = rows.stop
             if experts.stop - experts.start == 1:  # per source is by expert: land in place
