@@ -6,6 +6,8 @@ import gzip
 import importlib
 import json
 import os
+import tracemalloc
+import zlib
 
 import pytest
 
@@ -14,7 +16,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 zstandard = pytest.importorskip("zstandard")
 
 from domino.cli import main  # noqa: E402
-from domino.data import BPETokenizer, ByteTokenizer, preprocess  # noqa: E402
+from domino.data import BPETokenizer, ByteTokenizer, IndexedDataset, preprocess  # noqa: E402
 from domino.data.preprocess import collect_files  # noqa: E402
 from domino.data.readers import iter_documents  # noqa: E402
 
@@ -219,3 +221,84 @@ def test_errors_come_before_any_work(tmp_path, capsys, monkeypatch) -> None:
     (dd / "dataset_dict.json").write_text('{"splits": ["train"]}')
     rc = main(["preprocess", "--input", str(dd), "--output-prefix", str(tmp_path / "d")])
     assert rc == 2 and f"pass one split's folder, e.g. {dd / 'train'}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the limit on one record
+
+
+def _long_line(path, kind: str, size: int, before: bytes = b"", after: bytes = b"") -> None:
+    """A JSONL file whose one record holds ``size`` bytes of text, compressed as it is written
+    (never held whole), between the lines ``before`` and ``after``."""
+    comp = (zlib.compressobj(wbits=31) if kind == "jsonl.gz"
+            else zstandard.ZstdCompressor().compressobj() if kind == "jsonl.zst" else None)
+    with open(path, "wb") as f:
+        put = f.write if comp is None else (lambda b: f.write(comp.compress(b)))
+        put(before + b'{"text": "')
+        for done in range(0, size, 1 << 20):
+            put(b"a" * min(1 << 20, size - done))
+        put(b'"}\n' + after)
+        if comp is not None:
+            f.write(comp.flush())
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "jsonl.zst"])
+def test_a_record_over_the_limit_is_refused(tmp_path, capsys, kind) -> None:
+    path = tmp_path / f"big.{kind}"
+    _long_line(path, kind, 200 << 10, before=b'{"text": "short"}\n', after=b'{"text": "x"}\n')
+    out = str(tmp_path / "out")
+    rc = main(["preprocess", "--input", str(path), "--output-prefix", out,
+               "--max-record-bytes", "64K", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("domino preprocess: error: ")
+    assert f"{path}: line 2 holds more than 64 KiB, the limit on one record" in err
+    assert "--max-record-bytes" in err and os.listdir(tmp_path) == [path.name]
+    # Raised past the record, the same file reads.
+    assert main(["preprocess", "--input", str(path), "--output-prefix", out,
+                 "--max-record-bytes", "1M", "--no-progress"]) == 0
+    assert [len(d) for d in IndexedDataset(out)] == [6, (200 << 10) + 1, 2]
+
+
+def test_a_text_file_over_the_limit_is_refused(tmp_path, capsys) -> None:
+    (tmp_path / "a.txt").write_bytes(b"x" * 2048)
+    rc = main(["preprocess", "--input", str(tmp_path / "a.txt"), "--output-prefix",
+               str(tmp_path / "o"), "--max-record-bytes", "1024"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{tmp_path / 'a.txt'}: the file (one document) holds more than 1 KiB" in err
+    assert main(["preprocess", "--input", str(tmp_path / "a.txt"), "--output-prefix",
+                 str(tmp_path / "o"), "--max-record-bytes", "0"]) == 2
+    assert "--max-record-bytes='0' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["jsonl.gz", "jsonl.zst"])
+def test_a_long_compressed_line_never_takes_more_memory_than_the_limit(tmp_path, kind) -> None:
+    """32 MiB in one line (a few KB compressed) with a 64 KiB limit: refused, having held a few
+    MiB at most (zstd: one call's output, 8 MiB at worst), never the line."""
+    path = tmp_path / f"big.{kind}"
+    _long_line(path, kind, 32 << 20)
+    assert path.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"line 1 holds more than 64 KiB"):
+            for _ in iter_documents([str(path)], max_record_bytes=64 << 10):
+                pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak
+
+
+def test_the_default_limit_is_the_documented_one() -> None:
+    import argparse
+    import re
+    from pathlib import Path
+
+    from domino.commands.preprocess import _byte_count, add_arguments
+    from domino.data.readers import MAX_RECORD_BYTES
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
+    documented = re.search(r"`--max-record-bytes`[^.]*?\(default (\d+) MiB\)", docs)
+    assert documented, "docs/train.md names the default of --max-record-bytes"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = parser.parse_args(["--input", "x", "--output-prefix", "y"]).max_record_bytes
+    assert _byte_count(default) == MAX_RECORD_BYTES == int(documented.group(1)) << 20

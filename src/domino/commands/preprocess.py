@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from domino.data.preprocess import DEFAULT_PATTERNS, collect_files, preprocess
-from domino.data.readers import check_inputs, input_kind, iter_documents
-from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
+from domino.data.preprocess import (
+    DEFAULT_PATTERNS,
+    PreprocessStats,
+    check_not_inputs,
+    collect_files,
+    commit,
+    dataset_files,
+    staging,
+    write_dataset,
+)
+from domino.data.readers import MAX_RECORD_BYTES, check_inputs, input_kind, iter_documents
+from domino.data.tokenizer import (
+    MERGES_FILE,
+    VOCAB_FILE,
+    BPETokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
 from domino.utils import check_output_dir, removed_on_error
 
 EPILOG = """examples:
@@ -28,7 +45,9 @@ Inputs: text files (one document each), .jsonl/.json (also .jsonl.gz, .jsonl.zst
 per line), .parquet and .arrow (one document per row of the --json-keys column), folders.
 
 With one JSON key the dataset is written to exactly PREFIX.{bin,idx,json}; with several keys,
-one dataset per key at PREFIX_<key>_document (Megatron's naming).
+one dataset per key at PREFIX_<key>_document (Megatron's naming). Existing outputs are replaced
+only with --overwrite, and never when they are inputs. A JSON line or text file over
+--max-record-bytes (default 256M) is refused. A refused or failed run writes nothing.
 """
 
 
@@ -41,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         ".zst), .parquet or .arrow files.")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
                         help="Write PREFIX.bin, PREFIX.idx and the PREFIX.json sidecar.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace the files of an existing dataset at PREFIX (and a trained "
+                        "tokenizer's files); never an input.")
+    parser.add_argument("--max-record-bytes", default=f"{MAX_RECORD_BYTES >> 20}M",
+                        metavar="BYTES",
+                        help="The most one JSON line or text file may hold (K, M, G: KiB, MiB, "
+                        f"GiB); longer ones are refused. [default: {MAX_RECORD_BYTES >> 20}M]")
     parser.add_argument("--tokenizer-type", default="byte", choices=("byte", "bpe", "hf"),
                         help="byte: UTF-8 bytes + EOD (no files); bpe: byte-level BPE; hf: the "
                         "tokenizer.json of an imported model (--tokenizer-dir). [default: byte]")
@@ -65,31 +91,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Show a progress bar. [default: on]")
 
 
-def _tokenizer(args: argparse.Namespace, files: list[str]) -> tuple[Tokenizer, list[str]]:
-    """The tokenizer, plus the `domino train` flags that select it."""
+def _check_flags(args: argparse.Namespace) -> int:
+    """Refuse flag values and combinations before any work; the record limit in bytes."""
+    if args.workers < 1:
+        raise ValueError(f"--workers={args.workers} must be >= 1")
+    if args.train_bpe_vocab_size is not None and args.train_bpe_vocab_size < 257:
+        raise ValueError(f"--train-bpe-vocab-size={args.train_bpe_vocab_size} must be >= 257 "
+                         "(256 bytes + EOD)")
+    bpe_files = args.vocab_file or args.merge_file
+    if args.tokenizer_type == "byte" and (bpe_files or args.train_bpe_vocab_size):
+        raise ValueError("--vocab-file/--merge-file/--train-bpe-vocab-size need "
+                         "--tokenizer-type bpe")
+    if args.tokenizer_type == "hf" and (bpe_files or args.train_bpe_vocab_size):
+        raise ValueError("--tokenizer-type hf takes only --tokenizer-dir")
+    if args.tokenizer_type == "bpe" and args.train_bpe_vocab_size is not None and bpe_files:
+        raise ValueError("pass either --train-bpe-vocab-size or --vocab-file/--merge-file")
+    if (args.tokenizer_type == "bpe" and bool(args.vocab_file) != bool(args.merge_file)
+            and not args.tokenizer_dir):
+        raise ValueError("--tokenizer-type bpe needs both --vocab-file and --merge-file")
+    return _byte_count(args.max_record_bytes)
+
+
+def _byte_count(text: str) -> int:
+    """``--max-record-bytes``: a whole number of bytes, or of KiB / MiB / GiB with K, M, G."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:([KMG])(?:i?B)?)?\s*", text, re.IGNORECASE)
+    shift = {"K": 10, "M": 20, "G": 30}.get(((m and m.group(2)) or "").upper(), 0)
+    value = int(m.group(1)) << shift if m else 0
+    if value < 1:
+        raise ValueError(f"--max-record-bytes={text!r} is not a size of at least 1 byte; give "
+                         "bytes as a whole number, optionally with K, M or G (e.g. 512M)")
+    return value
+
+
+def _check_prefix(prefix: str) -> None:
+    """``--output-prefix`` must end in a file-name prefix: ``dir/`` would write ``dir/.bin``."""
+    if os.path.basename(prefix) in ("", ".", "..") or os.path.isdir(prefix):
+        raise ValueError(f"--output-prefix {prefix!r} names a folder, not a file-name prefix (it "
+                         f"would write hidden files like {os.path.join(prefix, '')}.bin); "
+                         f"give a file-name prefix like {os.path.join(prefix, 'corpus')}")
+
+
+def _tokenizer(args: argparse.Namespace, files: list[str], limit: int,
+               tok_stage: str | None) -> tuple[Tokenizer, list[str]]:
+    """The tokenizer, plus the `domino train` flags that select it (a trained BPE is saved in
+    ``tok_stage``, moved into its folder with the dataset)."""
     if args.tokenizer_type == "byte":
-        if args.vocab_file or args.merge_file or args.train_bpe_vocab_size:
-            raise ValueError("--vocab-file/--merge-file/--train-bpe-vocab-size need "
-                             "--tokenizer-type bpe")
         return build_tokenizer("byte"), ["--tokenizer-type", "byte"]
     if args.tokenizer_type == "hf":
-        if args.vocab_file or args.merge_file or args.train_bpe_vocab_size:
-            raise ValueError("--tokenizer-type hf takes only --tokenizer-dir")
         tok = build_tokenizer("hf", tokenizer_dir=args.tokenizer_dir)
         return tok, ["--tokenizer-type", "hf", "--tokenizer-dir", args.tokenizer_dir]
     if args.train_bpe_vocab_size is not None:
-        if args.vocab_file or args.merge_file:
-            raise ValueError("pass either --train-bpe-vocab-size or --vocab-file/--merge-file")
+        assert tok_stage is not None
         out = Path(args.tokenizer_dir or f"{args.output_prefix}_tokenizer")
         print(f"training a {args.train_bpe_vocab_size}-token BPE on {len(files)} file(s)...")
         t0 = time.perf_counter()
-        tok = BPETokenizer.train(_training_texts(files, args.json_keys),
+        tok = BPETokenizer.train(_training_texts(files, args.json_keys, limit),
                                  args.train_bpe_vocab_size, show_progress=args.progress)
-        tok.save(out)
-        print(f"saved the tokenizer to {out}/ ({time.perf_counter() - t0:.1f} s)")
+        tok.save(tok_stage)
+        print(f"trained the tokenizer in {time.perf_counter() - t0:.1f} s")
         return tok, ["--tokenizer-type", "bpe", "--tokenizer-dir", str(out)]
-    if bool(args.vocab_file) != bool(args.merge_file) and not args.tokenizer_dir:
-        raise ValueError("--tokenizer-type bpe needs both --vocab-file and --merge-file")
     tok = build_tokenizer("bpe", vocab_file=args.vocab_file, merges_file=args.merge_file,
                           tokenizer_dir=args.tokenizer_dir)
     flags = ["--tokenizer-type", "bpe"]
@@ -100,20 +160,18 @@ def _tokenizer(args: argparse.Namespace, files: list[str]) -> tuple[Tokenizer, l
     return tok, flags
 
 
-def _training_texts(files: list[str], keys: list[str]) -> list[str] | Iterator[str]:
+def _training_texts(files: list[str], keys: list[str], limit: int) -> list[str] | Iterator[str]:
     """What the BPE trains on: plain text files as they are; JSONL and tables by their text
     fields, never their raw bytes (JSON syntax, compressed or columnar data)."""
     if all(input_kind(f) == "text" for f in files):
         return files
-    return (text for key in dict.fromkeys(keys) for text, _ in iter_documents(files, key) if text)
+    return (text for key in dict.fromkeys(keys)
+            for text, _ in iter_documents(files, key, limit) if text)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workers < 1:
-        raise ValueError(f"--workers={args.workers} must be >= 1")
-    if args.train_bpe_vocab_size is not None and args.train_bpe_vocab_size < 257:
-        raise ValueError(f"--train-bpe-vocab-size={args.train_bpe_vocab_size} must be >= 257 "
-                         "(256 bytes + EOD)")
+    limit = _check_flags(args)
+    _check_prefix(args.output_prefix)
     parent = Path(args.output_prefix).parent
     check_output_dir(parent, "--output-prefix")
     tok_dir = None
@@ -126,24 +184,78 @@ def run(args: argparse.Namespace) -> int:
     if not files:
         raise ValueError(f"no input files found in {' '.join(args.input)} "
                          f"(folder patterns: {', '.join(patterns)})")
-    check_inputs(files, args.json_keys)  # a wrong key or a damaged file fails before any work
+    keys = list(dict.fromkeys(args.json_keys))
+    _check_outputs(files, _outputs(args.output_prefix, keys, tok_dir), args.overwrite)
+    check_inputs(files, keys, limit)  # a wrong key or a damaged file fails before any work
     with removed_on_error(parent), removed_on_error(tok_dir):
-        _write(args, files, patterns, parent)
+        _write(args, files, keys, limit, tok_dir)
     return 0
 
 
-def _write(args: argparse.Namespace, files: list[str], patterns: list[str], parent: Path) -> None:
-    """Tokenize ``files`` into the dataset(s) ``--output-prefix`` names."""
-    tokenizer, train_flags = _tokenizer(args, files)
-    keys = list(dict.fromkeys(args.json_keys))
-    parent.mkdir(parents=True, exist_ok=True)
+def _datasets(prefix: str, keys: list[str]) -> list[tuple[str, str]]:
+    """(JSON key, dataset prefix) per key: PREFIX itself for one key, else Megatron's names."""
+    if len(keys) == 1:
+        return [(keys[0], prefix)]
     for key in keys:
-        prefix = args.output_prefix if len(keys) == 1 else f"{args.output_prefix}_{key}_document"
-        t0 = time.perf_counter()
-        stats = preprocess(files, prefix, tokenizer, json_key=key, append_eod=args.append_eod,
-                           workers=args.workers, progress=args.progress, patterns=patterns,
-                           checked=True)  # run() checked every input for every key
-        dt = time.perf_counter() - t0
+        if not key or any(c in key for c in ("/", "\\", "\0", os.sep)):
+            raise ValueError(f"--json-keys {key!r}: with several keys each one names an output "
+                             "(PREFIX_<key>_document), so it cannot be empty or hold '/', '\\' "
+                             "or NUL; preprocess that field on its own")
+    return [(key, f"{prefix}_{key}_document") for key in keys]
+
+
+def _outputs(prefix: str, keys: list[str], tok_dir: str | None) -> list[tuple[str, str]]:
+    """(flag, path) of every file the command writes."""
+    out = [("--output-prefix", path) for _, ds in _datasets(prefix, keys)
+           for path in dataset_files(ds)]
+    if tok_dir is not None:
+        out += [("--tokenizer-dir", os.path.join(tok_dir, name))
+                for name in (VOCAB_FILE, MERGES_FILE)]
+    return out
+
+
+def _check_outputs(files: list[str], outputs: list[tuple[str, str]], overwrite: bool) -> None:
+    """Never an input; an existing file (or link) only with --overwrite; never a folder."""
+    check_not_inputs(files, [path for _, path in outputs])
+    for flag, path in outputs:
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise ValueError(f"{flag}: {path} is a folder, where a file of the output goes; "
+                             f"move it away or pass another {flag}")
+        if os.path.lexists(path) and not overwrite:
+            raise ValueError(f"{flag}: {path} exists already (an earlier run's output?); pass "
+                             f"--overwrite to replace it, or another {flag}")
+
+
+def _write(args: argparse.Namespace, files: list[str], keys: list[str], limit: int,
+           tok_dir: str | None) -> None:
+    """Tokenize ``files`` into the dataset(s) ``--output-prefix`` names: all of them (and a
+    trained tokenizer) are staged, then renamed into place together once every one is done."""
+    parent = Path(args.output_prefix).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    done: list[tuple[str, PreprocessStats, float]] = []
+    with contextlib.ExitStack() as stack:
+        stage = stack.enter_context(staging(parent))
+        tok_stage = None
+        if tok_dir is not None:
+            Path(tok_dir).parent.mkdir(parents=True, exist_ok=True)
+            tok_stage = stack.enter_context(staging(Path(tok_dir).parent))
+        tokenizer, train_flags = _tokenizer(args, files, limit, tok_stage)
+        moves: list[tuple[str, str]] = []
+        for i, (key, prefix) in enumerate(_datasets(args.output_prefix, keys)):
+            staged, t0 = os.path.join(stage, f"dataset{i}"), time.perf_counter()
+            stats = write_dataset(files, staged, tokenizer, key, append_eod=args.append_eod,
+                                  workers=args.workers, progress=args.progress,
+                                  max_record_bytes=limit)
+            done.append((prefix, stats, time.perf_counter() - t0))
+            moves += zip(dataset_files(staged), dataset_files(prefix))
+        if tok_dir is not None and tok_stage is not None:
+            os.makedirs(tok_dir, exist_ok=True)
+            moves += [(os.path.join(tok_stage, n), os.path.join(tok_dir, n))
+                      for n in (VOCAB_FILE, MERGES_FILE)]
+        commit(moves, overwrite=args.overwrite)
+    if tok_dir is not None:
+        print(f"saved the tokenizer to {tok_dir}/")
+    for prefix, stats, dt in done:
         print(f"wrote {prefix}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens "
               f"from {stats.files} file(s), {stats.bytes / 1e6:.1f} MB in {dt:.1f} s "
               f"({stats.empty_skipped} empty skipped)")

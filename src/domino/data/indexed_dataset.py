@@ -59,17 +59,24 @@ def _dtype_code(dtype: npt.DTypeLike) -> int:
 
 
 class IndexedDatasetBuilder:
-    """Streams token sequences into `prefix.bin`; `finalize()` writes `prefix.idx` (+ sidecar)."""
+    """Streams token sequences into `prefix.bin`; `finalize()` writes `prefix.idx` (+ sidecar).
 
-    def __init__(self, prefix: str | os.PathLike, dtype: npt.DTypeLike = np.uint16) -> None:
+    With ``exclusive`` every file is created new (O_EXCL): an existing file or link at a name
+    fails the write instead of being written through.
+    """
+
+    def __init__(
+        self, prefix: str | os.PathLike, dtype: npt.DTypeLike = np.uint16, exclusive: bool = False
+    ) -> None:
         self.prefix = os.fspath(prefix)
+        self._mode = "x" if exclusive else "w"
         self.dtype = np.dtype(dtype)
         _dtype_code(self.dtype)  # reject a dtype the index cannot record, before writing
         parent = os.path.dirname(self.prefix)
         if parent:
             os.makedirs(parent, exist_ok=True)
         # Kept open across add_* calls so tokens stream to disk; closed in finalize().
-        self._bin = open(data_path(self.prefix), "wb")
+        self._bin = open(data_path(self.prefix), self._mode + "b")
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
         if np.issubdtype(self.dtype, np.integer):
@@ -115,9 +122,10 @@ class IndexedDatasetBuilder:
         if self._doc_idx[-1] != len(self._sizes):
             self.end_document()  # never leave trailing sequences outside a document
         self._bin.close()
-        write_index(index_path(self.prefix), self.dtype, self._sizes, self._doc_idx)
+        write_index(index_path(self.prefix), self.dtype, self._sizes, self._doc_idx,
+                    exclusive=self._mode == "x")
         if metadata is not None:
-            with open(meta_path(self.prefix), "w", encoding="utf-8") as f:
+            with open(meta_path(self.prefix), self._mode, encoding="utf-8") as f:
                 json.dump(metadata, f, indent=2, sort_keys=True)
                 f.write("\n")
 
@@ -130,16 +138,18 @@ class IndexedDatasetBuilder:
 
 
 def write_index(
-    path: str, dtype: npt.DTypeLike, sizes: Sequence[int] | np.ndarray, doc_idx: Sequence[int]
+    path: str, dtype: npt.DTypeLike, sizes: Sequence[int] | np.ndarray, doc_idx: Sequence[int],
+    exclusive: bool = False,
 ) -> None:
-    """Write an MMIDIDX index for sequences of `sizes` tokens stored back to back."""
+    """Write an MMIDIDX index for sequences of `sizes` tokens stored back to back (``exclusive``:
+    as a new file, O_EXCL)."""
     dt = np.dtype(dtype)
     sizes_arr = np.asarray(sizes, dtype=np.int32)
     pointers = np.zeros(len(sizes_arr), dtype=np.int64)
     if len(sizes_arr) > 1:
         np.cumsum(sizes_arr[:-1].astype(np.int64) * dt.itemsize, out=pointers[1:])
     docs = np.asarray(doc_idx, dtype=np.int64)
-    with open(path, "wb") as f:
+    with open(path, "xb" if exclusive else "wb") as f:
         f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(dt), len(sizes_arr), len(docs)))
         f.write(sizes_arr.astype("<i4").tobytes())
         f.write(pointers.astype("<i8").tobytes())

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import fnmatch
 import glob
 import multiprocessing as mp
 import os
+import shutil
 import sysconfig
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +25,13 @@ from domino.data.indexed_dataset import (
     index_path,
     meta_path,
 )
-from domino.data.readers import DATA_PATTERNS, check_inputs, iter_documents, saved_dataset_files
+from domino.data.readers import (
+    DATA_PATTERNS,
+    MAX_RECORD_BYTES,
+    check_inputs,
+    iter_documents,
+    saved_dataset_files,
+)
 from domino.data.tokenizer import Tokenizer
 
 DEFAULT_PATTERNS: tuple[str, ...] = ("*.txt", "*.md", "*.rst", "*.py", *DATA_PATTERNS)
@@ -128,76 +138,141 @@ def preprocess(
     progress: bool = True,
     patterns: Sequence[str] | None = None,
     checked: bool = False,
+    max_record_bytes: int = MAX_RECORD_BYTES,
 ) -> PreprocessStats:
-    """Tokenize `inputs` into `output_prefix.{bin,idx,json}`.
+    """Tokenize `inputs` into `output_prefix.{bin,idx,json}`, replacing a dataset there.
 
     One document per text file, JSON line (.jsonl/.json, also gzip- or zstd-compressed) or
     Parquet/Arrow row; `json_key` names the field or column. Every JSONL and table file is
     checked for it before tokenizing starts (``checked``: the caller already ran
-    :func:`~domino.data.readers.check_inputs` on these files). Writes to temporary files first so
-    a failed run never clobbers an existing dataset.
+    :func:`~domino.data.readers.check_inputs` on these files). A line or text file over
+    ``max_record_bytes`` is refused. An output that is one of the inputs is refused. Writes
+    into a staging folder first, so a failed run never clobbers an existing dataset.
     """
     files = collect_files(inputs, patterns)
     if not files:
         shown = ", ".join(map(os.fspath, inputs)) or "(nothing)"
         pats = ", ".join(patterns or DEFAULT_PATTERNS)
         raise ValueError(f"no input files found in {shown} (folder patterns: {pats})")
-    if not checked:
-        check_inputs(files, [json_key])
     prefix = os.fspath(output_prefix)
-    tmp = f"{prefix}.tmp{os.getpid()}"
+    check_not_inputs(files, dataset_files(prefix))
+    if not checked:
+        check_inputs(files, [json_key], max_record_bytes)
+    folder = os.path.dirname(prefix) or "."
+    os.makedirs(folder, exist_ok=True)
+    with staging(folder) as tmp:
+        staged = os.path.join(tmp, "dataset")
+        stats = write_dataset(files, staged, tokenizer, json_key, append_eod=append_eod,
+                              workers=workers, progress=progress,
+                              max_record_bytes=max_record_bytes)
+        commit(list(zip(dataset_files(staged), dataset_files(prefix))))
+    return dataclasses.replace(stats, output_prefix=prefix)
+
+
+def dataset_files(prefix: str | os.PathLike) -> list[str]:
+    """The files of the dataset at ``prefix``: .bin, .idx and the .json sidecar."""
+    return [path_of(prefix) for path_of in (data_path, index_path, meta_path)]
+
+
+def check_not_inputs(inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    """Refuse to write an output that is one of ``inputs``: the same file however reached (a
+    link, a hard link, a folder's walk), which writing it would destroy."""
+    existing = [out for out in outputs if os.path.lexists(out)]
+    if not existing:
+        return
+    ids: dict[tuple[int, int], str] = {}
+    for path in inputs:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            ids.setdefault((st.st_dev, st.st_ino), path)
+    for out in existing:
+        try:
+            st = os.stat(out)
+        except OSError:  # a dangling link: no input behind it
+            continue
+        if (src := ids.get((st.st_dev, st.st_ino))) is not None:
+            same = "" if os.path.abspath(src) == os.path.abspath(out) else f" (as {src})"
+            raise ValueError(f"{out} is also an input{same}: writing it would destroy what the "
+                             "dataset is made from, so it is refused even with --overwrite; "
+                             "write the dataset outside its inputs (another --output-prefix)")
+
+
+@contextlib.contextmanager
+def staging(folder: str | os.PathLike) -> Iterator[str]:
+    """A new private folder in ``folder`` for outputs until all of them are written; removed with
+    whatever is left in it. mkdtemp makes it exclusively (mode 0700): no name in it is a link."""
+    tmp = tempfile.mkdtemp(prefix=".domino-preprocess-", dir=folder)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def commit(moves: Sequence[tuple[str, str]], overwrite: bool = True) -> None:
+    """Rename each staged (source, destination) into place: a rename replaces a link at the
+    destination, never writes through it. Without ``overwrite``, an existing destination (one
+    made while this run worked) fails the whole commit before anything moves."""
+    if not overwrite:
+        for _, dst in moves:
+            if os.path.lexists(dst):
+                raise ValueError(f"{dst} appeared while the dataset was written; pass "
+                                 "--overwrite to replace it, or another --output-prefix")
+    for src, dst in moves:
+        os.replace(src, dst)
+
+
+def write_dataset(
+    files: Sequence[str],
+    prefix: str,
+    tokenizer: Tokenizer,
+    json_key: str = "text",
+    *,
+    append_eod: bool = True,
+    workers: int = 1,
+    progress: bool = True,
+    max_record_bytes: int = MAX_RECORD_BYTES,
+) -> PreprocessStats:
+    """Tokenize the (checked) ``files`` into new files ``prefix.{bin,idx,json}`` (created with
+    O_EXCL: meant for a :func:`staging` folder, which the caller removes on failure)."""
     total_bytes = sum(os.path.getsize(f) for f in files)
-    builder = IndexedDatasetBuilder(tmp, best_dtype(tokenizer.vocab_size))
     docs = tokens = nbytes = empty = 0
     bar = tqdm(
         total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
     )
     pool = None
-    try:
-        batches = _batches(iter_documents(files, json_key))
-        if workers > 1:
-            # spawn: safe with threaded parents (torch, tokenizers' rayon pool) on every OS.
-            pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
-            encoded = _ordered_parallel(pool, batches, 2 * workers)
-        else:
-            encoded = ((tokenizer.encode_batch(t), b, e) for t, b, e in batches)
-        for ids_list, size, n_empty in encoded:
-            for ids in ids_list:
-                if append_eod:
-                    ids = [*ids, tokenizer.eod]
-                if not ids:
-                    n_empty += 1
-                    continue
-                builder.add_document(np.asarray(ids, dtype=np.int64))
-                docs += 1
-                tokens += len(ids)
-            nbytes += size
-            empty += n_empty
-            bar.update(size)
-            bar.set_postfix(docs=docs, tokens=tokens, refresh=False)
+    with IndexedDatasetBuilder(prefix, best_dtype(tokenizer.vocab_size), exclusive=True) as out:
+        try:
+            batches = _batches(iter_documents(files, json_key, max_record_bytes))
+            if workers > 1:
+                # spawn: safe with threaded parents (torch, tokenizers' rayon pool) on every OS.
+                pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+                encoded = _ordered_parallel(pool, batches, 2 * workers)
+            else:
+                encoded = ((tokenizer.encode_batch(t), b, e) for t, b, e in batches)
+            for ids_list, size, n_empty in encoded:
+                for ids in ids_list:
+                    if append_eod:
+                        ids = [*ids, tokenizer.eod]
+                    if not ids:
+                        n_empty += 1
+                        continue
+                    out.add_document(np.asarray(ids, dtype=np.int64))
+                    docs += 1
+                    tokens += len(ids)
+                nbytes += size
+                empty += n_empty
+                bar.update(size)
+                bar.set_postfix(docs=docs, tokens=tokens, refresh=False)
+        finally:
+            bar.close()
+            if pool is not None:
+                pool.terminate()
         if docs == 0:
             raise ValueError(
                 f"all {empty} documents in {len(files)} input file(s) are empty; nothing to write"
             )
-        builder.finalize(
-            metadata={
-                "format": "MMIDIDX",
-                "tokenizer": tokenizer.describe(),
-                "documents": docs,
-                "tokens": tokens,
-                "append_eod": append_eod,
-            }
-        )
-        for path_of in (data_path, index_path, meta_path):
-            os.replace(path_of(tmp), path_of(prefix))
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-        builder.__exit__()
-        for path_of in (data_path, index_path, meta_path):
-            if os.path.exists(path_of(tmp)):
-                os.remove(path_of(tmp))
+        out.finalize(metadata={"format": "MMIDIDX", "tokenizer": tokenizer.describe(),
+                               "documents": docs, "tokens": tokens, "append_eod": append_eod})
     return PreprocessStats(prefix, len(files), docs, tokens, nbytes, empty)
 
 

@@ -3,8 +3,10 @@
 Text files (one document each), JSON Lines (plain, gzip or zstd; one document per line) and
 Parquet / Arrow tables (one document per row). Everything is read incrementally: lines from a
 decompressing stream, tables in record batches of the one column asked for, so memory stays
-flat whatever the file size. Each document comes with the on-disk bytes consumed to reach it,
-which add up to the file's size: the progress bar counts those.
+flat whatever the file size. One record (a JSON line, a text file) may hold at most
+``max_record_bytes`` (default ``MAX_RECORD_BYTES``, 256 MiB): a longer one is refused rather than
+read into memory. Each document comes with the on-disk bytes consumed to reach it, which add up
+to the file's size: the progress bar counts those.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import gzip
 import json
 import os
+import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,9 +30,12 @@ _KINDS = (  # longest suffix first: ".jsonl.gz" must not read as plain text
 )
 DATA_PATTERNS = ("*.jsonl", "*.json", "*.jsonl.gz", "*.json.gz", "*.jsonl.zst", "*.json.zst",
                  "*.parquet", "*.arrow")
-# Compressed bytes per read: large enough to amortise, small enough that even a very
-# compressible chunk decompresses to tens of MB, not GB.
-_CHUNK = 1 << 18
+_CHUNK = 1 << 18  # compressed bytes per read from disk
+# Compressed bytes per zstd call: a zstd block of 4 bytes can expand to 128 KiB, so 256 bytes
+# never give more than 8 MiB at once, whatever the data (the extra calls cost under 1 s per
+# decompressed GB, measured against 256 KiB steps).
+_ZSTD_STEP = 256
+MAX_RECORD_BYTES = 256 << 20  # one JSON line or text file; --max-record-bytes raises it
 _ROWS = 4096  # table rows per record batch
 _NAMES = {"parquet": "Parquet", "arrow": "Arrow"}
 
@@ -57,31 +63,53 @@ def saved_dataset_files(folder: str) -> list[str] | None:
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no state.json, or not the one datasets writes: an ordinary folder
-    files = [os.path.join(folder, name) for name in names]
-    for path in files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: listed in {folder}/state.json but missing; "
-                                    "save the dataset again")
-    return files
+    return [_listed_file(folder, name) for name in names]
+
+
+def _listed_file(folder: str, name: Any) -> str:
+    """``folder/name`` for a `_data_files` entry of state.json that is a plain name of a regular
+    file in ``folder``: anything else (a path that leads out, a link) is refused unopened."""
+    state = os.path.join(folder, "state.json")
+    plain = (isinstance(name, str) and name not in ("", ".", "..")
+             and not any(c in name for c in ("/", "\\", "\0", os.sep)))
+    if not plain:
+        raise ValueError(f"{state}: _data_files entry {name!r} is not a plain file name in the "
+                         "folder (no '..', absolute path, path separator or NUL), so it is not "
+                         "read: save the dataset again with save_to_disk")
+    path = os.path.join(folder, name)
+    try:
+        mode = os.lstat(path).st_mode  # lstat: a link is refused, never followed
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: listed in {state} but missing; save the dataset "
+                                "again") from None
+    if stat.S_ISLNK(mode) or not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise ValueError(f"{state}: _data_files entry {name!r} is {what}; only regular files "
+                         "in the folder are read: put the file itself there or save the dataset "
+                         "again with save_to_disk")
+    return path
 
 
 def iter_documents(
-    files: Sequence[str], json_key: str = "text"
+    files: Sequence[str], json_key: str = "text", max_record_bytes: int = MAX_RECORD_BYTES
 ) -> Iterator[tuple[str | None, int]]:
     """Yield (text, on-disk bytes read) per document: one per text file, JSON line or table row.
 
     Text is None for bytes read between documents (a compressed stream's trailer, a table's
-    footer): they count for progress only.
+    footer): they count for progress only. A JSON line or text file over ``max_record_bytes``
+    raises ValueError naming it.
     """
     for path in files:
         kind = input_kind(path)
         if kind == "text":
             with open(path, "rb") as f:
-                raw = f.read()
+                _check_text_size(path, os.fstat(f.fileno()).st_size, max_record_bytes)
+                raw = f.read(max_record_bytes + 1)  # bounded even if the file grew since
+            _check_text_size(path, len(raw), max_record_bytes)
             yield raw.decode("utf-8", errors="replace"), len(raw)
             continue
         reader = _iter_table(path, kind, json_key) if kind in ("parquet", "arrow") else (
-            _iter_jsonl(path, kind, json_key))
+            _iter_jsonl(path, kind, json_key, max_record_bytes))
         consumed = 0
         for text, pos in reader:
             yield text, pos - consumed
@@ -90,20 +118,25 @@ def iter_documents(
             yield None, rest
 
 
-def check_inputs(files: Sequence[str], json_keys: Sequence[str]) -> None:
+def check_inputs(
+    files: Sequence[str], json_keys: Sequence[str], max_record_bytes: int = MAX_RECORD_BYTES
+) -> None:
     """Fail fast, before any tokenizing: open every JSONL and table file and check `json_keys`.
 
     Tables: the file opens and each key is a string column. JSON Lines: the first record parses
-    and holds each key as a string. Later rows are checked as they are read.
+    and holds each key as a string. Text files: the size fits ``max_record_bytes``. Later rows
+    are checked as they are read.
     """
     for path in files:
         kind = input_kind(path)
-        if kind in ("parquet", "arrow"):
+        if kind == "text":
+            _check_text_size(path, os.path.getsize(path), max_record_bytes)
+        elif kind in ("parquet", "arrow"):
             with _open_table(path, kind) as (schema, _):
                 for key in json_keys:
                     _column_index(path, schema, key)
-        elif kind != "text":
-            with contextlib.closing(_lines(path, kind)) as lines:
+        else:
+            with contextlib.closing(_lines(path, kind, max_record_bytes)) as lines:
                 for lineno, (raw, _) in enumerate(lines, start=1):
                     if line := raw.decode("utf-8", errors="replace").strip():
                         for key in json_keys:
@@ -111,12 +144,31 @@ def check_inputs(files: Sequence[str], json_keys: Sequence[str]) -> None:
                         break
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes as people read it: '256 MiB', '1 GiB', '1000 bytes'."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def _too_long(path: str, where: str, limit: int) -> ValueError:
+    return ValueError(f"{path}: {where} holds more than {size_text(limit)}, the limit on one "
+                      "record; if it is one document, raise the limit with --max-record-bytes "
+                      "(max_record_bytes= in Python), else split it")
+
+
+def _check_text_size(path: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise _too_long(path, "the file (one document)", limit)
+
+
 # ---------------------------------------------------------------- JSON Lines
 
 
-def _iter_jsonl(path: str, kind: str, json_key: str) -> Iterator[tuple[str, int]]:
+def _iter_jsonl(path: str, kind: str, json_key: str, limit: int) -> Iterator[tuple[str, int]]:
     """(text, bytes consumed so far) per line; blank lines give '' (e.g. a trailing newline)."""
-    for lineno, (raw, pos) in enumerate(_lines(path, kind), start=1):
+    for lineno, (raw, pos) in enumerate(_lines(path, kind, limit), start=1):
         line = raw.decode("utf-8", errors="replace").strip()
         yield (_json_text(path, lineno, line, json_key) if line else ""), pos
 
@@ -146,12 +198,14 @@ def _json_text(path: str, lineno: int, line: str, json_key: str) -> str:
     return value
 
 
-def _lines(path: str, kind: str) -> Iterator[tuple[bytes, int]]:
-    """(raw line, compressed bytes consumed so far) for a plain, gzip or zstd JSONL file."""
+def _lines(path: str, kind: str, limit: int = MAX_RECORD_BYTES) -> Iterator[tuple[bytes, int]]:
+    """(raw line, compressed bytes consumed so far) for a plain, gzip or zstd JSONL file.
+
+    No line longer than ``limit`` bytes (its newline aside) is ever held: ValueError instead."""
     if kind == "jsonl":
         pos = 0
         with open(path, "rb") as f:
-            for raw in f:
+            for raw in _bounded_lines(f, path, limit):
                 pos += len(raw)
                 yield raw, pos
         return
@@ -161,17 +215,27 @@ def _lines(path: str, kind: str) -> Iterator[tuple[bytes, int]]:
         try:
             if kind == "jsonl.gz":
                 with gzip.GzipFile(fileobj=f) as gz:
-                    for raw in gz:
+                    for raw in _bounded_lines(gz, path, limit):
                         count += 1
                         yield raw, f.tell()
             else:
-                for raw, pos in _split_lines(_zstd_chunks(f)):
+                for raw, pos in _split_lines(_zstd_chunks(f), path, limit):
                     count += 1
                     yield raw, pos
         except (OSError, EOFError, zlib.error, _ZstdError) as e:  # decoding, never the caller's
             raise ValueError(f"{path}: not readable as {what} after {count} line(s) "
                              f"({_why(e)}); the file is truncated or not {what} data: "
                              "re-download or re-compress it") from None
+
+
+def _bounded_lines(stream: Any, path: str, limit: int) -> Iterator[bytes]:
+    """The lines of a binary stream, each read with readline(limit + 1): never more in memory."""
+    lineno = 0
+    while raw := stream.readline(limit + 1):
+        lineno += 1
+        if len(raw) - raw.endswith(b"\n") > limit:
+            raise _too_long(path, f"line {lineno}", limit)
+        yield raw
 
 
 class _ZstdError(Exception):
@@ -185,32 +249,45 @@ def _zstd_chunks(f: Any) -> Iterator[tuple[bytes, int]]:
     dctx = zstandard.ZstdDecompressor()
     dobj, in_frame, pos = dctx.decompressobj(), False, 0
     while chunk := f.read(_CHUNK):
+        view = memoryview(chunk)
+        for start in range(0, len(view), _ZSTD_STEP):  # small steps: bounded output per call
+            piece = view[start : start + _ZSTD_STEP]
+            done = pos + start + len(piece)
+            while piece:
+                try:
+                    out = dobj.decompress(piece)
+                except zstandard.ZstdError as e:
+                    raise _ZstdError(str(e)) from None
+                in_frame = True
+                yield out, done
+                if not dobj.eof:
+                    break
+                piece, dobj, in_frame = dobj.unused_data, dctx.decompressobj(), False  # next
         pos += len(chunk)
-        while chunk:
-            try:
-                out = dobj.decompress(chunk)
-            except zstandard.ZstdError as e:
-                raise _ZstdError(str(e)) from None
-            in_frame = True
-            yield out, pos
-            if not dobj.eof:
-                break
-            chunk, dobj, in_frame = dobj.unused_data, dctx.decompressobj(), False  # next frame
     if in_frame:
         raise _ZstdError("the stream ends inside a frame")
 
 
-def _split_lines(chunks: Iterator[tuple[bytes, int]]) -> Iterator[tuple[bytes, int]]:
-    """Lines (with their newline) out of byte chunks; a long line is joined once, not re-copied."""
+def _split_lines(
+    chunks: Iterator[tuple[bytes, int]], path: str, limit: int
+) -> Iterator[tuple[bytes, int]]:
+    """Lines (with their newline) out of byte chunks; a long line is joined once, not re-copied,
+    and one over ``limit`` bytes is refused as soon as its held part passes the limit."""
     parts: list[bytes] = []
-    pos = 0
+    pos = held = lineno = 0
     for data, pos in chunks:
         start = 0
         while (end := data.find(b"\n", start)) >= 0:
+            lineno += 1
+            if held + end - start > limit:
+                raise _too_long(path, f"line {lineno}", limit)
             parts.append(data[start : end + 1])
             yield b"".join(parts), pos
-            parts, start = [], end + 1
+            parts, held, start = [], 0, end + 1
         if start < len(data):
+            held += len(data) - start
+            if held > limit:
+                raise _too_long(path, f"line {lineno + 1}", limit)
             parts.append(data[start:])
     if parts:
         yield b"".join(parts), pos
