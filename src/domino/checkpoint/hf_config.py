@@ -12,8 +12,11 @@ Written from the formats' documented ``config.json`` keys, so neither direction 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from domino.checkpoint.hf_keys import FIX_PAIR, GPT2_KEYS, LLAMA_KEYS, MOE_KEYS, HFKeys, hf_key
 from domino.config import TransformerConfig
 
 ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe")
@@ -210,155 +213,215 @@ def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
     return out
 
 
-def _get(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if raw.get(key) is not None:
-            return raw[key]
-    return default
+# ---- reading a config.json --------------------------------------------------------------------
 
 
-def config_from_hf(raw: dict[str, Any]) -> tuple[str, TransformerConfig, int | None]:
-    """(architecture, our config, end-of-text id) of a ``config.json``; ValueError naming the
-    setting we cannot represent."""
-    arch = raw.get("model_type")
+def config_from_hf(raw: dict[str, Any], path: str | Path = "config.json",
+                   ) -> tuple[str, TransformerConfig, int | None]:
+    """(architecture, our config, end-of-text id) of a ``config.json`` read from ``path``;
+    ValueError naming the file and the key, and what is wrong with it: missing, null or of the
+    wrong type or range, or a setting we cannot represent."""
+    keys = HFKeys(raw, path)
+    arch = keys.text("model_type", rule=f"the architecture, one of {', '.join(ARCHITECTURES)}")
     eos = raw.get("eos_token_id")
-    eod = eos[0] if isinstance(eos, list) and eos else eos
+    eod = eos[0] if isinstance(eos, list) and eos else None if isinstance(eos, list) else eos
+    if eod is not None and (not isinstance(eod, int) or isinstance(eod, bool) or eod < 0):
+        keys.wrong("eos_token_id", eos, "a token id (an integer >= 0), a list of them, or null")
     if arch == "gpt2":
-        for key, ok in (("scale_attn_by_inverse_layer_idx", False),
-                        ("reorder_and_upcast_attn", False), ("add_cross_attention", False),
-                        ("scale_attn_weights", True)):
-            if raw.get(key, ok) != ok:
-                raise ValueError(f"GPT-2 config {key}={raw[key]!r} is not supported (only {ok})")
-        act = raw.get("activation_function", "gelu_new")
-        if act not in _GELU_FROM_HF:
-            raise ValueError(f"GPT-2 activation_function={act!r} is not supported; one of "
-                             f"{', '.join(_GELU_FROM_HF)}")
-        hidden, positions = int(_get(raw, "n_embd", "hidden_size")), int(
-            _get(raw, "n_positions", "max_position_embeddings"))
-        config = TransformerConfig(
-            num_layers=int(_get(raw, "n_layer", "num_hidden_layers")), hidden_size=hidden,
-            num_attention_heads=int(_get(raw, "n_head", "num_attention_heads")),
-            vocab_size=int(raw["vocab_size"]), ffn_hidden_size=_get(raw, "n_inner"),
-            max_position_embeddings=positions, seq_length=positions,
-            activation=_GELU_FROM_HF[act],
-            layernorm_epsilon=float(raw.get("layer_norm_epsilon", 1e-5)),
-            hidden_dropout=float(raw.get("resid_pdrop", 0.0)),
-            attention_dropout=float(raw.get("attn_pdrop", 0.0)),
-            init_method_std=float(raw.get("initializer_range", 0.02)),
-            untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", True))
-        return arch, config, eod
+        return arch, _gpt2_from_hf(keys), eod
     if arch in ("gemma", "gemma2", "gemma3", "gemma3_text"):
         missing = _GEMMA + (_GEMMA_2_3 if arch != "gemma" else ())
-        raise ValueError(f"model_type {arch!r} is not supported: this model cannot express "
-                         f"{'; '.join(missing)}. `domino import` reads "
-                         f"{', '.join(ARCHITECTURES)} models")
+        keys.refuse(f"model_type {arch!r} is not supported: this model cannot express "
+                    f"{'; '.join(missing)}. `domino import` reads {', '.join(ARCHITECTURES)} "
+                    "models")
     if arch in LLAMA_FAMILY:
-        name = _NAMES[arch]
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{name} hidden_act={act!r} is not supported (only silu: SwiGLU)")
-        if raw.get("pretraining_tp", 1) not in (1, None):
-            raise ValueError(f"{name} pretraining_tp={raw['pretraining_tp']} is not supported")
-        bias = bool(raw.get("attention_bias", False))
-        if arch == "llama" and bool(raw.get("mlp_bias", False)) != bias:
-            raise ValueError("Llama attention_bias != mlp_bias is not supported: the output "
-                             "projection's bias comes with the MLP's here (add_bias_linear)")
-        if arch in _QK_NORMED and bias:
-            raise ValueError(f"{name} attention_bias=true is not supported: the output "
-                             "projection's bias comes with the MLP's here (add_bias_linear)")
-        if raw.get("clip_qkv") is not None:
-            raise ValueError(f"{name} clip_qkv={raw['clip_qkv']!r} is not supported (only null: "
-                             "the Q/K/V projections are not clipped here)")
-        window = _window_from_hf(raw, arch, name)
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        extra: dict[str, Any] = {}
-        if kind == "llama3":
-            extra = dict(rope_scaling_type="llama3", rope_scaling_factor=float(rope["factor"]),
-                         rope_low_freq_factor=float(rope["low_freq_factor"]),
-                         rope_high_freq_factor=float(rope["high_freq_factor"]),
-                         rope_original_max_position_embeddings=int(
-                             rope["original_max_position_embeddings"]))
-        elif kind == "linear":
-            extra = dict(rotary_seq_len_interpolation_factor=float(rope["factor"]))
-        elif kind != "default":
-            raise ValueError(f"{name} RoPE type {kind!r} is not supported (default, linear, "
-                             "llama3)")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"{name} partial_rotary_factor != 1 is not supported")
-        heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-        positions = int(raw.get("max_position_embeddings", 2048))
-        config = TransformerConfig(
-            num_layers=int(raw["num_hidden_layers"]), hidden_size=hidden,
-            num_attention_heads=heads, vocab_size=int(raw["vocab_size"]),
-            ffn_hidden_size=int(raw["intermediate_size"]),
-            num_query_groups=int(raw.get("num_key_value_heads") or heads),
-            kv_channels=int(raw.get("head_dim") or hidden // heads),
-            max_position_embeddings=positions, seq_length=min(positions, 4096),
-            position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
-            activation="swiglu", add_bias_linear=bias and arch == "llama",
-            add_qkv_bias=arch == "qwen2", qk_layernorm=arch in _QK_NORMED,
-            qk_layernorm_full_width=arch == "olmoe",
-            window_size=window,
-            layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)), hidden_dropout=0.0,
-            attention_dropout=float(raw.get("attention_dropout", 0.0)),
-            init_method_std=float(raw.get("initializer_range", 0.02)),
-            untie_embeddings_and_output_weights=not raw.get("tie_word_embeddings", False),
-            **extra, **_moe_from_hf(raw, arch, name))
-        return arch, config, eod
-    raise ValueError(f"model_type {arch!r} is not supported; `domino import` reads "
-                     f"{', '.join(ARCHITECTURES)} models")
+        return arch, _llama_from_hf(keys, arch), eod
+    keys.refuse(f"model_type {arch!r} is not supported; `domino import` reads "
+                f"{', '.join(ARCHITECTURES)} models")
 
 
-def _moe_from_hf(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
+def _gpt2_from_hf(keys: HFKeys) -> TransformerConfig:
+    for key, ok in (("scale_attn_by_inverse_layer_idx", False),
+                    ("reorder_and_upcast_attn", False), ("add_cross_attention", False),
+                    ("scale_attn_weights", True)):
+        if keys.flag(key, ok) != ok:
+            keys.refuse(f"GPT-2 config {key}={json.dumps(not ok)} is not supported (only "
+                        f"{json.dumps(ok)})")
+    act = keys.text("activation_function", "gelu_new")
+    if act not in _GELU_FROM_HF:
+        keys.refuse(f"GPT-2 activation_function={act!r} is not supported; one of "
+                    f"{', '.join(_GELU_FROM_HF)}")
+    hidden, heads = keys.integer(("n_embd", "hidden_size")), keys.integer(
+        ("n_head", "num_attention_heads"))
+    if hidden % heads:
+        keys.refuse(f'"n_embd" ({hidden}) is not divisible by "n_head" ({heads}): GPT-2 splits '
+                    f"the width evenly among the heads; {FIX_PAIR}")
+    positions = keys.integer(("n_positions", "max_position_embeddings"))
+    return keys.build(
+        GPT2_KEYS, num_layers=keys.integer(("n_layer", "num_hidden_layers")),
+        hidden_size=hidden, num_attention_heads=heads, vocab_size=keys.integer("vocab_size"),
+        ffn_hidden_size=keys.integer("n_inner", None), max_position_embeddings=positions,
+        seq_length=positions, activation=_GELU_FROM_HF[act],
+        layernorm_epsilon=keys.number("layer_norm_epsilon", 1e-5, rule="> 0"),
+        hidden_dropout=keys.number("resid_pdrop", 0.0, rule="in [0, 1)"),
+        attention_dropout=keys.number("attn_pdrop", 0.0, rule="in [0, 1)"),
+        init_method_std=keys.number("initializer_range", 0.02, rule="> 0"),
+        untie_embeddings_and_output_weights=not keys.flag("tie_word_embeddings", True))
+
+
+def _llama_from_hf(keys: HFKeys, arch: str) -> TransformerConfig:
+    """Our config of a Llama-family ``config.json`` (``arch``: its model_type)."""
+    name = _NAMES[arch]
+    bias = _llama_bias(keys, arch, name)
+    rope, theta, extra = _rope_from_hf(keys, name)
+    positions = keys.integer("max_position_embeddings", 2048)
+    layers = keys.integer("num_hidden_layers")
+    names = {k: hf_key(arch, k, rope) for k in (*LLAMA_KEYS, *MOE_KEYS.get(arch, {}))}
+    if arch == "qwen3_moe":
+        names["num_experts"] = keys.found("num_experts", "num_local_experts")
+    return keys.build(
+        names, num_layers=layers, vocab_size=keys.integer("vocab_size"),
+        ffn_hidden_size=keys.integer("intermediate_size"), **_heads_from_hf(keys),
+        max_position_embeddings=positions, seq_length=min(positions, 4096),
+        position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
+        activation="swiglu", add_bias_linear=bias and arch == "llama",
+        add_qkv_bias=arch == "qwen2", qk_layernorm=arch in _QK_NORMED,
+        qk_layernorm_full_width=arch == "olmoe", window_size=_window_from_hf(keys, arch, name),
+        layernorm_epsilon=keys.number("rms_norm_eps", 1e-6, rule="> 0"), hidden_dropout=0.0,
+        attention_dropout=keys.number("attention_dropout", 0.0, rule="in [0, 1)"),
+        init_method_std=keys.number("initializer_range", 0.02, rule="> 0"),
+        untie_embeddings_and_output_weights=not keys.flag("tie_word_embeddings", False),
+        **extra, **_moe_from_hf(keys, arch, name, layers))
+
+
+def _llama_bias(keys: HFKeys, arch: str, name: str) -> bool:
+    """attention_bias, after the checks of what this model cannot express."""
+    act = keys.text("hidden_act", "silu")
+    if act != "silu":
+        keys.refuse(f"{name} hidden_act={act!r} is not supported (only silu: SwiGLU)")
+    tp = keys.integer("pretraining_tp", None)
+    if tp not in (None, 1):
+        keys.refuse(f"{name} pretraining_tp={tp} is not supported (only 1)")
+    bias = keys.flag("attention_bias", False)
+    if arch == "llama" and keys.flag("mlp_bias", False) != bias:
+        keys.refuse("Llama attention_bias != mlp_bias is not supported: the output "
+                    "projection's bias comes with the MLP's here (add_bias_linear)")
+    if arch in _QK_NORMED and bias:
+        keys.refuse(f"{name} attention_bias=true is not supported: the output projection's "
+                    "bias comes with the MLP's here (add_bias_linear)")
+    if keys.raw.get("clip_qkv") is not None:
+        keys.refuse(f"{name} clip_qkv={keys.raw['clip_qkv']!r} is not supported (only null: "
+                    "the Q/K/V projections are not clipped here)")
+    return bias
+
+
+def _heads_from_hf(keys: HFKeys) -> dict[str, Any]:
+    """hidden_size, the heads and the head size, checked against each other."""
+    heads, hidden = keys.integer("num_attention_heads"), keys.integer("hidden_size")
+    groups = keys.integer("num_key_value_heads", None) or heads
+    if heads % groups:
+        keys.refuse(f'"num_attention_heads" ({heads}) is not divisible by "num_key_value_heads" '
+                    f"({groups}): each key/value head serves a whole number of query heads; "
+                    f"{FIX_PAIR}")
+    size = keys.integer("head_dim", None)
+    what = f'"head_dim" ({size})'
+    if size is None:
+        if hidden % heads:
+            keys.refuse(f'"hidden_size" ({hidden}) is not divisible by "num_attention_heads" '
+                        f'({heads}) and no "head_dim" is set; {FIX_PAIR}')
+        size = hidden // heads
+        what = f'the head size "hidden_size" / "num_attention_heads" ({size}; no "head_dim")'
+    if size % 2:
+        keys.refuse(f"{what} must be even: RoPE rotates pairs of channels; {FIX_PAIR}")
+    return dict(hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                kv_channels=size)
+
+
+def _rope_from_hf(keys: HFKeys, name: str) -> tuple[str, float, dict[str, Any]]:
+    """(the key holding the RoPE settings, rope_theta, our scaling settings)."""
+    rope = "rope_parameters" if keys.raw.get("rope_parameters") else "rope_scaling"
+    kind = keys.text((f"{rope}.rope_type", f"{rope}.type"), "default")
+    theta = keys.number((f"{rope}.rope_theta", "rope_theta"), 10000.0, rule="> 1")
+    extra: dict[str, Any] = {}
+    if kind == "llama3":
+        low, high = (keys.number(f"{rope}.{k}", rule="> 0")
+                     for k in ("low_freq_factor", "high_freq_factor"))
+        if low >= high:
+            keys.refuse(f'"{rope}.low_freq_factor" ({low}) must be below '
+                        f'"{rope}.high_freq_factor" ({high}); {FIX_PAIR}')
+        extra = dict(rope_scaling_type="llama3",
+                     rope_scaling_factor=keys.number(f"{rope}.factor", rule="> 0"),
+                     rope_low_freq_factor=low, rope_high_freq_factor=high,
+                     rope_original_max_position_embeddings=keys.integer(
+                         f"{rope}.original_max_position_embeddings"))
+    elif kind == "linear":
+        extra = dict(rotary_seq_len_interpolation_factor=keys.number(f"{rope}.factor",
+                                                                     rule="> 0"))
+    elif kind != "default":
+        keys.refuse(f"{name} RoPE type {kind!r} is not supported (default, linear, llama3)")
+    if keys.number(f"{rope}.partial_rotary_factor", None) not in (None, 1.0):
+        keys.refuse(f"{name} partial_rotary_factor != 1 is not supported")
+    return rope, theta, extra
+
+
+def _moe_from_hf(keys: HFKeys, arch: str, name: str, layers: int) -> dict[str, Any]:
     """Our MoE settings of a Mixtral / Qwen3-MoE / OLMoE config (none for a dense family)."""
-    if arch == "mixtral":
-        return dict(num_experts=int(raw["num_local_experts"]),
-                    moe_router_topk=int(raw["num_experts_per_tok"]),
-                    moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
-    if arch == "olmoe":  # every layer MoE; intermediate_size is the experts'
-        return dict(num_experts=int(raw["num_experts"]),
-                    moe_router_topk=int(raw["num_experts_per_tok"]),
-                    moe_ffn_hidden_size=int(raw["intermediate_size"]),
-                    moe_router_pre_softmax=not raw.get("norm_topk_prob", False),
-                    moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
-    if arch != "qwen3_moe":
+    if arch not in ("mixtral", "olmoe", "qwen3_moe"):
         return {}
-    step, dense = int(raw.get("decoder_sparse_step") or 1), list(raw.get("mlp_only_layers") or [])
+    names = {"mixtral": ("num_local_experts",), "olmoe": ("num_experts",)}.get(
+        arch, ("num_experts", "num_local_experts"))
+    experts, topk = keys.integer(names), keys.integer("num_experts_per_tok")
+    count = keys.found(*names)
+    if topk > experts:
+        keys.refuse(f'"num_experts_per_tok" ({topk}) is more than "{count}" ({experts}): a '
+                    f"token is routed to at most every expert; {FIX_PAIR}")
+    out = dict(num_experts=experts, moe_router_topk=topk, moe_aux_loss_coeff=keys.number(
+        "router_aux_loss_coef", None, rule=">= 0") or 0.0)
+    if arch == "mixtral":
+        return out
+    out["moe_router_pre_softmax"] = not keys.flag("norm_topk_prob", False)
+    if arch == "olmoe":  # every layer MoE; intermediate_size is the experts'
+        return {**out, "moe_ffn_hidden_size": keys.integer("intermediate_size")}
+    step = keys.integer("decoder_sparse_step", None) or 1
+    _, dense = keys.value("mlp_only_layers", None, "a list of layer numbers")
+    dense = [] if dense is None else dense
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                              and i >= 0 for i in dense):
+        keys.wrong("mlp_only_layers", dense, "a list of layer numbers (integers >= 0)")
     if step != 1 or dense != list(range(len(dense))):
-        raise ValueError(f"{name} with decoder_sparse_step={step} and mlp_only_layers={dense} is "
-                         "not supported: here the dense layers come first (a prefix), then "
-                         "every layer is MoE")
-    return dict(num_experts=int(_get(raw, "num_experts", "num_local_experts")),
-                moe_router_topk=int(raw["num_experts_per_tok"]),
-                moe_ffn_hidden_size=int(raw["moe_intermediate_size"]),
-                moe_first_k_dense_layers=len(dense),
-                moe_router_pre_softmax=not raw.get("norm_topk_prob", False),
-                moe_aux_loss_coeff=float(raw.get("router_aux_loss_coef") or 0.0))
+        keys.refuse(f"{name} with decoder_sparse_step={step} and mlp_only_layers={dense} is "
+                    "not supported: here the dense layers come first (a prefix), then every "
+                    "layer is MoE")
+    if len(dense) > layers:
+        keys.refuse(f'"mlp_only_layers" lists {len(dense)} layers, more than the '
+                    f'"num_hidden_layers" ({layers}); {FIX_PAIR}')
+    return {**out, "moe_ffn_hidden_size": keys.integer("moe_intermediate_size"),
+            "moe_first_k_dense_layers": len(dense)}
 
 
-def _window_from_hf(raw: dict[str, Any], arch: str, name: str) -> int | None:
+def _window_from_hf(keys: HFKeys, arch: str, name: str) -> int | None:
     """The sliding window every layer uses (None: full attention); ValueError when the layers
     differ (this model has one window for all of them)."""
-    layers = int(raw["num_hidden_layers"])
+    layers = keys.integer("num_hidden_layers")
     if arch == "llama":
         return None
-    window = raw.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen slides only with use_sliding_window, on the layers from max_window_layers on.
-        first = int(raw.get("max_window_layers") or 0)
-        if not raw.get("use_sliding_window") or first >= layers:
+        first = keys.integer("max_window_layers", None, minimum=0) or 0
+        if not keys.flag("use_sliding_window", False) or first >= layers:
             return None
         if first > 0:
-            raise ValueError(f"{name} with a sliding window on layers {first}-{layers - 1} only "
-                             "is not supported: one window for every layer here (or none)")
-    types = raw.get("layer_types")
+            keys.refuse(f"{name} with a sliding window on layers {first}-{layers - 1} only is "
+                        "not supported: one window for every layer here (or none)")
+    window = keys.integer("sliding_window", None)
+    _, types = keys.value("layer_types", None, "a list of attention kinds")
+    if types is not None and not (isinstance(types, list)
+                                  and all(isinstance(t, str) for t in types)):
+        keys.wrong("layer_types", types, 'a list of attention kinds ("full_attention", '
+                   '"sliding_attention")')
     if types and window is not None and len(set(types)) > 1:
-        raise ValueError(f"{name} layer_types mixes {sorted(set(types))}: one attention kind "
-                         "for every layer is supported here")
+        keys.refuse(f"{name} layer_types mixes {sorted(set(types))}: one attention kind for "
+                    "every layer is supported here")
     if types and set(types) == {"full_attention"}:
         return None
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"{name} sliding_window={window!r} must be a positive integer or null")
     return window

@@ -15,6 +15,7 @@ import domino
 from domino.checkpoint import layout
 from domino.checkpoint.hf import expected_hf_shapes, from_hf
 from domino.checkpoint.hf_config import config_from_hf
+from domino.checkpoint.hf_keys import hf_key
 from domino.checkpoint.layout import Meta
 from domino.checkpoint.reshard import reshard
 from domino.checkpoint.shards import describe
@@ -88,7 +89,7 @@ def read_hf_weights(folder: Path, expected: dict[str, tuple[int, ...]] | None = 
     checked from the file's header before its data is read."""
     index = hf_file(folder, "model.safetensors.index.json")
     if index.is_file():
-        weight_map = layout.read_json(index, "safetensors index").get("weight_map", {})
+        weight_map = layout.read_json(index, "safetensors index", follow=True).get("weight_map", {})
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: 'weight_map' must be a JSON object of tensor -> file")
         files = sorted({hf_file(folder, name, index).name for name in weight_map.values()})
@@ -104,7 +105,8 @@ def read_hf_weights(folder: Path, expected: dict[str, tuple[int, ...]] | None = 
     out: dict[str, torch.Tensor] = {}
     for name in files:
         path = hf_file(folder, name)
-        bad = layout.safetensors_header_problem(path) if path.is_file() else "missing"
+        bad = (layout.safetensors_header_problem(path, follow=True) if path.is_file()
+               else "missing")
         if bad:
             raise ValueError(f"{path}: {bad}")
         try:
@@ -158,14 +160,29 @@ def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None) 
     return HFTokenizer(rust, eod, config.vocab_size)
 
 
+def _check_tp(path: Path, config: TransformerConfig, arch: str, tp: int) -> None:
+    """The model splits over ``tp`` ranks; ValueError naming the ``config.json`` keys that
+    do not divide (not our config's field names)."""
+    sizes = {hf_key(arch, field): getattr(config, field)
+             for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size")}
+    if arch == "gpt2" and config.ffn_hidden_size == 4 * config.hidden_size:
+        sizes["n_inner (4 x n_embd when null)"] = sizes.pop("n_inner")
+    bad = [f"{key}={value}" for key, value in sizes.items() if value % tp]
+    if bad:
+        raise ValueError(f"{path}: {', '.join(bad)}: not divisible by "
+                         f"--tensor-model-parallel-size={tp}: each rank holds an equal share; "
+                         f"pass a TP size that divides {', '.join(sizes)}")
+    config.validate_parallel(tp)  # (and whatever else it asks)
+
+
 def import_hf(folder: Path, out: Path, tp: int) -> Path:
     """Write ``folder``'s model into run folder ``out`` at TP=``tp``; returns the step folder."""
     from domino.models.gpt import GPTModel
     from domino.parallel_state import ParallelState
 
-    raw = layout.read_json(hf_file(folder, "config.json"), "model config")
-    arch, config, eod = config_from_hf(raw)
-    config.validate_parallel(tp)
+    path = hf_file(folder, "config.json")
+    arch, config, eod = config_from_hf(layout.read_json(path, "model config", follow=True), path)
+    _check_tp(path, config, arch, tp)
     tokenizer = read_hf_tokenizer(folder, config, eod)
     padded = config.padded_vocab_size(1)
     weights = read_hf_weights(folder, expected_hf_shapes(config, arch))

@@ -1,0 +1,150 @@
+"""Reading a Hugging Face ``config.json`` value by value: :class:`HFKeys` reads each key with
+its type and rule and refuses a missing, null or ill-typed one in one line naming the file and
+the key a user edits; :func:`hf_key` names our config fields in those keys for the messages
+of the config's own checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, NoReturn
+
+from domino.config import TransformerConfig
+
+_REQUIRED, _ABSENT = object(), object()
+_FIX = "set it in config.json to the model's value (the config.json saved with these weights has it)"
+FIX_PAIR = "use the config.json saved with these weights"
+_RULES = {"": lambda x: True, "> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
+          "> 1": lambda x: x > 1, "in [0, 1)": lambda x: 0 <= x < 1}
+# Our TransformerConfig fields as the config.json keys a user edits, for the messages of the
+# config's own checks (config_from_hf checks what it can first, in these terms).
+GPT2_KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+              "num_query_groups": "n_head", "kv_channels": "n_embd / n_head",
+              "ffn_hidden_size": "n_inner", "max_position_embeddings": "n_positions",
+              "seq_length": "n_positions", "layernorm_epsilon": "layer_norm_epsilon",
+              "hidden_dropout": "resid_pdrop", "attention_dropout": "attn_pdrop",
+              "init_method_std": "initializer_range"}
+LLAMA_KEYS = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value_heads",
+               "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size",
+               "seq_length": "max_position_embeddings", "layernorm_epsilon": "rms_norm_eps",
+               "init_method_std": "initializer_range", "window_size": "sliding_window",
+               "rotary_base": "rope_theta", "num_experts": "num_experts",
+               "moe_router_topk": "num_experts_per_tok",
+               "moe_ffn_hidden_size": "moe_intermediate_size",
+               "moe_first_k_dense_layers": "mlp_only_layers",
+               "moe_aux_loss_coeff": "router_aux_loss_coef",
+               "rope_scaling_factor": "rope_scaling.factor",
+               "rotary_seq_len_interpolation_factor": "rope_scaling.factor",
+               "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+               "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+               "rope_original_max_position_embeddings":
+                   "rope_scaling.original_max_position_embeddings"}
+MOE_KEYS = {"mixtral": {"num_experts": "num_local_experts",
+                         "moe_ffn_hidden_size": "intermediate_size"},
+             "olmoe": {"moe_ffn_hidden_size": "intermediate_size"}}
+
+
+def hf_key(arch: str, field: str, rope: str = "rope_scaling") -> str:
+    """The ``config.json`` key of an ``arch`` model that our config's ``field`` comes from
+    (``field`` itself when none does); ``rope``: the key holding the RoPE settings."""
+    keys = GPT2_KEYS if arch == "gpt2" else {**LLAMA_KEYS, **MOE_KEYS.get(arch, {})}
+    key = keys.get(field, field)
+    return f"{rope}.{key.split('.', 1)[1]}" if key.startswith("rope_scaling.") else key
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return text + (" (a string)" if isinstance(value, str) else "")
+
+
+class HFKeys:
+    """One ``config.json`` (``raw``, read from ``path``), each value checked as it is read: a
+    ValueError names the file, the key as written there (``rope_scaling.factor`` for a nested
+    one), the rule and the fix. A key may have alternatives (``("n_embd", "hidden_size")``: the
+    first one set is read). ``default`` stands in for an absent key, and for a null one where it
+    is None (as in transformers, which saves its keys that default to None as null); without a
+    default the key is required."""
+
+    def __init__(self, raw: dict[str, Any], path: str | Path) -> None:
+        self.raw, self.path = raw, path
+
+    def refuse(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.path}: {message}")
+
+    def wrong(self, key: str, value: Any, rule: str) -> NoReturn:
+        self.refuse(f'"{key}" is {_shown(value)}; it must be {rule}: {_FIX}')
+
+    def _lookup(self, key: str) -> Any:
+        value: Any = self.raw
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if value is None or value is _ABSENT:
+                return _ABSENT
+            if not isinstance(value, dict):
+                self.wrong(".".join(parts[:i]), value, "a JSON object or null")
+            value = value.get(part, _ABSENT)
+        return value
+
+    def found(self, *keys: str) -> str:
+        """The first of ``keys`` that is set (not null), else the first."""
+        return next((k for k in keys if self._lookup(k) not in (_ABSENT, None)), keys[0])
+
+    def value(self, keys: str | tuple[str, ...], default: Any, rule: str) -> tuple[str, Any]:
+        """(the key read, its value): ``default`` when absent (or null where it is None)."""
+        names = (keys,) if isinstance(keys, str) else keys
+        key = self.found(*names)
+        value = self._lookup(key)
+        if value is _ABSENT or value is None:
+            if default is _REQUIRED or (value is None and default is not None):
+                what = "missing" if value is _ABSENT else "null"
+                name = f'"{key}"' + "".join(f' (or "{k}")' for k in names if k != key)
+                self.refuse(f"{name} is {what}; it must be {rule}: {_FIX}")
+            return key, default
+        return key, value
+
+    def integer(self, keys: str | tuple[str, ...], default: Any = _REQUIRED, *,
+                minimum: int = 1) -> Any:
+        rule = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        key, value = self.value(keys, default, rule)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < minimum):
+            self.wrong(key, value, rule)
+        return value
+
+    def number(self, keys: str | tuple[str, ...], default: Any = _REQUIRED, *,
+               rule: str = "") -> Any:
+        text = f"a number {rule}".strip()
+        key, value = self.value(keys, default, text)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value) or not _RULES[rule](value):
+            self.wrong(key, value, text)
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        key, value = self.value(key, default, "true or false")
+        if not isinstance(value, bool):
+            self.wrong(key, value, "true or false")
+        return value
+
+    def text(self, keys: str | tuple[str, ...], default: Any = _REQUIRED, *,
+             rule: str = "a string") -> Any:
+        key, value = self.value(keys, default, rule)
+        if value is not None and not isinstance(value, str):
+            self.wrong(key, value, rule)
+        return value
+
+    def build(self, names: dict[str, str], **fields: Any) -> TransformerConfig:
+        """Our config of ``fields``; its own refusals name the keys of ``names`` instead."""
+        try:
+            return TransformerConfig(**fields)
+        except ValueError as err:
+            pattern = r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b"
+            message = re.sub(pattern, lambda m: names[m[1]], str(err)).rstrip(".")
+            self.refuse(f"{message}; {FIX_PAIR}")

@@ -1,0 +1,201 @@
+"""`domino import` of a ``config.json`` with a key missing, null or of the wrong type or range:
+one line on stderr naming the file, the Hugging Face key a user edits (never our own field
+names), the rule and the fix; exit code 2, no traceback, no output folder. The configs are
+real ones saved by ``transformers`` (tiny sizes), then damaged; every refusal comes before
+the weights are read, so the folders hold only config.json."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from domino.checkpoint.hf_config import config_from_hf
+from domino.checkpoint.hf_keys import LLAMA_KEYS, HFKeys
+from domino.cli import main
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# Our TransformerConfig's names, which a user of config.json never sees.
+INTERNAL = ("num_layers", "num_query_groups", "kv_channels", "ffn_hidden_size", "num_experts",
+            "moe_router_topk", "moe_ffn_hidden_size", "moe_first_k_dense_layers",
+            "moe_aux_loss_coeff", "rotary_base", "rope_scaling_factor", "rope_low_freq_factor",
+            "layernorm_epsilon", "init_method_std", "window_size", "seq_length",
+            "tensor_model_parallel_size", "TransformerConfig", "add_bias_linear")
+
+
+@pytest.fixture(scope="module")
+def configs() -> dict[str, dict[str, Any]]:
+    """Each family's config.json as transformers saves it."""
+    import transformers as t
+
+    built = {
+        "llama": t.LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3)),
+        "mistral": t.MistralConfig(**SMALL),
+        "qwen2": t.Qwen2Config(**SMALL),
+        "mixtral": t.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
+        "olmoe": t.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": t.Qwen3MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16),
+        "gpt2": t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32,
+                             bos_token_id=1, eos_token_id=2),
+    }
+    return {name: json.loads(cfg.to_json_string()) for name, cfg in built.items()}
+
+
+def _pop(*path: str) -> Callable[[dict], None]:
+    def damage(raw: dict) -> None:
+        for key in path[:-1]:
+            raw = raw[key]
+        raw.pop(path[-1])
+    return damage
+
+
+def _set(**values: Any) -> Callable[[dict], None]:
+    return lambda raw: raw.update(values)
+
+
+def _rope(**values: Any) -> Callable[[dict], None]:
+    return lambda raw: raw["rope_parameters"].update(values)
+
+
+def _old_llama3_without_factor(raw: dict) -> None:
+    """The transformers 4 spelling: rope_theta on top, llama3 settings in rope_scaling."""
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    del rope["factor"]
+    raw["rope_scaling"] = rope
+
+
+MISSING, NULL = "is missing", "is null"
+POSITIVE, NUMBER, FIX = "must be a positive integer", "must be a number", "set it in config.json"
+# id: (family, damage, what the line must hold: the HF key first, then the rule and the fix)
+CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
+    "mistral-no-layers": ("mistral", _pop("num_hidden_layers"),
+                          ('"num_hidden_layers"', MISSING, POSITIVE, FIX)),
+    "qwen2-no-layers": ("qwen2", _pop("num_hidden_layers"),
+                        ('"num_hidden_layers"', MISSING, POSITIVE, FIX)),
+    "mixtral-no-experts": ("mixtral", _pop("num_local_experts"),
+                           ('"num_local_experts"', MISSING, POSITIVE, FIX)),
+    "olmoe-no-experts": ("olmoe", _pop("num_experts"), ('"num_experts"', MISSING, POSITIVE)),
+    "qwen3_moe-no-experts": ("qwen3_moe", _pop("num_local_experts"),
+                             ('"num_local_experts"', MISSING, POSITIVE)),
+    "llama3-rope_scaling-no-factor": ("llama", _old_llama3_without_factor,
+                                      ('"rope_scaling.factor"', MISSING, "a number > 0", FIX)),
+    "llama3-rope_parameters-no-factor": ("llama", _pop("rope_parameters", "factor"),
+                                         ('"rope_parameters.factor"', MISSING, NUMBER)),
+    "null-hidden_size": ("llama", _set(hidden_size=None), ('"hidden_size"', NULL, POSITIVE, FIX)),
+    "null-topk": ("mixtral", _set(num_experts_per_tok=None),
+                  ('"num_experts_per_tok"', NULL, POSITIVE)),
+    "string-heads": ("llama", _set(num_attention_heads="abc"),
+                     ('"num_attention_heads"', '"abc" (a string)', POSITIVE, FIX)),
+    "string-intermediate": ("mistral", _set(intermediate_size="64"),
+                            ('"intermediate_size"', '"64" (a string)', POSITIVE)),
+    "string-eps": ("qwen2", _set(rms_norm_eps="abc"), ('"rms_norm_eps"', NUMBER, FIX)),
+    "string-theta": ("llama", _rope(rope_theta="abc"),
+                     ('"rope_parameters.rope_theta"', "a number > 1")),
+    "zero-experts": ("mixtral", _set(num_local_experts=0), ('"num_local_experts"', "is 0",
+                                                            POSITIVE)),
+    "bool-vocab": ("llama", _set(vocab_size=True), ('"vocab_size"', POSITIVE)),
+    "string-flag": ("mistral", _set(tie_word_embeddings="false"),
+                    ('"tie_word_embeddings"', "must be true or false")),
+    "string-window": ("mistral", _set(sliding_window="big"), ('"sliding_window"', POSITIVE)),
+    "rope-not-an-object": ("llama", _set(rope_parameters=None, rope_scaling="abc"),
+                           ('"rope_scaling"', "a JSON object or null")),
+    "dropout-range": ("gpt2", _set(attn_pdrop=1.5), ('"attn_pdrop"', "a number in [0, 1)")),
+    "gpt2-no-layers": ("gpt2", _pop("n_layer"), ('"n_layer"', MISSING, POSITIVE)),
+    "no-model_type": ("llama", _pop("model_type"), ('"model_type"', MISSING, "llama, qwen2")),
+    "bad-eos": ("llama", _set(eos_token_id="</s>"), ('"eos_token_id"', "a token id")),
+    # Rules between keys, in the keys' own names.
+    "kv-heads-divide": ("llama", _set(num_key_value_heads=3),
+                        ('"num_key_value_heads" (3)', '"num_attention_heads" (4)',
+                         "not divisible")),
+    "topk-over-experts": ("mixtral", _set(num_experts_per_tok=8),
+                          ('"num_experts_per_tok" (8)', '"num_local_experts" (4)')),
+    "olmoe-topk-over-experts": ("olmoe", _set(num_experts_per_tok=8),
+                                ('"num_experts_per_tok" (8)', '"num_experts" (4)')),
+    "odd-head_dim": ("mistral", _set(head_dim=7), ('"head_dim" (7)', "must be even")),
+    "gpt2-heads-divide": ("gpt2", _set(n_embd=30), ('"n_embd" (30)', '"n_head" (4)')),
+    "llama3-low-over-high": ("llama", _rope(low_freq_factor=8.0),
+                             ('"rope_parameters.low_freq_factor" (8.0)', "high_freq_factor")),
+    "dense-over-layers": ("qwen3_moe", _set(mlp_only_layers=[0, 1, 2]),
+                          ('"mlp_only_layers"', '"num_hidden_layers" (2)')),
+}
+
+
+def _refused(capfd, argv: list[str]) -> str:
+    """Run ``domino ARGV``; assert the one-line refusal and return it."""
+    capfd.readouterr()
+    rc = main(argv)
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"domino {argv[0]}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _internal_names(line: str, family: str) -> list[str]:
+    own = {"olmoe": {"num_experts"}, "qwen3_moe": {"num_experts"}}.get(family, set())
+    return [n for n in INTERNAL if n not in own and re.search(rf"\b{n}\b", line)]
+
+
+def _import(tmp_path: Path, raw: dict, *flags: str) -> tuple[list[str], Path, Path]:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "out" / "run"
+    return ["import", str(folder), str(out), *flags], folder / "config.json", out
+
+
+def test_the_saved_configs_import(configs: dict[str, dict[str, Any]]) -> None:
+    """The undamaged configs are accepted: each refusal below is the damage's."""
+    for name, raw in configs.items():
+        assert config_from_hf(raw)[0] == name
+    # Only the required keys, written by hand: every other one has its default.
+    least = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    arch, config, eod = config_from_hf(least)
+    assert (arch, config.num_query_groups, config.kv_channels, eod) == ("llama", 4, 8, None)
+    assert config.rotary_base == 10000.0 and config.rope_scaling_type is None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_key_is_named_in_one_line(case: str, configs: dict[str, dict[str, Any]],
+                                        tmp_path: Path, capfd) -> None:
+    family, damage, wanted = CASES[case]
+    raw = json.loads(json.dumps(configs[family]))
+    damage(raw)
+    argv, path, out = _import(tmp_path, raw)
+    line = _refused(capfd, argv)
+    assert f"{path}: " in line, line
+    assert all(w in line for w in wanted), (wanted, line)
+    assert not _internal_names(line, family), line
+    assert not out.exists() and not out.parent.exists()
+
+
+def test_a_tp_size_that_does_not_divide_names_the_key(configs: dict[str, dict[str, Any]],
+                                                      tmp_path: Path, capfd) -> None:
+    argv, path, out = _import(tmp_path, configs["llama"], "--tensor-model-parallel-size", "4")
+    line = _refused(capfd, argv)
+    assert f"{path}: num_key_value_heads=2: not divisible by --tensor-model-parallel-size=4" \
+        in line, line
+    assert not _internal_names(line, "llama") and not out.parent.exists()
+
+
+def test_the_configs_own_checks_speak_in_config_json_keys() -> None:
+    """A refusal of our config's own checks (the backstop behind the ones above) is
+    translated to the config.json keys."""
+    keys = HFKeys({}, "/m/config.json")
+    with pytest.raises(ValueError) as err:
+        keys.build(LLAMA_KEYS, num_layers=2, hidden_size=32, num_attention_heads=4,
+                   num_query_groups=3, vocab_size=64)
+    line = str(err.value)
+    assert line.startswith("/m/config.json: ") and "num_key_value_heads=3" in line, line
+    assert not _internal_names(line, "llama"), line
