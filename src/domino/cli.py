@@ -9,7 +9,9 @@ code 2 (a subcommand's module is imported only when it is run, or for the full `
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
 
 # Subcommand -> (its module in domino.commands, one line of help).
@@ -27,13 +29,35 @@ SUBCOMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line (no usage block): ``domino train: error:
+    unrecognized arguments: --foo; see domino train --help``, and the nearest flag or command
+    when one is close."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}; see "
+                     f"{self.prog} --help\n")
+
+    def _suggestion(self, message: str) -> str:
+        unknown = re.match(r"unrecognized arguments: (-\S+)", message)
+        if unknown:
+            word, known = unknown.group(1).split("=", 1)[0], list(self._option_string_actions)
+        else:
+            choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+            if not choice:
+                return ""
+            word, known = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
+        close = difflib.get_close_matches(word, known, n=1)
+        return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _command(name: str):
     """The module of subcommand ``name``."""
     return importlib.import_module(f"domino.commands.{SUBCOMMANDS[name][0]}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="domino", description="Tensor-parallel LM training that hides communication "
         "behind computation (Domino).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -50,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         # Build only the chosen subcommand's parser: validation runs before any process starts.
         name = argv[0]
         module = _command(name)
-        parser = argparse.ArgumentParser(prog=f"domino {name}",
-                                         description=SUBCOMMANDS[name][1],
-                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        parser = Parser(prog=f"domino {name}", description=SUBCOMMANDS[name][1],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(parser)
         args = parser.parse_args(argv[1:])
         from domino.supervisor import RankFailed

@@ -322,6 +322,11 @@ class TransformerConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         _positive(self, "moe_ffn_hidden_size")
+        if self.moe_shared_expert_intermediate_size is not None:
+            _positive(self, "moe_shared_expert_intermediate_size")
+        scale = self.moe_router_topk_scaling_factor
+        if scale is not None and not scale > 0:
+            raise ValueError(f"moe_router_topk_scaling_factor={scale} must be > 0 (or None: 1).")
         _choice(self, "moe_router_score_function", ("softmax", "sigmoid"))
         _choice(self, "moe_router_load_balancing_type", ("aux_loss", "none"))
         _choice(self, "moe_token_drop_policy", ("probs", "position"))

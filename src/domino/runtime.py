@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +36,8 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 COMPUTE_DTYPES = (*PRECISIONS.values(), torch.float32)  # None: the parameters' own
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # eager: dynamo's tracing only
 DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
+CXX_CACHE_FILE = "cxx_checks.json"  # the C++ compilers found to work (check_compile)
+_CXX_OK: set[str] = set()  # ... and in this process
 # Context-parallel attention: Megatron's --cp-comm-type values -> domino.context_parallel's kinds.
 CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "alltoall"}
 
@@ -163,21 +170,102 @@ class RuntimeConfig:
 
 def check_compile(compile: bool, backend: str, device_type: str, flag: str = "compile") -> None:
     """Raise ValueError unless ``torch.compile`` with ``backend`` can generate code for
-    ``device_type`` here (inductor needs a C++ compiler on CPU and Triton on CUDA); ``flag``
-    names the setting in the message."""
+    ``device_type`` here (inductor needs a working C++ compiler on CPU, :func:`cxx_problem`, and
+    Triton on CUDA); ``flag`` names the setting in the message (``"compile"``: the library's
+    keyword spelling, anything else a command's)."""
     if not compile or backend != "inductor":
         return
-    others = (f"pass {'--compile-backend' if flag.startswith('--') else 'compile_backend='}"
-              "aot_eager (same graphs, no generated code), or drop " + flag)
+    backend_flag = "compile_backend='aot_eager'" if flag == "compile" else \
+        "--compile-backend aot_eager"
+    others = f"pass {backend_flag} (same graphs, no generated code), or drop {flag}"
     if device_type == "cpu":
-        cxx = os.environ.get("CXX") or "g++"
-        if shutil.which(cxx) is None:
-            raise ValueError(f"{flag} with the inductor backend compiles C++ on a CPU, but the "
-                             f"compiler {cxx!r} is not on PATH: install one (e.g. apt install "
-                             f"g++, or set CXX), {others}.")
+        cxx, source = inductor_cxx()
+        problem = cxx_problem(cxx)
+        if problem is not None:
+            raise ValueError(f"{flag} with the inductor backend: the C++ compiler {cxx!r} "
+                             f"{problem} (from {source}); inductor compiles C++ on a CPU: install "
+                             f"one (e.g. apt install g++) or set CXX to a working one, {others}")
     elif device_type == "cuda" and importlib.util.find_spec("triton") is None:
         raise ValueError(f"{flag} with the inductor backend generates Triton kernels on CUDA, "
                          f"but triton is not installed: pip install triton, {others}.")
+
+
+def inductor_cxx() -> tuple[str, str]:
+    """(the C++ compiler inductor runs on a CPU, where that name comes from): ``$CXX`` (what a
+    fresh rank's torch reads), else torch's ``torch._inductor.config.cpp.cxx`` when this process
+    imported it (it may have been set), else torch's default."""
+    if os.environ.get("CXX"):
+        return os.environ["CXX"], "CXX"
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        cxx = config.cpp.cxx
+        names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
+        if names:
+            return names[0], "torch._inductor.config.cpp.cxx"
+    return ("clang++" if sys.platform == "darwin" else "g++"), "torch's default"
+
+
+def cxx_problem(cxx: str) -> str | None:
+    """None when ``cxx`` builds a one-line shared library with inductor's OpenMP flag here, else
+    what went wrong. A success is kept per machine, torch version and compiler binary (path, size,
+    mtime) in ``$DOMINO_CACHE_DIR`` (:data:`CXX_CACHE_FILE`), so later runs only stat it."""
+    path = shutil.which(cxx)
+    if path is None:
+        return "does not exist or is not executable" if os.sep in cxx else "is not on PATH"
+    from domino.gemm_rate import machine
+    from domino.utils import cache_root
+
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = f"{machine()} | torch {torch.__version__} | {real} {st.st_size} {st.st_mtime_ns}"
+    cache = cache_root() / CXX_CACHE_FILE
+    if key in _CXX_OK or key in _read_json(cache):
+        return None
+    problem = _build_probe(path)
+    if problem is None:
+        _CXX_OK.add(key)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".cxx_checks-")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({**_read_json(cache), key: True}, f, indent=1, sort_keys=True)
+            os.replace(tmp, cache)  # processes writing at once: one of them wins, whole
+        except OSError:
+            pass  # a read-only cache folder: checked again next time
+    return problem
+
+
+def _build_probe(cxx: str) -> str | None:
+    """Compile and link a one-line shared library with ``cxx`` (as inductor does on a CPU:
+    ``-shared -fPIC``, ``-fopenmp`` on Linux); None when it wrote one, else what went wrong."""
+    with tempfile.TemporaryDirectory(prefix="domino-cxx-") as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write('extern "C" int domino_probe(int x) { return x + 1; }\n')
+        omp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+        try:
+            done = subprocess.run([cxx, "-shared", "-fPIC", *omp, src, "-o", lib],
+                                  capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return "did not finish compiling a one-line file in 120 s"
+        except OSError as err:
+            return f"cannot be run ({err.strerror})"
+        if done.returncode != 0:
+            said = next((ln.strip() for ln in (done.stderr + done.stdout).splitlines()
+                         if ln.strip()), "")
+            return (f"failed to compile a one-line file (exit {done.returncode}"
+                    f"{': ' + said[:200] if said else ''})")
+        if not os.path.isfile(lib) or os.path.getsize(lib) == 0:
+            return "exited 0 on a one-line file but wrote no library"
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def resolve_runtime(config: Any, runtime: RuntimeConfig | None,

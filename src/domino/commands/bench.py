@@ -27,6 +27,11 @@ from domino.bench.spec import (
 )
 from domino.runtime import COMPILE_BACKENDS, CP_COMM_TYPES
 
+# The MoE flags and their defaults (add_arguments'): any other value needs --num-experts.
+MOE_DEFAULTS: dict[str, Any] = {"moe_router_topk": 2, "moe_ffn_hidden_size": None,
+                                "moe_aux_loss_coeff": 0.01,
+                                "moe_router_force_load_balancing": False}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``domino bench`` flags to ``parser``."""
@@ -117,6 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by ``args``; print the table and return the report."""
+    _check_feature_flags(args)
     if args.pipeline_model_parallel_size != 1:
         spec = pipeline_spec(args)
         _make_out_dir(args)
@@ -132,6 +138,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             json.dump(result, f, indent=2)
     print(table, flush=True)
     return result
+
+
+def _check_feature_flags(args: argparse.Namespace) -> None:
+    """Refuse the MoE flags without --num-experts and --cp-comm-type at CP 1: ignored there."""
+    if args.num_experts is None:
+        given = [name for name, default in MOE_DEFAULTS.items()
+                 if getattr(args, name) != default]
+        if given:
+            names, many = ", ".join(f"--{n.replace('_', '-')}" for n in given), len(given) > 1
+            it, them = ("they", "them") if many else ("it", "it")
+            raise ValueError(f"{names} set{'' if many else 's'} the MoE layers, but --num-experts "
+                             f"is not set (the bench's model is dense), so {it} would be "
+                             f"ignored; add --num-experts N, or drop {them}")
+    if args.context_parallel_size == 1 and args.cp_comm_type != "p2p":
+        raise ValueError(f"--cp-comm-type {args.cp_comm_type} picks how context-parallel "
+                         "attention communicates, but --context-parallel-size is 1, so it would "
+                         "be ignored; add --context-parallel-size N (N > 1), or drop "
+                         "--cp-comm-type")
 
 
 def _make_out_dir(args: argparse.Namespace) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from domino.checkpoint.layout import open_checkpoint
+from domino.config import TransformerConfig
 from domino.data.blend import parse_blend
 from domino.data.checks import open_dataset
 from domino.inference.session import add_launch_arguments, launch
@@ -48,7 +50,22 @@ def run(ns: argparse.Namespace) -> int:
                          "once has no mix to keep); or evaluate each dataset alone")
     for prefix in blend.prefixes:
         open_dataset(prefix)  # a missing or empty dataset fails here
+    if ns.seq_length is not None:
+        _check_positions(ns.checkpoint, ns.seq_length)
     spec = {k: getattr(ns, k) for k in ("data_path", "split", "split_name", "eval_iters",
                                          "global_batch_size", "micro_batch_size", "seq_length",
                                          "seed")}
     return launch("eval", ns, spec)
+
+
+def _check_positions(checkpoint: str, seq_length: int) -> None:
+    """A --seq-length the model has positions for (a learned table has max_position_embeddings
+    rows; RoPE has no table)."""
+    _, meta, _ = open_checkpoint(checkpoint, hashes=False)  # (launch hashes it)
+    config = TransformerConfig.from_dict(meta.config)
+    table = config.max_position_embeddings
+    if config.position_embedding_type == "learned_absolute" and seq_length > table:
+        raise ValueError(f"--seq-length={seq_length} is longer than the checkpoint's "
+                         f"max_position_embeddings={table} (its learned position table has no "
+                         f"rows past {table}); pass --seq-length {table} or less, or leave it "
+                         f"out (the run's {config.seq_length})")

@@ -40,6 +40,7 @@ from domino.training.resume import (
     check_save_dir,
     open_resume,
 )
+from domino.training.validation import check_features
 from domino.utils import removed_on_error
 
 
@@ -240,6 +241,7 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
 def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
              run_dir: Path | None) -> Run:
     _check_scalars(args)
+    check_features(args)  # MoE / CP / fp16 flags: values, and none whose feature is off
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     if world_size is None:
