@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # module and everything under it; the longest match decides. (The package itself is at the
 # bottom: it holds the version and only lazy exports.)
 TIERS: list[tuple[str, ...]] = [
-    ("domino", "domino.utils", "domino.enums", "domino.plan", "domino.runtime",
+    ("domino", "domino.utils", "domino.safe_files", "domino.enums", "domino.plan", "domino.runtime",
      "domino.config", "domino.data", "domino.memory", "domino.distributed", "domino.supervisor",
      "domino.rank_fork", "domino.netem", "domino.flops", "domino.gemm_rate", "domino.precision"),
     ("domino.tensor_parallel", "domino.context_parallel", "domino.timing"),

@@ -208,7 +208,13 @@ def test_damage_is_named_and_the_newest_intact_checkpoint_found(tmp_path: Path) 
     with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
         open_checkpoint(run)
     (run / "checkpoints" / "latest.json").write_text("step 4, I think")
-    with pytest.raises(CheckpointError, match="latest.json is not the JSON"):
+    with pytest.raises(CheckpointError, match=r"latest.json: the latest-checkpoint tracker is "
+                       r"not valid JSON \(Expecting value at line 1, column 1\); the file is "
+                       "damaged or was replaced: use another checkpoint$"):
+        open_checkpoint(run)
+    (run / "checkpoints" / "latest.json").write_text("")
+    with pytest.raises(CheckpointError, match=r"latest.json: the latest-checkpoint tracker is "
+                       "empty; the file is damaged"):
         open_checkpoint(run)
     with pytest.raises(CheckpointError, match="no checkpoint found"):
         open_checkpoint(tmp_path)

@@ -184,9 +184,32 @@ def _latest_symlink(step: Path, out: Path) -> str:
     return "symbolic link"
 
 
+def _meta_json_symlink(step: Path, out: Path) -> str:
+    """checkpoint.json itself a link (to another run's record: a valid one)."""
+    shutil.move(step / "checkpoint.json", out / "checkpoint.json")
+    (step / "checkpoint.json").symlink_to(out / "checkpoint.json")
+    return "the checkpoint record is a symbolic link"
+
+
+def _meta_json_to_passwd(step: Path, out: Path) -> str:
+    (step / "checkpoint.json").unlink()
+    (step / "checkpoint.json").symlink_to("/etc/passwd")
+    return "the checkpoint record is a symbolic link"
+
+
+def _latest_json_symlink(step: Path, out: Path) -> str:
+    """latest.json itself a link (to another run's tracker naming a valid step)."""
+    latest = step.parent / "latest.json"
+    shutil.move(latest, out / "latest.json")
+    latest.symlink_to(out / "latest.json")
+    return "the latest-checkpoint tracker is a symbolic link"
+
+
 PLANTS = [_relative, _absolute, _dot, _symlink, _nul, _backslash, _empty, _unexpected_form,
           _unlisted, _etc_passwd, _tokenizer_record, _tokenizer_symlink, _tokenizer_dir_symlink,
-          _tokenizer_subfolder, _latest_symlink]
+          _tokenizer_subfolder, _latest_symlink, _meta_json_symlink, _meta_json_to_passwd,
+          _latest_json_symlink]
+_IN_LATEST = (_latest_symlink, _latest_json_symlink)
 
 
 @pytest.mark.parametrize("hashes", [True, False], ids=["hashed", "unhashed"])
@@ -201,7 +224,7 @@ def test_a_name_leading_out_is_refused_before_anything_outside_is_read(
         _load_everything(run, hashes=hashes)
     msg = str(err.value)
     assert FIX in msg and expected in msg, msg
-    assert ("latest.json" if plant is _latest_symlink else "checkpoint.json") in msg, msg
+    assert ("latest.json" if plant in _IN_LATEST else "checkpoint.json") in msg, msg
     assert not _outside_touched(touched, out), _outside_touched(touched, out)
     if plant is _etc_passwd:  # nothing about the file: not its size, not whether it exists
         assert str(os.stat("/etc/passwd").st_size) not in msg.split("is refused")[1]
@@ -244,6 +267,49 @@ def test_the_cli_refuses_in_one_line(run: Path, tmp_path: Path, command: str, ca
     assert "'../../../outside/x.safetensors' is refused" in err and FIX in err
     assert "Traceback" not in err and not copy.exists()
     assert not _outside_touched(touched, tmp_path / "outside")
+
+
+LINK_TARGETS = {"another run's": None, "/etc/passwd": "/etc/passwd",
+                "a missing file": "/nonexistent/domino-link-target"}
+
+
+@pytest.mark.parametrize("record", ["checkpoint.json", "latest.json"])
+def test_every_command_refuses_a_linked_record_alike_wherever_it_points(
+        run: Path, tmp_path: Path, record: str, capsys, touched: list[str],
+        byte_dataset) -> None:
+    """train, convert, export, generate and eval refuse a linked checkpoint.json or
+    latest.json in one line that is the same whatever the link leads to (so it cannot tell
+    whether a path exists), and open nothing outside."""
+    step = run / "checkpoints" / "step_0000003"
+    path = step / record if record == "checkpoint.json" else run / "checkpoints" / record
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    LINK_TARGETS["another run's"] = str(other / path.relative_to(run))
+    data = byte_dataset(20_000)
+    argvs = {"train": ["train", "--load", str(run), "--data-path", data, "--train-iters", "4",
+                       "--save",
+                       str(tmp_path / "new"), "--no-tensorboard"],
+             "convert": ["convert", str(run), str(tmp_path / "copy"),
+                         "--tensor-model-parallel-size", "1"],
+             "export": ["export", "--format", "hf", str(run), str(tmp_path / "copy")],
+             "generate": ["generate", str(run), "--prompt", "a", "--max-new-tokens", "1"],
+             "eval": ["eval", str(run), "--data-path", data]}
+    lines = {}
+    for target in LINK_TARGETS.values():
+        path.unlink()
+        path.symlink_to(target)
+        for command, argv in argvs.items():
+            capsys.readouterr()
+            touched.clear()
+            assert main(argv) == 2, (command, target)
+            err = capsys.readouterr().err
+            assert err.startswith(f"domino {command}: error: ") and err.count("\n") == 1, err
+            assert str(path) in err and "is a symbolic link" in err, err
+            assert "Traceback" not in err and not (tmp_path / "copy").exists()
+            assert not (tmp_path / "new").exists()
+            assert not _outside_touched(touched, other), (command, target)
+            lines.setdefault(command, set()).add(err)
+    assert all(len(seen) == 1 for seen in lines.values()), lines  # the same words each time
 
 
 def test_meta_from_json_checks_every_name(run: Path) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -297,3 +298,62 @@ def test_bad_blend_flags_fail_before_launch(byte_dataset, tmp_path, capsys) -> N
     assert "--data-cache-path" in msg and "cannot be created" in msg
     msg = _error(capsys, "eval", str(tmp_path), "--data-path", "1", data, "1", data)
     assert "blend" in msg and "--eval-iters" in msg
+
+
+def test_cache_links_are_never_followed(two, tmp_path, monkeypatch) -> None:
+    """A link planted in the cache folder: the lock is refused by name (opening it would create
+    a file where it leads), and a linked index or sidecar is rebuilt over without being read."""
+    ref, _ = _build(two)
+    folder = tmp_path / "domino_cache"
+    (npy,) = folder.glob("blend_train_*.npy")
+    side = npy.with_suffix(".json")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (folder / ".lock").unlink()
+    (folder / ".lock").symlink_to(outside / "created")
+    npy.unlink()  # (so the build takes the lock)
+    with pytest.raises(ValueError, match=r"\.lock is a symbolic link .* remove it"):
+        _build(two)
+    assert not (outside / "created").exists()
+    (folder / ".lock").unlink()
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path, *args, **kwargs):  # records the file each open really reached
+        fd = real_open(path, *args, **kwargs)
+        opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    for name, target in ((npy, outside / "index.npy"), (side, outside / "side.json")):
+        if os.path.lexists(name):
+            name.replace(target)
+        else:
+            np.save(target, ref.index)
+        name.symlink_to(target)
+    secret = {t: t.read_bytes() for t in outside.iterdir()}
+    train, _ = _build(two)
+    assert np.array_equal(train.index, ref.index)
+    assert not [p for p in opened if p.startswith(str(outside))], opened
+    assert not npy.is_symlink() and not side.is_symlink()  # replaced by regular files
+    assert {t: t.read_bytes() for t in outside.iterdir()} == secret  # nothing written there
+
+
+def test_a_refused_run_leaves_no_cache_folder(byte_dataset, tmp_path, capsys) -> None:
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(byte_dataset(60_000) + suffix, data / f"d{suffix}")
+    d = str(data / "d")
+    _error(capsys, "train", "--data-path", "1", d, "1", d, "--seq-length", "100000",
+           "--save", str(tmp_path / "run"))
+    _error(capsys, "eval", str(tmp_path), "--data-path", "1", d, "1", d)
+    assert not (data / "domino_cache").exists()
+    # The default folder a link: not cached there (its files would land where it leads).
+    (tmp_path / "elsewhere").mkdir()
+    (data / "domino_cache").symlink_to(tmp_path / "elsewhere")
+    args = TrainArgs(data_path=["1", d, "1", d])
+    folder, note = train_data.cache_folder(args, data_sources(args))
+    assert folder is None and "symbolic link" in note

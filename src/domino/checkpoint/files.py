@@ -10,54 +10,37 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from domino.safe_files import open_regular, write_atomic
+
 TMP_SUFFIX = ".tmp"  # a file or folder being written; renamed into place once complete
 
 
 def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
-    """Write JSON under a temporary name, fsync it, then rename it over ``path``."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write JSON to a new file beside ``path``, fsync it, then rename it over ``path`` (a link
+    at either name is never written through)."""
+    write_atomic(path, json.dumps(value, indent=1) + "\n", durable=True)
 
 
 def file_record(path: Path) -> dict[str, Any]:
     """Size and SHA-256 of a written file (after fsyncing it)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
 
 
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def safetensors_header_problem(path: Path) -> str | None:
-    """Why ``path`` is not a safetensors file (None when its header parses)."""
+def safetensors_header_problem(path: Path, follow: bool = False) -> str | None:
+    """Why ``path`` is not a safetensors file (None when its header parses); a link is
+    refused unless ``follow`` (a caller that checked where it leads)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, follow=follow) as f:
             head = f.read(8)
             if len(head) < 8:
                 return "too short to be a safetensors file"

@@ -36,11 +36,11 @@ from typing import Any
 from domino.checkpoint.files import (  # noqa: F401  (re-exported: the format's one namespace)
     TMP_SUFFIX,
     file_record,
-    fsync_dir,
     safetensors_header_problem,
     sha256_of,
     write_json_atomic,
 )
+from domino.safe_files import NotAFileError, fsync_dir, read_regular  # noqa: F401
 
 FORMAT = "domino-checkpoint"
 FORMAT_VERSION = 1
@@ -174,22 +174,32 @@ def _check_names(meta: Meta, path: Path) -> None:
 # ---- JSON -----------------------------------------------------------------------------------
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``path``; CheckpointError naming the file when it is not one."""
+def read_json(path: Path, what: str, follow: bool = False) -> dict[str, Any]:
+    """A JSON object from ``path``; CheckpointError naming the file when it is not one. A link
+    is refused without being followed (the message is the same wherever it points) unless
+    ``follow``: a Hugging Face folder's files, whose links ``hf_file`` has judged."""
     try:
-        size = path.stat().st_size
-        if size > _MAX_JSON_BYTES:
-            raise CheckpointError(f"{path}: {size} bytes is far too large for the {what}")
-        raw = path.read_bytes()
+        raw = read_regular(path, _MAX_JSON_BYTES, follow=follow)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing (the {what})") from None
+    except NotAFileError:
+        kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+        raise CheckpointError(f"{path} is refused: the {what} is {kind} (domino writes only "
+                              f"regular files there); {REFUSED_FIX}") from None
     except OSError as err:
-        raise CheckpointError(f"{path}: cannot read the {what}: {err}") from None
+        raise CheckpointError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
+    if not raw.strip():
+        raise CheckpointError(f"{path}: the {what} is empty; the file is damaged (cut short "
+                              "by a crash or a full disk?): use another checkpoint")
     try:
         value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not the JSON {what} it should be ({err}); the file "
-                              "is damaged or was replaced") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: the {what} is not UTF-8 text; the file is damaged or "
+                              "was replaced: use another checkpoint") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: the {what} is not valid JSON ({err.msg} at line "
+                              f"{err.lineno}, column {err.colno}); the file is damaged or was "
+                              "replaced: use another checkpoint") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: the {what} must be a JSON object, not "
                               f"{type(value).__name__}")
@@ -301,7 +311,7 @@ def remove_partial_saves(root: Path) -> list[Path]:
 def latest_step_dir(root: Path) -> Path:
     """The step folder ``latest.json`` names (CheckpointError when there is none)."""
     tracker = root / LATEST
-    if not tracker.exists():
+    if not os.path.lexists(tracker):  # a link, dangling or not, is refused by read_json
         steps = list_steps(root)
         hint = (f" ({len(steps)} step folder(s) exist, e.g. {steps[-1][1]}: pass one of them)"
                 if steps else "")

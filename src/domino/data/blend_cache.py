@@ -8,16 +8,16 @@ repeat that key, and the array must have the recorded dtype, shape, value range,
 counts and SHA-256, and the order itself is checked against the weights (its head rebuilt,
 samples of each dataset probed at their due positions: a file from another version of the
 algorithm is not taken for this one); anything else is rebuilt. Arrays are read with
-``allow_pickle=False``, so a cache file can never run code.
+``allow_pickle=False``, so a cache file can never run code, and never through a link: a link
+(or any other non-file) at a cache name is rebuilt over, never read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import io
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,10 @@ import numpy as np
 
 from domino.data.blend import check_index
 from domino.data.indexed_dataset import data_path, index_path
+from domino.safe_files import NotAFileError, open_regular, read_regular, write_atomic
 
 CACHE_VERSION = 1
+_MAX_SIDECAR_BYTES = 64 << 20  # a key and counts: kilobytes for any real blend
 
 
 def _stamp(prefix: str) -> list[Any]:
@@ -61,11 +63,14 @@ def load_index(folder: Path, key: dict[str, Any], dtype: np.dtype) -> tuple[np.n
                                                                            str]:
     """The cached index for ``key``, or (None, why it is not usable)."""
     npy, side = _paths(folder, key)
-    if not (npy.is_file() and side.is_file()):
+    if not (os.path.lexists(npy) and os.path.lexists(side)):
         return None, "not cached yet"
     try:
-        record = json.loads(side.read_text(encoding="utf-8"))
-        index = np.load(npy, allow_pickle=False)
+        record = json.loads(read_regular(side, _MAX_SIDECAR_BYTES))
+        with open_regular(npy) as f:
+            index = np.load(f, allow_pickle=False)
+    except NotAFileError as err:
+        return None, f"{err.strerror}: rebuilt"
     except (OSError, ValueError) as err:
         return None, f"unreadable ({err})"
     n, k = key["num_samples"], len(key["datasets"])
@@ -91,21 +96,10 @@ def save_index(folder: Path, key: dict[str, Any], index: np.ndarray) -> Path:
     record = {"key": key, "dtype": str(index.dtype), "shape": list(index.shape),
               "counts": np.bincount(index, minlength=len(key["datasets"])).tolist(),
               "sha256": _sha(index)}
-    _atomic(npy, lambda f: np.save(f, index, allow_pickle=False))
-    _atomic(side, lambda f: f.write(json.dumps(record, indent=1).encode()))
+    buffer = io.BytesIO()
+    np.save(buffer, index, allow_pickle=False)
+    # Readable by all (the other users of a shared data folder's cache must be able to read
+    # the index, not only rebuild and replace it in turn).
+    write_atomic(npy, buffer.getvalue(), mode=0o644)
+    write_atomic(side, json.dumps(record, indent=1), mode=0o644)
     return npy
-
-
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes owner-only files: the other users of a shared data folder's cache
-        # could then never read the index, only rebuild and replace it, in turn.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -29,6 +29,7 @@ from domino.data.indexed_dataset import IndexedDataset, data_path, index_path
 from domino.data.preprocess import preprocess, stdlib_corpus_files
 from domino.data.tokenizer import BPETokenizer, Tokenizer, build_tokenizer
 from domino.parallel_state import ParallelState
+from domino.safe_files import NotAFileError, open_for_write
 from domino.training.arguments import TrainArgs, flag
 from domino.utils import cache_root
 
@@ -109,9 +110,12 @@ def _locked(folder: Path) -> Iterator[None]:
         return
     with contextlib.ExitStack() as stack:
         try:
-            handle = stack.enter_context(open(folder / ".lock", "a"))
+            handle = stack.enter_context(open_for_write(folder / ".lock", "a"))
             fcntl.flock(handle, fcntl.LOCK_EX)
             stack.callback(fcntl.flock, handle, fcntl.LOCK_UN)
+        except NotAFileError:  # planted: opening it could create a file where it leads
+            raise ValueError(f"{folder / '.lock'} is a symbolic link or not a regular file "
+                             "(domino only ever makes a plain file there); remove it") from None
         except OSError:
             pass  # unlocked, see above
         yield
@@ -197,24 +201,40 @@ def normalized_blend(tokens: list[str]) -> list[str]:
 
 def cache_folder(args: TrainArgs, sources: DataSources) -> tuple[Path | None, str | None]:
     """Where blend indices are cached, and a note when they cannot be (no blend: nothing to
-    cache). A --data-cache-path that cannot be written is an error naming the flag."""
+    cache). Creates nothing (the folder is made when the first index is written, so a run
+    refused later leaves none behind). A --data-cache-path that cannot be written is an error
+    naming the flag; the default folder a link is not used (its files would be written where
+    the link leads)."""
     if all(b is None or len(b) == 1 for b in (sources.train, sources.valid)):
         return None, None
     explicit = args.data_cache_path is not None
     folder = Path(args.data_cache_path if explicit else
                   Path(sources.train.prefixes[0]).parent / "domino_cache")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK | os.X_OK):
-            return folder, None
-        problem = "is not writable"
-    except OSError as err:
-        problem = f"cannot be created ({err.strerror or err})"
+    problem = _cache_problem(folder, explicit)
+    if problem is None:
+        return folder, None
     if explicit:
         raise ValueError(f"--data-cache-path {folder} {problem}; pass a folder this user can "
                          "write")
     return None, (f"the blend index is not cached: {folder} {problem} (pass --data-cache-path "
                   "DIR to cache it); every rank builds it in memory")
+
+
+def _cache_problem(folder: Path, explicit: bool) -> str | None:
+    """Why blend indices cannot be cached in ``folder`` (None when they can)."""
+    if not explicit and folder.is_symlink():
+        return "is a symbolic link (domino never makes one)"
+    existing = folder
+    while not os.path.lexists(existing):  # the nearest existing folder on the way
+        existing = existing.parent
+    if existing != folder and not existing.is_dir():
+        return f"cannot be created ({existing} is not a folder)"
+    if existing == folder and not folder.is_dir():
+        return "cannot be created (a file is in the way)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == folder else (
+            f"cannot be created ({existing} is not writable)")
+    return None
 
 
 def build_datasets(args: TrainArgs, datasets: Mapping[str, IndexedDataset] | IndexedDataset,
@@ -281,6 +301,7 @@ def _split_dataset(args: TrainArgs, blend: Blend, which: int, num_samples: int,
             # wait and then read it back, checked. No process group exists yet (this runs
             # before any process starts, and again in each rank), and the index is
             # deterministic, so a rank on another host that builds its own copy gets the same.
+            folder.mkdir(parents=True, exist_ok=True)
             with _locked(folder):
                 index, _ = load_index(folder, key, dtype)
                 if index is None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from domino.safe_files import open_for_write, read_regular, write_atomic
 
 
 class RunLogger:
@@ -26,17 +30,18 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
-        if start_step > 0 and path.exists():
+        if start_step > 0 and os.path.lexists(path):
             # Continuing this run from a checkpoint: records of steps after it are undone.
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            # (Never through a link: domino writes none in a run folder.)
+            kept = [line for line in read_regular(path).decode("utf-8").splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            write_atomic(path, "".join(line + "\n" for line in kept))
             for rec in map(json.loads, kept):
                 if "loss" in rec:
                     self.train_curve.append((rec["step"], rec["loss"]))
                 if "val_loss" in rec:
                     self.val_curve.append((rec["step"], rec["val_loss"]))
-        self.metrics = open(path, "a", encoding="utf-8")
+        self.metrics = open_for_write(path, "a")
         # No monitor thread: a daemon thread holding tqdm's lock at exit deadlocks the
         # interpreter's teardown (the bar refreshes on updates anyway).
         tqdm.monitor_interval = 0
@@ -157,6 +162,8 @@ def plot_loss_curve(path: Path, train: list[tuple[int, float]],
     ax.legend()
     ax.set_title("domino train")
     fig.tight_layout()
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format=Path(path).suffix.lstrip(".") or "png")
+    write_atomic(path, image.getvalue())
     plt.close(fig)
     return path

@@ -13,7 +13,6 @@ import math
 import signal
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import SYNC, Plan
+from domino.safe_files import write_atomic
 from domino.tensor_parallel import placement_of
 from domino.training.data import data_sources, state_batches
 from domino.training.dist_optim import DistributedAdamW
@@ -44,6 +44,7 @@ from domino.training.optim import (
     set_lr,
 )
 from domino.training.prepare import Run
+from domino.training.progress import Progress, StopRequest
 from domino.training.step import TrainResult, evaluate, forward_loss, train_step
 from domino.transformer.autotune import autotune, candidate_plans, moe_groups, regime_of
 from domino.transformer.stack import compile_cost, set_plan, stacks_of
@@ -53,28 +54,19 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradients stayed NaN/inf for ``--max-nonfinite-steps`` steps."""
 
 
-@dataclass
-class StopRequest:
-    """Set (by a signal handler) to stop at the next step boundary with a checkpoint."""
-
-    signum: int | None = None
-
-    def request(self, signum: int) -> None:
-        self.signum = signum
-
-
 class Trainer:
     """One rank's run: set-up in the constructor (model, optimiser, resume, logger), then
     :meth:`fit` (the step loop, with evaluation and checkpoints) and :meth:`finish` (final
     checkpoint, summary, sample). The process group is initialised."""
 
     def __init__(self, run: Run, state: ParallelState | None = None,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, progress: Progress | None = None) -> None:
         self.wall0 = time.perf_counter()
         args = run.args
         assert run.run_dir is not None, "the run folder is known before training starts"
         self.run, self.args, self.run_dir = run, args, Path(run.run_dir)
         self.stop = stop if stop is not None else StopRequest()
+        self.progress = progress if progress is not None else Progress()
         self.state = state if state is not None else ParallelState.build(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             device=args.device, shared_memory=args.shared_memory_comm,
@@ -201,6 +193,7 @@ class Trainer:
         window: dict[str, float] = {}
         for step in range(self.start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
+            self.progress.at(step, "training step")
             set_lr(self.optimizer, lr := learning_rate(step, args))
             dp = self.state.dp_cp  # the gradient reduction's group (its exposed time)
             batches = state_batches(run.train_ds, self.consumed, g, args.micro_batch_size,
@@ -240,6 +233,7 @@ class Trainer:
             last = exit_now or step == args.train_iters
             if run.valid_ds is not None and not stop_requested and (
                     (args.eval_interval and step % args.eval_interval == 0) or last):
+                self.progress.at(step, "evaluation")
                 val, _ = evaluate(self.model, run.valid_ds, args, self.state)
                 result.val_losses.append((step, val))
                 rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
@@ -345,6 +339,7 @@ class Trainer:
                            f"checkpoint, {self._last_checkpoint()}, stays the latest)")
             return False
         t0 = time.perf_counter()
+        self.progress.at(step, "saving a checkpoint")
         meta = Meta(step=step, consumed_samples=self.consumed, config=self.run.config.to_dict(),
                     layout={}, tensors={}, files={}, plan=str(self.plan),
                     args=self.args.to_dict(),
@@ -391,7 +386,7 @@ class Trainer:
                        + (f"; regime {regime}" if regime else "")
                        + f" -> training with {best}")
         if self.rank0:
-            (self.run_dir / "autotune.json").write_text(json.dumps(
+            write_atomic(self.run_dir / "autotune.json", json.dumps(
                 {"chosen": str(best), "regime": regime.name if regime else None,
                  "median_s": medians,
                  "times_s": {str(p): t for p, t in times.items()}}, indent=2) + "\n")
@@ -401,10 +396,11 @@ _GROUP_NAMES = {"tp": "TP", "dp": "DP", "embedding": "tied-embedding sums",
                 "ep": "EP all-to-alls"}
 
 
-def train(run: Run, state: ParallelState | None = None,
-          stop: StopRequest | None = None) -> TrainResult:
-    """Train on this rank (the process group is initialised); returns what this rank saw."""
-    trainer = Trainer(run, state, stop)
+def train(run: Run, state: ParallelState | None = None, stop: StopRequest | None = None,
+          progress: Progress | None = None) -> TrainResult:
+    """Train on this rank (the process group is initialised); returns what this rank saw;
+    ``progress`` is kept at the step and phase it is in."""
+    trainer = Trainer(run, state, stop, progress)
     try:
         result = trainer.finish(trainer.fit())
     except BaseException:
@@ -428,7 +424,7 @@ def _sample(model, state: ParallelState, tokenizer, config, args, log: RunLogger
     if log.active:
         kind = "greedy" if args.top_k == 1 else f"top-k {args.top_k}, T={args.temperature}"
         log.print(f"\n--- sample ({len(ids)} tokens, {kind}, KV cache) ---\n{text}\n---")
-        (run_dir / "sample.txt").write_text(text, encoding="utf-8")
+        write_atomic(run_dir / "sample.txt", text)
     return text
 
 
