@@ -9,6 +9,7 @@ against Megatron's ``mpu`` live in :mod:`domino.megatron_compat`; joining the ra
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, field
 
@@ -235,11 +236,23 @@ def _group_of(me: int, lists: list[list[int]], device: torch.device) -> CommGrou
     if len(lists[0]) == 1:
         return CommGroup(device=device)
     mine = CommGroup(device=device)
+    timeout = world_timeout(device)
     for ranks in lists:
-        group = dist.new_group(ranks)
+        # A new group's timeout is torch's default (30 min on gloo), not the world's: a rank
+        # that stopped would hold its peers that long whatever the run asked for.
+        group = dist.new_group(ranks, timeout=timeout)
         if me in ranks:
             mine = CommGroup(group, len(ranks), ranks.index(me), device=device)
     return mine
+
+
+def world_timeout(device: torch.device) -> datetime.timedelta | None:
+    """The default process group's timeout (``init_process_group(timeout=...)``), or None
+    where the backend does not expose it (torch's default then applies)."""
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _embedding_group(sizes: ParallelSizes, device: torch.device) -> CommGroup:

@@ -54,7 +54,7 @@ def run(ns: argparse.Namespace) -> int:
     assert run_dir is not None
     config_path = write_config(run_dir, args)
     code = launch_local(config_path, args.nproc or 1, args.device or "cpu", args.emulate_link,
-                        args.emulate_hosts)
+                        args.emulate_hosts, timeout_s=args.distributed_timeout_minutes * 60.0)
     if code == 0:
         print(f"domino train: done in {time.perf_counter() - t0:.1f} s (including start-up); "
               f"outputs in {run_dir}")

@@ -14,19 +14,24 @@ import os
 import sys
 from pathlib import Path
 
+from domino.safe_files import write_atomic
 from domino.supervisor import Interrupted, RankFailed, local_env, run_ranks
 from domino.training.arguments import TrainArgs, to_toml
 from domino.utils import free_port
 
 # After Ctrl-C / SIGTERM the ranks get this long to reach a step boundary and checkpoint.
 WIND_DOWN_S = 120.0
+# A rank stopped this long past the collective timeout stops the run from the launcher: the
+# peers' own timeouts fire first and say what they were waiting in; this is the backstop.
+STALL_MARGIN_S = 10.0
 
 
 def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | None = None,
-                 hosts: int | None = None) -> int:
+                 hosts: int | None = None, timeout_s: float = 300.0) -> int:
     """Run ``nproc`` worker processes on this host (with ``link_rate``: on ``hosts`` emulated
     hosts, default one per rank, joined by a link of that rate; consecutive ranks share a host);
-    returns the exit code of the run."""
+    returns the exit code of the run. A rank whose process stays stopped ``STALL_MARGIN_S``
+    past ``timeout_s`` (the ranks' collective timeout) stops them all."""
     hosts = hosts or nproc
     per_host = nproc // hosts
     extra = {}
@@ -51,12 +56,13 @@ def launch_local(config_path: Path, nproc: int, device: str, link_rate: str | No
                 env.update(link.env_for(r // per_host, port), TORCH_CPP_LOG_LEVEL="ERROR")
                 commands.append(link.wrap(r // per_host, command))
             envs.append(env)
-        return _run(commands, envs)
+        return _run(commands, envs, timeout_s)
 
 
-def _run(commands: list[list[str]], envs: list[dict[str, str]]) -> int:
+def _run(commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float) -> int:
     try:
-        run_ranks(commands, envs, label="domino train", wind_down_s=WIND_DOWN_S)
+        run_ranks(commands, envs, label="domino train", wind_down_s=WIND_DOWN_S,
+                  stall_s=timeout_s + STALL_MARGIN_S)
     except RankFailed as err:
         return err.exit_code
     except Interrupted as err:
@@ -68,7 +74,7 @@ def _run(commands: list[list[str]], envs: list[dict[str, str]]) -> int:
 def write_config(run_dir: Path, args: TrainArgs) -> Path:
     """Save the effective settings as config.json (read by the workers) and config.toml."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(args), encoding="utf-8")
+    write_atomic(run_dir / "config.toml", to_toml(args))  # (a link there: replaced)
     path = run_dir / "config.json"
-    path.write_text(json.dumps(args.to_dict(), indent=2) + "\n", encoding="utf-8")
+    write_atomic(path, json.dumps(args.to_dict(), indent=2) + "\n")
     return path

@@ -20,8 +20,14 @@ from domino.parallel_state import ParallelState
 from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
 from domino.training.launch import write_config
-from domino.training.loop import StopRequest, TrainingDiverged, train
+from domino.training.loop import TrainingDiverged, train
 from domino.training.prepare import Run, build_run, default_run_dir
+from domino.training.progress import (
+    Progress,
+    StopRequest,
+    is_collective_timeout,
+    timeout_report,
+)
 
 
 def _stop_on_signals() -> StopRequest:
@@ -49,6 +55,7 @@ def run_worker(run: Run) -> int:
     rank = int(os.environ.get("RANK", "0"))
     args = run.args
     stop = _stop_on_signals()
+    progress = Progress()
     # Threads the process groups start (gloo's workers) inherit this mask: a stop signal
     # delivered to one of them would interrupt its socket calls mid-collective and leave the
     # ranks out of step. Only the main thread takes them, once the groups exist.
@@ -73,7 +80,7 @@ def run_worker(run: Run) -> int:
                                     expert_model_parallel_size=args.expert_model_parallel_size,
                                     context_parallel_size=args.context_parallel_size)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-        result = train(run, state=state, stop=stop)
+        result = train(run, state=state, stop=stop, progress=progress)
         state.close()
         world.barrier()  # DP rank 0's TP/EP group may still be sampling: leave together
         if result.stopped_at is not None:
@@ -82,7 +89,11 @@ def run_worker(run: Run) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as err:  # report with the rank, then fail: the launcher stops the rest
-        sys.stderr.write(f"[rank {rank}] {type(err).__name__}: {err}\n")
+        if is_collective_timeout(err):  # a peer's fault, not this rank's: no traceback
+            sys.stderr.write(f"[rank {rank}] " + timeout_report(
+                err, progress, args.distributed_timeout_minutes) + "\n")
+            return 1
+        sys.stderr.write(f"[rank {rank}] {progress}: {type(err).__name__}: {err}\n")
         if isinstance(err, ValueError):  # bad input or a full disk: the message says the fix
             return 2
         if not isinstance(err, TrainingDiverged):
