@@ -111,6 +111,32 @@ def test_save_inside_a_checkpoint_folder_is_refused(tmp_path: Path, data: str, c
         "latest.json", "step_0000002"]
 
 
+def test_dense_and_moe_checkpoints_name_the_experts_alone(tmp_path: Path, data: str,
+                                                         capfd) -> None:
+    # The moe_* settings apply only with experts: across a dense and an MoE model they are no
+    # differences of their own, and --num-experts is the one named (with both values).
+    from domino.training.prepare import model_config
+
+    for name, experts in (("dense", None), ("moe", 4)):
+        args = _args(data, num_layers=1, num_experts=experts)
+        _checkpoint(tmp_path / name, step=2, config=model_config(args, 257), args=args)
+    flags = [*_small(data), "--eval-iters", "0", "--save", str(tmp_path / "new")]
+    line = _refused(capfd, ["train", *flags, "--num-experts", "4", "--load",
+                            str(tmp_path / "dense")])
+    assert ("the checkpoint holds another model: --num-experts is unset (a dense model: no "
+            "experts) in the checkpoint but 4 here. Pass the checkpoint's settings") in line
+    assert "--moe-" not in line, line
+    line = _refused(capfd, ["train", *flags, "--load", str(tmp_path / "moe")])
+    assert ("the checkpoint holds another model: --num-experts is 4 in the checkpoint but "
+            "unset (a dense model: no experts) here. Pass") in line and "--moe-" not in line
+    # Between two MoE models a setting of their experts is a difference of its own.
+    line = _refused(capfd, ["train", *flags, "--num-experts", "8", "--moe-router-topk", "1",
+                            "--load", str(tmp_path / "moe")])
+    assert ("another model: --num-experts is 4 in the checkpoint but 8 here; "
+            "--moe-router-topk is 2 in the checkpoint but 1 here.") in line
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_refused_run_leaves_no_folder(tmp_path: Path, data: str, capfd) -> None:
     run = tmp_path / "a" / "b" / "run"
     _refused(capfd, ["train", *_small(data), "--lr", "-1", "--save", str(run)])
@@ -194,13 +220,18 @@ def small_fs(tmp_path: Path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(small_fs, data: str, capfd) -> None:
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(small_fs, data: str, capfd,
+                                                           nproc: int) -> None:
+    # With two ranks (TP=2: both write shards) each names the full disk: none fails on a file
+    # of the save that another rank removed ("No such file or directory").
     from domino.checkpoint.layout import open_checkpoint
     from domino.training.prepare import model_config as config_of
     from domino.training.resume import BYTES_PER_PARAM_SAVED, parameter_bytes
 
     flags = [*_small(data), "--train-iters", "4", "--save-interval", "2", "--eval-iters", "0",
-             "--sample-tokens", "0", "--nproc", "1"]
+             "--sample-tokens", "0", "--nproc", str(nproc),
+             "--tensor-model-parallel-size", str(nproc)]
     args = _args(data, num_layers=1, hidden_size=32, seq_length=16)
     need = parameter_bytes(config_of(args, 257)) * BYTES_PER_PARAM_SAVED
     # Room for the up-front check and one checkpoint, not for a second one beside it.
@@ -212,6 +243,9 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(small_fs, data: str, 
     assert rc == 2, err
     assert "No space left on device" in err and "the previous checkpoint is intact" in err
     assert "free space on the --save filesystem" in err and "Traceback" not in err
+    assert "No such file or directory" not in err, err
+    reports = [line for line in err.splitlines() if line.startswith("[rank ")]
+    assert len(reports) == nproc and all("No space left on device" in r for r in reports), err
     step_dir, meta, _ = open_checkpoint(run)
     assert meta.step == 2 and step_dir.name == "step_0000002"
     assert not list((run / "checkpoints").glob("*.tmp"))  # the failed save left nothing

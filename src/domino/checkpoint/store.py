@@ -122,43 +122,31 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
 
     ``meta`` carries what is not a tensor (its ``tensors`` / ``files`` / ``layout`` are filled in
     here). ``keep`` > 0 deletes all but the newest ``keep`` checkpoints once this one is in place.
+    A write that fails on any rank (a full disk) fails the save on every rank with that rank's
+    error, once all of them are done with the folder (:class:`_Attempt`).
     """
     root = Path(run_dir) / layout.CHECKPOINTS
     final = root / layout.step_dir_name(step)
     tmp = root / (final.name + layout.TMP_SUFFIX)
     world = state.world
+    attempt = _Attempt(step, tmp, world.rank, world.size)
     if world.rank == 0:
-        with _failing_save(step, tmp):
+        with attempt.recording():
             if tmp.exists():
                 shutil.rmtree(tmp)
             (tmp / layout.TOKENIZER_DIR).mkdir(parents=True)
-    world.barrier()
+    attempt.settle(world, [world.broadcast_json(attempt.error)])
     records: dict[str, Any] = {}
-    specs: dict[str, Any] = {}
-    with _failing_save(step, tmp):
-        if world.rank == 0 and tokenizer is not None:
+    if world.rank == 0 and tokenizer is not None:
+        with attempt.recording():
             meta.tokenizer = save_tokenizer(tokenizer, tmp / layout.TOKENIZER_DIR)
             for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
                 records[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
-        opt_state = optimizer_state(optimizer)
-        masters = model_masters(optimizer)
-        experts = _whole_experts(model, opt_state, masters, state)
-        if _writes(state):
-            weights, moments, rank_specs = _rank_tensors(model, opt_state, state, masters,
-                                                         experts)
-            tp, pp = state.tp.rank, state.pp.rank
-            records[layout.model_file(tp, pp)] = _save_tensors(weights,
-                                                               tmp / layout.model_file(tp, pp))
-            if optimizer is not None:
-                records[layout.optim_file(tp, pp)] = _save_tensors(
-                    moments, tmp / layout.optim_file(tp, pp))
-            rng = {k: v for k, v in state.rng.state_dict()["states"].items()}
-            if rng:
-                records[layout.rng_file(tp, pp)] = _save_tensors(rng,
-                                                                 tmp / layout.rng_file(tp, pp))
-            specs = {k: v.to_json() for k, v in rank_specs.items()}
+    specs = _write_rank_files(tmp, state, model, optimizer, records, attempt)
     _test_pause(step)
-    gathered = world.all_gather_json({"files": records, "tensors": specs})
+    gathered = world.all_gather_json({"files": records, "tensors": specs,
+                                      "error": attempt.error})
+    attempt.settle(world, [part["error"] for part in gathered])
     if world.rank == 0:
         meta.files, meta.tensors = {}, {}
         for part in gathered:
@@ -168,29 +156,75 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
         meta.has_optimizer = optimizer is not None
         meta.layout = {"tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size}
         meta.rng_seed = state.rng.state_dict()["seed"]
-        with _failing_save(step, tmp):
+        with attempt.recording():
             layout.write_json_atomic(tmp / layout.META, meta.to_json())
             _publish(root, tmp, final)
             layout.write_json_atomic(root / layout.LATEST, {"step": step, "dir": final.name})
-        if keep > 0:
+        if keep > 0 and attempt.error is None:
             for _s, old in layout.list_steps(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    world.barrier()  # nobody moves on (or exits) before the checkpoint is in place
+    # Nobody moves on (or exits) before the checkpoint is in place, or all fail with rank 0.
+    attempt.settle(world, [world.broadcast_json(attempt.error)])
     return final
 
 
-@contextlib.contextmanager
-def _failing_save(step: int, tmp: Path) -> Iterator[None]:
-    """A write that fails (a full disk, a read-only or vanished --save) becomes one
-    CheckpointError that says the previous checkpoint is intact; the unpublished ``tmp``
-    folder is removed (the next start would remove it too)."""
-    try:
-        yield
-    except (OSError, SafetensorError) as err:  # SafetensorError is not an OSError
-        shutil.rmtree(tmp, ignore_errors=True)
+def _write_rank_files(tmp: Path, state: ParallelState, model: nn.Module, optimizer: Any,
+                      records: dict[str, Any], attempt: _Attempt) -> dict[str, Any]:
+    """Write this rank's tensor files into ``tmp`` (a writing rank's; the gathers of the
+    optimizer state, masters and experts are collectives every rank joins); adds their
+    records to ``records`` and returns their tensors' specs. A failed write is recorded in
+    ``attempt`` (the later files are then not tried)."""
+    opt_state = optimizer_state(optimizer)
+    masters = model_masters(optimizer)
+    experts = _whole_experts(model, opt_state, masters, state)
+    if not _writes(state) or attempt.error is not None:
+        return {}
+    weights, moments, rank_specs = _rank_tensors(model, opt_state, state, masters, experts)
+    tp, pp = state.tp.rank, state.pp.rank
+    rng = {k: v for k, v in state.rng.state_dict()["states"].items()}
+    with attempt.recording():
+        records[layout.model_file(tp, pp)] = _save_tensors(weights,
+                                                           tmp / layout.model_file(tp, pp))
+        if optimizer is not None:
+            records[layout.optim_file(tp, pp)] = _save_tensors(
+                moments, tmp / layout.optim_file(tp, pp))
+        if rng:
+            records[layout.rng_file(tp, pp)] = _save_tensors(rng, tmp / layout.rng_file(tp, pp))
+    return {k: v.to_json() for k, v in rank_specs.items()}
+
+
+class _Attempt:
+    """One rank's part of a save. A write that fails (a full disk, a read-only or vanished
+    --save) is recorded, not raised, until the ranks compare their outcomes at a collective
+    (:meth:`settle`): removing the unpublished ``tmp`` folder while another rank still writes
+    into it would make that rank fail on a missing file and report that instead of the cause."""
+
+    def __init__(self, step: int, tmp: Path, rank: int, world_size: int) -> None:
+        self.step, self.tmp, self.rank, self.world_size = step, tmp, rank, world_size
+        self.error: str | None = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record this rank's first failed write (raise nothing)."""
+        try:
+            yield
+        except (OSError, SafetensorError) as err:  # SafetensorError is not an OSError
+            if self.error is None:
+                where = f" on rank {self.rank}" if self.world_size > 1 else ""
+                self.error = f"{where}: {err}"
+
+    def settle(self, world: Any, errors: list[str | None]) -> None:
+        """After a collective that brought every rank's ``errors`` (or rank 0's): when one
+        failed, rank 0 removes ``tmp`` (no rank writes into it any more; the next start would
+        remove it too) and every rank raises the same CheckpointError, the first failure's."""
+        failed = next((e for e in errors if e is not None), None)
+        if failed is None:
+            return
+        if world.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         raise CheckpointError(
-            f"saving checkpoint {step} to {tmp} failed: {err}; the previous checkpoint is "
-            "intact (free space on the --save filesystem, or pass another --save)") from None
+            f"saving checkpoint {self.step} to {self.tmp} failed{failed}; the previous "
+            "checkpoint is intact (free space on the --save filesystem, or pass another --save)")
 
 
 PAUSE_ENV = "DOMINO_TEST_SAVE_PAUSE"  # test hook: "STEP:SECONDS" sleeps mid-save at STEP

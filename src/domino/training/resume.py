@@ -72,6 +72,10 @@ def check_save_dir(args: TrainArgs, resume: Resume | None) -> None:
     except OSError as err:
         raise ValueError(f"--save {save}: cannot create it ({err.strerror or err}); pass a "
                          "folder you can write to") from None
+    linked = [n for n in RUN_OUTPUTS if (save / n).is_symlink()]
+    if linked:  # reading or writing through it would reach wherever it leads
+        raise ValueError(f"--save {save}: {', '.join(linked)} is a symbolic link, which domino "
+                         "never makes in a run folder; remove it (or pass another --save)")
     root = save / layout.CHECKPOINTS
     held = [n for n in RUN_MARKERS if (save / n).exists()
             and not (n == layout.CHECKPOINTS and not any(root.iterdir()))]
@@ -113,11 +117,10 @@ def check_compatible(args: TrainArgs, run, resume: Resume) -> None:
         raise ValueError(f"--load {resume.step_dir}: its model config is unusable ({err})"
                          ) from None
     mine, theirs = run.config.architecture(), saved.architecture()
-    diffs = [name for name in sorted(set(mine) | set(theirs))
-             if mine.get(name) != theirs.get(name)]
+    diffs = model_differences(mine, theirs)
     if diffs:
-        parts = [f"{flag_label(n)} is {theirs.get(n)!r} in the "
-                 f"checkpoint but {mine.get(n)!r} here" for n in diffs]
+        parts = [f"{flag_label(n)} is {_shown(n, theirs.get(n))} in the "
+                 f"checkpoint but {_shown(n, mine.get(n))} here" for n in diffs]
         raise ValueError(
             f"--load {resume.step_dir}: the checkpoint holds another model: {'; '.join(parts)}. "
             f"Pass the checkpoint's settings (its config.toml, or {layout.META}) or drop --load")
@@ -129,6 +132,27 @@ def check_compatible(args: TrainArgs, run, resume: Resume) -> None:
             f"this run uses a {run.tokenizer.name} tokenizer of {run.tokenizer.vocab_size} "
             f"(hash {run.tokenizer.vocab_hash()}); pass the checkpoint's tokenizer (its files "
             f"are in {resume.step_dir / layout.TOKENIZER_DIR})")
+
+
+# Settings that decide whether others apply (TransformerConfig.architecture() leaves out the
+# moe_* settings without experts, the RoPE ones without RoPE, ...): named first when they differ.
+GOVERNING = ("num_experts", "position_embedding_type", "rope_scaling_type")
+
+
+def model_differences(mine: dict, theirs: dict) -> list[str]:
+    """The architecture settings that differ between two models, governing ones first. A
+    setting only one side has applies only because a governing setting differs (``moe_*``
+    when one model has experts and the other none): it is not a difference of its own, and is
+    named only if nothing else differs."""
+    both = [n for n in set(mine) & set(theirs) if mine[n] != theirs[n]]
+    names = both or list(set(mine) ^ set(theirs))
+    return sorted(names, key=lambda n: (n not in GOVERNING, n))
+
+
+def _shown(name: str, value) -> str:
+    if value is None:
+        return "unset (a dense model: no experts)" if name == "num_experts" else "unset"
+    return repr(value)
 
 
 def parameter_bytes(config: TransformerConfig) -> int:
