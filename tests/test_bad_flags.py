@@ -56,7 +56,6 @@ def test_compile_with_a_missing_or_broken_compiler_is_refused(tmp_path, data, ca
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
 def test_a_working_compiler_is_checked_once_per_binary(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DOMINO_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(runtime, "_CXX_OK", set())
     wrapper = _script(tmp_path / "cxx", f'exec {shutil.which("g++")} "$@"')
     monkeypatch.setenv("CXX", str(wrapper))
     check_compile(True, "inductor", "cpu", "--compile")
@@ -65,7 +64,6 @@ def test_a_working_compiler_is_checked_once_per_binary(tmp_path, monkeypatch) ->
     def no_compiling(*_a, **_k):
         raise AssertionError("the compiler ran again")
 
-    monkeypatch.setattr(runtime, "_CXX_OK", set())  # a new process: the file cache answers
     monkeypatch.setattr(runtime.subprocess, "run", no_compiling)
     check_compile(True, "inductor", "cpu", "--compile")
     monkeypatch.undo()

@@ -10,17 +10,14 @@ and shape set, and cached in ``$DOMINO_CACHE_DIR`` (default ``~/.cache/domino``)
 
 from __future__ import annotations
 
-import json
-import os
 import platform
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from domino.flops import Gemm, cuda_peak_flops
+from domino.safe_files import read_cache, update_cache
 from domino.utils import cache_root
 
 CACHE_FILE = "gemm_rates.json"
@@ -87,33 +84,16 @@ def measure(gemms: Sequence[Gemm], dtype: torch.dtype, device: str = "cpu") -> f
     return flops / seconds
 
 
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def gemm_rate(gemms: Sequence[Gemm], dtype: torch.dtype) -> float:
     """FLOP/s this machine reaches on ``gemms`` in ``dtype`` with the current thread count, from
     the cache or measured (and then cached)."""
     key = cache_key(gemms, dtype, torch.get_num_threads())
     path = cache_root() / CACHE_FILE
-    value = _read(path).get(key)
+    value = read_cache(path).get(key)
     if isinstance(value, (int, float)) and value > 0:
         return float(value)
     rate = measure(gemms, dtype)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read(path)
-        data[key] = rate
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gemm_rates-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)  # ranks writing at once: one of them wins, whole
-    except OSError:
-        pass  # a read-only home: the rate is still right, only not kept
+    update_cache(path, key, rate)  # (a read-only home: the rate is still right, not kept)
     return rate
 
 

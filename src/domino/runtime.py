@@ -17,27 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from domino.plan import Plan, check_fields
 from domino.precision import PRECISIONS
+from domino.safe_files import read_cache, update_cache
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 COMPUTE_DTYPES = (*PRECISIONS.values(), torch.float32)  # None: the parameters' own
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # eager: dynamo's tracing only
 DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never worse (docs)
 CXX_CACHE_FILE = "cxx_checks.json"  # the C++ compilers found to work (check_compile)
-_CXX_OK: set[str] = set()  # ... and in this process
 # Context-parallel attention: Megatron's --cp-comm-type values -> domino.context_parallel's kinds.
 CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "alltoall"}
 
@@ -219,19 +217,11 @@ def cxx_problem(cxx: str) -> str | None:
     st = os.stat(real)
     key = f"{machine()} | torch {torch.__version__} | {real} {st.st_size} {st.st_mtime_ns}"
     cache = cache_root() / CXX_CACHE_FILE
-    if key in _CXX_OK or key in _read_json(cache):
+    if read_cache(cache).get(key) is True:
         return None
     problem = _build_probe(path)
     if problem is None:
-        _CXX_OK.add(key)
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".cxx_checks-")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({**_read_json(cache), key: True}, f, indent=1, sort_keys=True)
-            os.replace(tmp, cache)  # processes writing at once: one of them wins, whole
-        except OSError:
-            pass  # a read-only cache folder: checked again next time
+        update_cache(cache, key, True)  # (a read-only cache folder: checked again next time)
     return problem
 
 
@@ -258,14 +248,6 @@ def _build_probe(cxx: str) -> str | None:
         if not os.path.isfile(lib) or os.path.getsize(lib) == 0:
             return "exited 0 on a one-line file but wrote no library"
     return None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def resolve_runtime(config: Any, runtime: RuntimeConfig | None,

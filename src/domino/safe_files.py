@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -104,6 +105,28 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = 
         raise
     if durable:
         fsync_dir(target.parent)
+
+
+def read_cache(path: str | os.PathLike, limit: int = 16 << 20) -> dict:
+    """A cache file's JSON object; {} when it is absent, unreadable, a link, damaged or not an
+    object (a cache is a shortcut: what it lacks is measured again)."""
+    try:
+        data = json.loads(read_regular(path, limit))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_cache(path: str | os.PathLike, key: str, value: Any) -> None:
+    """Add ``key: value`` to the JSON cache at ``path`` (its folder made if need be), by an
+    atomic rename: processes writing at once each leave a whole file, the last one's. A cache
+    that cannot be written (a read-only home) is skipped."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        data = {**read_cache(path), key: value}
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    except OSError:
+        pass
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
