@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_bad_inputs import _refused
 
 from domino.checkpoint.hf_config import config_from_hf
 from domino.checkpoint.hf_keys import LLAMA_KEYS, HFKeys
-from domino.cli import main
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
@@ -127,18 +127,6 @@ CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
     "dense-over-layers": ("qwen3_moe", _set(mlp_only_layers=[0, 1, 2]),
                           ('"mlp_only_layers"', '"num_hidden_layers" (2)')),
 }
-
-
-def _refused(capfd, argv: list[str]) -> str:
-    """Run ``domino ARGV``; assert the one-line refusal and return it."""
-    capfd.readouterr()
-    rc = main(argv)
-    err = capfd.readouterr().err
-    assert rc == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"domino {argv[0]}: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def _internal_names(line: str, family: str) -> list[str]:
