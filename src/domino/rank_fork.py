@@ -35,6 +35,8 @@ import time
 from collections.abc import Mapping, Sequence
 from multiprocessing import reduction
 
+from domino.utils import process_state
+
 ENV = "DOMINO_RANK_START"
 # Imported once in the server (a module that fails to import there is skipped: the rank
 # imports it itself).
@@ -139,11 +141,7 @@ def _terminate_after(sentinel: int) -> None:
 
 def _running(pid: int) -> bool:
     """Is ``pid`` a process that has not exited (Linux: neither gone nor a zombie)?"""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def _identity(x):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from domino import host_memory, rank_fork
-from domino.utils import stop_processes
+from domino.utils import process_state, stop_processes
 
 GRACE_S = 5.0  # SIGTERM first; SIGKILL whatever is left after this long
 SETTLE_S = 1.0  # after a rank fails, how long to wait for the others before naming who failed
@@ -227,11 +227,7 @@ def _stop(procs: list[subprocess.Popen], stopped: list[int], grace_s: float) -> 
 def is_stopped(pid: int) -> bool:
     """Is process ``pid`` stopped by a signal or a tracer (Linux ``/proc`` state T or t)?
     False where that cannot be read (another system, a process gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
-    except (OSError, IndexError, UnicodeDecodeError):
-        return False
+    return process_state(pid) in ("T", "t")
 
 
 def local_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:

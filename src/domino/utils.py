@@ -95,6 +95,17 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+def process_state(pid: int) -> str | None:
+    """Linux's one-letter state of process ``pid`` (R, S, T for stopped, Z for zombie, ...), or
+    None where it cannot be read (another system, a process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            # The state follows the parenthesised command name, which may hold spaces and ")".
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM every live child, then SIGKILL whatever is left after ``grace_s``."""
     for p in procs:

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import time
 
+from domino.utils import process_state
+
 PREFIX = "domino"
 
 _ROOT_MSG = (
@@ -70,12 +72,7 @@ def _kill_ns_procs(ns: str, grace_s: float = 1.0) -> None:
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The state field follows the parenthesised command name, which may contain spaces.
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) == "Z"
 
 
 def delete_namespace(ns: str) -> None:
