@@ -82,9 +82,10 @@ def main() -> None:
             t0 = time.perf_counter()
             step(*runs[mode], ids, mode)
             times[mode].append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in runs[modes[0]][0].parameters())
     print(f"GPT: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch "
-          f"{args.batch}, plan {args.plan}, {sum(p.numel() for p in runs[modes[0]][0].parameters())}"
-          f" params; torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"{args.batch}, plan {args.plan}, {n_params} params; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
     for mode in modes:
         casts = ", ".join(f"{k} {n} calls {ms:.1f} ms" for k, (n, ms) in counts[mode].items())
         print(f"{mode:>15}: step {statistics.median(times[mode]) * 1e3:8.1f} ms (median of "

@@ -91,13 +91,21 @@ def fit(args, run_dir: str):
     from domino.training import logging as train_logging
     from domino.training.loop import train
     from domino.training.prepare import build_run
+    from domino.training.worker import build_state
 
     if args.peak_tflops is None:
         args = dataclasses.replace(args, peak_tflops=1.0)
 
     draw = train_logging.plot_loss_curve
     train_logging.plot_loss_curve = lambda path, train, val: None
+    run = build_run(args, Path(run_dir))
+    state = build_state(args, args.device)
     try:
-        return train(build_run(args, Path(run_dir)))
+        result = train(run, state)
+    except BaseException:
+        state.close(wait=False)  # leaving on an error: a worker may wait on a peer
+        raise
     finally:
         train_logging.plot_loss_curve = draw
+    state.close()
+    return result

@@ -12,7 +12,8 @@ Weight layouts it assumes (the documented contract):
 * RoPE rotates the first ``int(kv_channels * rotary_percent)`` channels of each head in two
   halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos / factor * base^(-2i/rot);
 * pre-norm layers; ``apply_residual_connection_post_layernorm`` takes the residual from the norm
-  output; MoE layers route dropless (see ``_moe``); the loss is ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary.
+  output; MoE layers route dropless (see ``_moe``); the loss is
+  ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary.
 """
 
 from __future__ import annotations

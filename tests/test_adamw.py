@@ -23,7 +23,8 @@ def _grads(step: int, params) -> list[torch.Tensor]:
 
 
 def _groups(params):
-    return [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+    return [{"params": params[:1], "weight_decay": 0.1},
+            {"params": params[1:], "weight_decay": 0.0}]
 
 
 def test_steps_equal_torch_adamw_bit_for_bit() -> None:

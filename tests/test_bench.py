@@ -1,5 +1,5 @@
-"""Tests for ``domino bench`` (domino.commands.bench; domino.bench spec / figures / execute / modes /
-worker). No timing assertions."""
+"""Tests for ``domino bench`` (domino.commands.bench; domino.bench spec / figures / execute /
+modes / worker). No timing assertions."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def test_parse_modes() -> None:
           "1gbit"], "--tensor-model-parallel-size >= 2 or --expert-model-parallel-size >= 2"),
         (["--context-parallel-size", "3"], r"--seq-length 32 is not divisible by 2 x "
                                            r"--context-parallel-size = 6"),
-        (["--context-parallel-size", "2", "--num-experts", "4"], "measures context parallelism and MoE in separate"),
+        (["--context-parallel-size", "2", "--num-experts", "4"],
+         "measures context parallelism and MoE in separate"),
         (["--context-parallel-size", "2", "--simulate-link", "1gbit"], "no context parallel"),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
          r"--tensor-model-parallel-size x --context-parallel-size = 8"),

@@ -28,7 +28,8 @@ def test_defaults_are_the_documented_sizes():
     assert (args.rounds, args.hidden_size, args.moe_ffn_hidden_size, args.num_experts,
             args.moe_router_topk, args.seq_length, args.micro_batch_size,
             args.expert_model_parallel_size) == (4, 512, 1024, 8, 2, 256, 4, 2)
-    assert args.modes == "sync,nocomm,domino:m2:cross,domino:m2:cross:c2,domino:m1:cross:c2,domino:m1:cross:c4"
+    assert args.modes == ("sync,nocomm,domino:m2:cross,domino:m2:cross:c2,domino:m1:cross:c2,"
+                          "domino:m1:cross:c4")
     assert not args.swiglu and not args.force_load_balancing and not args.write_latest
 
 

@@ -407,8 +407,8 @@ def test_sequence_length_error_names_the_flags() -> None:
     with pytest.raises(ValueError) as exc:
         check_sequence_length(30, 4)
     msg = str(exc.value)
-    assert "--seq-length 30" in msg and "--context-parallel-size" in msg and "8" in msg
-    with pytest.raises(ValueError, match="--seq-length 6"):
+    assert "seq_length=30" in msg and "context_parallel_size" in msg and "8" in msg
+    with pytest.raises(ValueError, match="seq_length=6"):
         shard_sequence(torch.zeros(6, 1), 0, 2)
 
 
@@ -418,8 +418,8 @@ def test_configuration_checks_name_the_flags() -> None:
     check_context_parallel(**ok, num_query_groups=2, kind="ring")
     check_context_parallel(seq_length=7, context_parallel_size=1, num_attention_heads=3,
                            attention_dropout=0.1)  # nothing to check without CP
-    cases = [(dict(num_query_groups=2, kind="alltoall"), "--num-query-groups 2"),
-             (dict(attention_dropout=0.1), "--attention-dropout 0.1"),
+    cases = [(dict(num_query_groups=2, kind="alltoall"), "num_query_groups=2"),
+             (dict(attention_dropout=0.1), "attention_dropout=0.1"),
              (dict(kind="ulysses"), "'ulysses'")]
     for over, needle in cases:
         with pytest.raises(ValueError, match=needle):
@@ -508,7 +508,8 @@ def test_ring_without_overlap_and_through_the_groups_hook(cp) -> None:
     """The un-overlapped ring (the benchmark's baseline) gives the same numbers; the group's
     hook sees every exchange as a p2p transfer of the bytes sent (forward CP-1 K/V blocks;
     backward at CP = 2 the other block's dK/dV, at CP > 2 CP-1 K/V blocks, CP-1 dK/dV
-    accumulators and one home); a disabled group runs the same compute with no transfer."""  # (each dK/dV accumulator is fp32 like the K/V here)
+    accumulators and one home; each dK/dV accumulator is fp32 like the K/V here); a disabled
+    group runs the same compute with no transfer."""
     results = tp_results(cp, _cp_checks)
     errors = _errors_vs([r["sync_ring"] for r in results], _ref(WHOLE_CASE, cp))
     assert max(errors.values()) <= TOL, errors
@@ -579,11 +580,11 @@ def test_both_backward_paths_equal_the_reference(cp) -> None:
 def test_errors_name_the_flags(cp) -> None:
     for rank, res in enumerate(tp_results(cp, _cp_checks)):
         errors = res["errors"]
-        assert f"--seq-length {3 * cp}" in errors["seq"], errors
-        assert "--context-parallel-size" in errors["seq"]
-        assert "--num-attention-heads 3" in errors["heads"]
-        assert f"--context-parallel-size {cp}" in errors["heads"]
+        assert f"seq_length={3 * cp}" in errors["seq"], errors
+        assert "context_parallel_size" in errors["seq"]
+        assert "num_attention_heads=3" in errors["heads"]
+        assert f"context_parallel_size={cp}" in errors["heads"]
         if cp == 4:
-            assert "--num-query-groups 2" in errors["groups"]
-        assert "--attention-dropout 0.1" in errors["dropout"], (rank, errors)
+            assert "num_query_groups=2" in errors["groups"]
+        assert "attention_dropout=0.1" in errors["dropout"], (rank, errors)
         assert res["gathered_ok"]

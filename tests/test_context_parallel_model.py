@@ -40,7 +40,7 @@ from domino.parallel_state import ParallelSizes
 from domino.runtime import CP_COMM_TYPES, RuntimeConfig
 from domino.transformer import Plan
 from domino.transformer.moe.op import moe_ops
-from domino.transformer.stack import using_cp_overlap
+from domino.transformer.stack import stacks_of
 
 BATCH, SEQ = 2, 16
 COMMON = dict(hidden_size=64, num_attention_heads=8, seq_length=SEQ, max_position_embeddings=32)
@@ -273,8 +273,9 @@ def _ring_order(state: ParallelState) -> dict:
         state.cp.hook = BenchHook(timeline=timeline)  # each transfer: launch to finish
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ // state.cp.size))
         try:
-            with using_cp_overlap(model, overlap):
-                model(ids, None, None, labels=ids).sum().backward()
+            for stack in stacks_of(model):
+                stack.set_ring_overlap(overlap)
+            model(ids, None, None, labels=ids).sum().backward()
         finally:
             state.cp.hook = None
         for direction in ("fwd kv", "bwd dkv"):
@@ -441,9 +442,9 @@ def test_cp_gpt_in_bf16_and_compiled(runtime) -> None:
 def test_cp_model_configuration_errors(world) -> None:
     for errors in (r["errors"] for r in _results(world)):
         assert all("context" in e for e in errors.values()), errors
-        assert "--attention-dropout 0.1" in errors["attention_dropout"]
-        assert "--context-parallel-size 1" in errors["attention_dropout"]
-        assert "--num-query-groups" in errors["a2a_heads"] and "p2p" in errors["a2a_heads"]
+        assert "attention_dropout=0.1" in errors["attention_dropout"]
+        assert "context_parallel_size=1" in errors["attention_dropout"]
+        assert "num_query_groups" in errors["a2a_heads"] and "p2p" in errors["a2a_heads"]
         assert "SequenceMask" in errors["dense_mask"]
     tp = WORLDS[world].get("tp", 1)
     assert [r["compat"] for r in _results(world)] == [(2, rank // tp, 1, True)

@@ -1,5 +1,6 @@
-"""The docs: the site builds strictly, the README's links land, and every `domino ...` command
-line shown in a fenced code block of README.md or docs/ parses with the real argument parser."""
+"""The docs: the site builds strictly, the README's links land, the API index covers every
+package, and every `domino ...` command line shown in a fenced code block of README.md or docs/
+parses with the real argument parser."""
 
 from __future__ import annotations
 
@@ -210,3 +211,19 @@ def test_site_builds_strictly(tmp_path):
         if f'id="{anchor}"' not in html.read_text(encoding="utf-8"):
             bad.append(f"docs/{page}.md#{anchor}")
     assert not bad, f"README links to anchors that do not exist: {bad}"
+
+
+def test_api_index_covers_every_package():
+    """docs/api/index.md names every package of the library, and each page it links to exists
+    and is in the site's navigation."""
+    index = (ROOT / "docs" / "api" / "index.md").read_text(encoding="utf-8")
+    inits = (ROOT / "src" / "domino").glob("*/__init__.py")
+    packages = sorted(f"domino.{p.parent.name}" for p in inits)
+    assert packages
+    named = set(re.findall(r"`(domino(?:\.\w+)*)`", index))
+    assert not set(packages) - named, f"api/index.md leaves out {sorted(set(packages) - named)}"
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    pages = re.findall(r"\]\(([\w-]+\.md)\)", index)
+    assert pages
+    bad = [p for p in pages if not (ROOT / "docs" / "api" / p).is_file() or f"api/{p}" not in nav]
+    assert not bad, f"api/index.md links pages that are missing or not in mkdocs.yml's nav: {bad}"

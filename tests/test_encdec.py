@@ -160,7 +160,8 @@ def _checks(state: ParallelState, tokentypes: int) -> dict:
     with torch.no_grad():
         s_out2, _ = stage(None, None, m_enc)
     res["stage"] = {"out": rel_err(s_out, f_out), "pooled": rel_err(s_pool, f_pool),
-                    "vs_full_model": rel_err(s_out, e_out), "pooled_vs_full": rel_err(s_pool, e_pool),
+                    "vs_full_model": rel_err(s_out, e_out),
+                    "pooled_vs_full": rel_err(s_pool, e_pool),
                     "bare_tensor_input": rel_err(s_out2, f_out),
                     "input_grad": rel_err(h_stage.grad, h_full.grad),
                     "weight_grad": rel_err(stage.encoder.layers[1].mlp.dense_4h_to_h.weight.grad,

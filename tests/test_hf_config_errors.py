@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from test_bad_inputs import _refused
 
+from domino.checkpoint.families.llama_like import KEYS as LLAMA_KEYS
 from domino.checkpoint.hf_config import config_from_hf
-from domino.checkpoint.hf_keys import LLAMA_KEYS, HFKeys
+from domino.checkpoint.hf_keys import HFKeys
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
@@ -45,6 +46,7 @@ def configs() -> dict[str, dict[str, Any]]:
                                       moe_intermediate_size=16),
         "gpt2": t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32,
                              bos_token_id=1, eos_token_id=2),
+        "starcoder2": t.Starcoder2Config(**SMALL, sliding_window=16),
     }
     return {name: json.loads(cfg.to_json_string()) for name, cfg in built.items()}
 
@@ -110,6 +112,13 @@ CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
                            ('"rope_scaling"', "a JSON object or null")),
     "dropout-range": ("gpt2", _set(attn_pdrop=1.5), ('"attn_pdrop"', "a number in [0, 1)")),
     "gpt2-no-layers": ("gpt2", _pop("n_layer"), ('"n_layer"', MISSING, POSITIVE)),
+    "starcoder2-no-layers": ("starcoder2", _pop("num_hidden_layers"),
+                             ('"num_hidden_layers"', MISSING, POSITIVE, FIX)),
+    "starcoder2-string-eps": ("starcoder2", _set(norm_epsilon="abc"),
+                              ('"norm_epsilon"', NUMBER, FIX)),
+    "starcoder2-relu": ("starcoder2", _set(hidden_act="relu"),
+                        ("StarCoder2 hidden_act='relu' is not supported", "gelu_pytorch_tanh")),
+    "starcoder2-odd-head_dim": ("starcoder2", _set(head_dim=7), ('"head_dim" (7)', "even")),
     "no-model_type": ("llama", _pop("model_type"), ('"model_type"', MISSING, "llama, qwen2")),
     "bad-eos": ("llama", _set(eos_token_id="</s>"), ('"eos_token_id"', "a token id")),
     # Rules between keys, in the keys' own names.

@@ -1,8 +1,9 @@
 """Hugging Face interop against the real ``transformers`` (models built locally from configs with
-random weights, no downloads): our GPT exported as GPT-2 and as Llama gives the same logits in
-transformers, and transformers' greedy generate equals ours (with and without the KV cache);
-real GPT-2 (gelu_new) and Llama 3 (GQA, llama3 RoPE scaling, float rope_theta, head_dim)
-models imported at TP=1 and TP=2 give the original's logits; tokenizers encode alike."""
+random weights, no downloads): our GPT exported as GPT-2, as a Llama-family member and as
+StarCoder2 gives the same logits in transformers, and transformers' greedy generate equals ours
+(with and without the KV cache); real GPT-2 (gelu_new), Llama 3 (GQA, llama3 RoPE scaling,
+float rope_theta, head_dim), Qwen, Mistral and StarCoder2 models imported at TP=1 and TP=2 give
+the original's logits; tokenizers encode alike."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from dist import run_distributed
 
-from domino.checkpoint.hf_config import choose_architecture
+from domino.checkpoint.families import family_for
 from domino.checkpoint.hf_export import export_hf
 from domino.checkpoint.hf_import import import_hf, read_hf_weights
 from domino.checkpoint.layout import Meta, open_checkpoint
@@ -115,9 +116,15 @@ CASES = {
     "qwen3-window-tied": lambda v: _llama_config(
         v, qk_layernorm=True, window_size=9, untie_embeddings_and_output_weights=False,
         rope_scaling_type=None, rotary_base=1000000.0),
+    # GPT-2's LayerNorm and GELU MLP on Llama's attention: GQA, head size 16 (not 48 / 4).
+    "starcoder2-window-bias-tied": lambda v: _llama_config(
+        v, normalization="LayerNorm", activation="gelu_tanh", add_bias_linear=True,
+        window_size=7, untie_embeddings_and_output_weights=False, rope_scaling_type=None),
+    "starcoder2-exact-gelu-llama3-untied": lambda v: _llama_config(
+        v, normalization="LayerNorm", activation="gelu", layernorm_epsilon=1e-5),
 }
 ARCH_OF = {"gpt2": "gpt2", "llama3": "llama", "llama": "llama", "qwen2": "qwen2",
-           "qwen3": "qwen3", "mistral": "mistral"}
+           "qwen3": "qwen3", "mistral": "mistral", "starcoder2": "starcoder2"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -157,29 +164,39 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
                                       mine, atol=1e-3)
 
 
+def _arch(config: TransformerConfig) -> str:
+    """The model_type export writes ``config`` as."""
+    return family_for(config).model_type
+
+
 def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer) -> None:
-    config = _gpt2_config(bpe.vocab_size, position_embedding_type="rope")
+    # GPT-2 with RoPE is StarCoder2's; with query/key norms too, no family's.
+    assert _arch(_gpt2_config(bpe.vocab_size, position_embedding_type="rope")) == "starcoder2"
+    config = _gpt2_config(bpe.vocab_size, position_embedding_type="rope", qk_layernorm=True)
     with pytest.raises(ValueError) as err:
-        choose_architecture(config)
+        _arch(config)
     msg = str(err.value)
     assert "neither GPT-2 nor the Llama family" in msg and "rope positions" in msg
     assert "RMSNorm" in msg
+    assert "nor StarCoder2 can" in msg and "query/key norms (StarCoder2 has none)" in msg
     _, folder = _ours(tmp_path / "run", config, bpe)
     assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
-    assert choose_architecture(_llama_config(bpe.vocab_size, num_experts=4)) == "mixtral"
+    assert _arch(_llama_config(bpe.vocab_size, num_experts=4)) == "mixtral"
+    with pytest.raises(ValueError, match=r"biases \(Mixtral has none\)"):
+        _arch(_llama_config(bpe.vocab_size, num_experts=4, add_bias_linear=True))
     family = r"Llama family \(Mixtral, Qwen3-MoE, OLMoE\)"
     with pytest.raises(ValueError, match=family + ".*a shared expert"):
-        choose_architecture(_llama_config(bpe.vocab_size, num_experts=4,
+        _arch(_llama_config(bpe.vocab_size, num_experts=4,
                                           moe_shared_expert_intermediate_size=8))
     olmoe = dict(num_experts=4, qk_layernorm=True, qk_layernorm_full_width=True,
                  add_bias_linear=False, kv_channels=12)
-    assert choose_architecture(_llama_config(bpe.vocab_size, **olmoe)) == "olmoe"
+    assert _arch(_llama_config(bpe.vocab_size, **olmoe)) == "olmoe"
     with pytest.raises(ValueError, match=r"OLMoE's query norm spans hidden_size"):
-        choose_architecture(_llama_config(bpe.vocab_size, **{**olmoe, "kv_channels": 16}))
+        _arch(_llama_config(bpe.vocab_size, **{**olmoe, "kv_channels": 16}))
     with pytest.raises(ValueError, match=family + ".*dense layers among the MoE ones"):
-        choose_architecture(_llama_config(bpe.vocab_size, **olmoe, moe_first_k_dense_layers=1))
+        _arch(_llama_config(bpe.vocab_size, **olmoe, moe_first_k_dense_layers=1))
     with pytest.raises(ValueError, match="query/key norms over all heads in a dense model"):
-        choose_architecture(_llama_config(bpe.vocab_size, **{**olmoe, "num_experts": None}))
+        _arch(_llama_config(bpe.vocab_size, **{**olmoe, "num_experts": None}))
     from domino.checkpoint.hf_config import config_from_hf
 
     raw = {"model_type": "olmoe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16,
@@ -245,6 +262,15 @@ def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.
             max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
             rope_theta=1000000.0, bos_token_id=eod, eos_token_id=eod)
         model = _hf().Qwen3ForCausalLM(cfg)
+    elif arch == "starcoder2":  # as StarCoder2-3B: biases, GQA, tied; a window of 6
+        cfg = _hf().Starcoder2Config(
+            vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, norm_epsilon=1e-5, sliding_window=6, use_bias=True,
+            hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 999999.4420358813},
+            bos_token_id=eod, eos_token_id=eod)
+        model = _hf().Starcoder2ForCausalLM(cfg)
     elif arch == "mistral":  # a sliding window shorter than the 30-token sequence
         cfg = _hf().MistralConfig(
             vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
@@ -278,7 +304,7 @@ def _imported_logits(rank: int, world: int, run: str, ids: torch.Tensor) -> torc
     return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "starcoder2"])
 def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
                                      capfd) -> None:
     folder, original = _hf_folder(tmp_path, bpe, arch)

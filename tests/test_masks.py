@@ -100,8 +100,8 @@ def _padding(state: ParallelState) -> dict:
         base = model(ids, None, mask)
         out = model(_change(ids, masked), None, mask)
         res["unmasked_unchanged"] = rel_err(out[keep], base[keep])
-        res["unmasked_changed_without_mask"] = rel_err(model(_change(ids, masked), None, None)[keep],
-                                                       model(ids, None, None)[keep])
+        res["unmasked_changed_without_mask"] = rel_err(
+            model(_change(ids, masked), None, None)[keep], model(ids, None, None)[keep])
         res["finite"] = bool(torch.isfinite(base).all() and torch.isfinite(out).all())
         res["logits_vs_single"] = rel_err(base, ref(ids, None, mask))
     labels = _ids(6)

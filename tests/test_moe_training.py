@@ -17,7 +17,7 @@ from domino.transformer.moe import aux_losses
 @pytest.mark.parametrize("plan", ["m1:none", "m3:cross:c2"])
 def test_the_auxiliary_losses_get_their_share_of_the_gradient(plan: str) -> None:
     """In a GPT with an MoE layer, the router's gradient is the token loss's plus
-    ``loss_scale`` x the gradient of its auxiliary losses on the tokens of the whole
+    ``aux_loss_scale`` x the gradient of its auxiliary losses on the tokens of the whole
     micro-batch, however the Domino plan splits it (three pieces here: the load-balancing loss
     of the whole is not the sum of the pieces'). (One layer: with more, a later layer's
     auxiliary losses also reach an earlier router through its output.)"""
@@ -26,7 +26,8 @@ def test_the_auxiliary_losses_get_their_share_of_the_gradient(plan: str) -> None
     from domino.parallel_state import ParallelState
     from domino.plan import Plan
     from domino.runtime import RuntimeConfig
-    from domino.transformer.moe.op import moe_ops, set_loss_scale
+    from domino.transformer import BackwardContext
+    from domino.transformer.moe.op import moe_ops
 
     def model(aux: float, z: float | None) -> GPTModel:
         torch.manual_seed(0)
@@ -43,8 +44,8 @@ def test_the_auxiliary_losses_get_their_share_of_the_gradient(plan: str) -> None
         ops = moe_ops(m)
         hooks = [op.moe.router.register_forward_hook(
             lambda mod, a, out: inputs.append(a[0].detach())) for op in ops]
-        set_loss_scale(ops, 0.7)
-        m(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
+        context = BackwardContext(aux_loss_scale=0.7)
+        m(ids[:, :-1], None, None, labels=ids[:, 1:], context=context).sum().backward()
         grads[coeffs] = [op.moe.router.weight.grad.clone() for op in ops]
         for h in hooks:
             h.remove()
@@ -66,7 +67,8 @@ def test_router_statistics_count_each_training_forward_once() -> None:
     from domino.config import TransformerConfig
     from domino.models.gpt import GPTModel
     from domino.parallel_state import ParallelState
-    from domino.transformer.moe.op import moe_ops, set_loss_scale
+    from domino.transformer import BackwardContext
+    from domino.transformer.moe.op import moe_ops
 
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
     seen = {}
@@ -81,8 +83,8 @@ def test_router_statistics_count_each_training_forward_once() -> None:
         with torch.no_grad():
             m(ids[:, :-1], None, None)
         assert all(float(op.sums[3]) == 0 and float(op.counts.sum()) == 0 for op in ops)
-        set_loss_scale(ops, 0.7)
-        m(ids[:, :-1], None, None, labels=ids[:, 1:]).sum().backward()
+        context = BackwardContext(aux_loss_scale=0.7)
+        m(ids[:, :-1], None, None, labels=ids[:, 1:], context=context).sum().backward()
         for op in ops:
             op.close_run()  # the micro-batch's losses join the sums
         seen[granularity] = [(op.counts.clone(), op.sums.clone(),

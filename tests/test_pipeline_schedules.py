@@ -106,9 +106,9 @@ def test_bad_pipeline_inputs_fail_before_spawn(capsys, data, tmp_path) -> None:
              "--seq-length", "32", "--micro-batch-size", "2", "--save", str(tmp_path / "r")]
     msg = _error(capsys, *small, "--pipeline-model-parallel-size", "4",
                  "--tensor-model-parallel-size", "1")
-    assert "--num-layers=6 does not divide into 4 pipeline stages" in msg
+    assert "--num-layers 6 does not divide into 4 pipeline stages" in msg
     msg = _error(capsys, *small, "--pipeline-model-parallel-size", "2", "--nproc", "6")
-    assert "world size 6 is not divisible" in msg and "pipeline_model_parallel_size=2" in msg
+    assert "world size 6 is not divisible" in msg and "--pipeline-model-parallel-size 2" in msg
     msg = _error(capsys, *small, "--pipeline-model-parallel-size", "2",
                  "--tensor-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage",
                  "2")

@@ -40,7 +40,8 @@ def _encdec(state, granularity, plan):
     model, _ = get_language_model(cfg, 0, True, AttnMaskType.padding, add_decoder=True,
                                   parallel_state=state, plan=plan)
     gen = torch.Generator().manual_seed(2)
-    enc, dec = torch.randint(0, 64, (4, 8), generator=gen), torch.randint(0, 64, (4, 6), generator=gen)
+    enc = torch.randint(0, 64, (4, 8), generator=gen)
+    dec = torch.randint(0, 64, (4, 6), generator=gen)
 
     def loss():
         d, e, pooled = model(enc, None, None, dec, None, None)

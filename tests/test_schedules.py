@@ -172,7 +172,7 @@ def _matrix(family, eval_checks: bool) -> dict:
     return res
 
 
-# ---- TP=2 extras -----------------------------------------------------------------------------------
+# ---- TP=2 extras --------------------------------------------------------------------------------
 
 def _too_many_micro_batches(state: ParallelState) -> dict:
     fam = _GPT(state)

@@ -179,7 +179,8 @@ def _embedding(g: CommGroup) -> dict:
     Wf = W.clone().requires_grad_()
     ref = F.embedding(ids, Wf)
     (ref * G).sum().backward()
-    return {"out": rel_err(y, ref), "grad_w": rel_err(emb.weight.grad, shard(Wf.grad, emb.weight, g)),
+    return {"out": rel_err(y, ref),
+            "grad_w": rel_err(emb.weight.grad, shard(Wf.grad, emb.weight, g)),
             "padding_rows_zero_at_init": float(full_init[13:].abs().max()),
             "real_rows_not_drawn": float(not bool(full_init[:13].abs().min() > 0))}
 
@@ -483,7 +484,8 @@ def test_rng_tracker_streams_and_state() -> None:
     nxt = torch.rand(8, generator=a.replicated(cpu)), torch.rand(8, generator=a.model_parallel(cpu))
     c = RNGTracker()
     c.load_state_dict(saved)
-    again = torch.rand(8, generator=c.replicated(cpu)), torch.rand(8, generator=c.model_parallel(cpu))
+    again = (torch.rand(8, generator=c.replicated(cpu)),
+             torch.rand(8, generator=c.model_parallel(cpu)))
     assert torch.equal(nxt[0], again[0]) and torch.equal(nxt[1], again[1])
     a.seed(3)  # reseeding restarts the streams
     assert torch.equal(torch.rand(64, generator=a.replicated(cpu)), ra)

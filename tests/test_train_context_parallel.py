@@ -156,7 +156,7 @@ def test_cp2_training_matches_cp1_and_resumes_at_cp1(data, docs, tmp_path) -> No
     (dict(attention_dropout=0.1), 2, ["--attention-dropout 0.1", "--context-parallel-size 1"]),
     (dict(cp_comm_type="a2a", num_attention_heads=2, tensor_model_parallel_size=2), 4,
      ["--cp-comm-type a2a", "--num-attention-heads 2", "divisible by"]),
-    (dict(), 3, ["context_parallel_size=2", "world size 3"]),
+    (dict(), 3, ["--context-parallel-size 2", "world size 3"]),
     (dict(domino_autotune=True), 2, ["--domino-autotune", "--context-parallel-size 1"]),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=12), 8,
      ["--sequence-parallel", "multiple of 8"]),
@@ -180,5 +180,6 @@ def test_cp_flags_parse() -> None:
     args = resolve_args(parser.parse_args(["--context-parallel-size", "2",
                                            "--cp-comm-type", "all_gather"]))
     assert (args.context_parallel_size, args.runtime().cp_kind) == (2, "allgather")
-    with pytest.raises(ValueError, match="--cp-comm-type='ring' is not one of p2p, all_gather, a2a"):
+    with pytest.raises(ValueError,
+                       match="--cp-comm-type='ring' is not one of p2p, all_gather, a2a"):
         resolve_args(parser.parse_args(["--cp-comm-type", "ring"]))

@@ -28,9 +28,9 @@ def data(tmp_path_factory) -> str:
 
 
 def _args(data: str, **kw) -> TrainArgs:
-    base = dict(data_path=data, tokenizer_type="byte", split="80,20,0", num_layers=2, hidden_size=64,
-                num_attention_heads=4, seq_length=32, micro_batch_size=4, global_batch_size=4,
-                train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+    base = dict(data_path=data, tokenizer_type="byte", split="80,20,0", num_layers=2,
+                hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                global_batch_size=4, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
                 clip_grad=0.3,  # small enough that clipping acts on every step
                 eval_interval=3, eval_iters=1, log_interval=1, sample_tokens=0,
                 tensorboard=False, device="cpu", hidden_dropout=0.0, attention_dropout=0.0)
@@ -51,7 +51,8 @@ def _single(rank: int, world: int, data: str, tmp: str) -> dict:
     from domino.training.data import build_datasets, rank_batches
     from domino.training.prepare import model_config
 
-    out = {"gen": _generation(data, 1), "ref": _train(_args(data, tensor_model_parallel_size=1), f"{tmp}/ref")}
+    out = {"gen": _generation(data, 1),
+           "ref": _train(_args(data, tensor_model_parallel_size=1), f"{tmp}/ref")}
     out["accum"] = _train(_args(data, tensor_model_parallel_size=1, micro_batch_size=2),
                           f"{tmp}/accum")
     # Resume: 3 steps, checkpoint, then continue to STEPS from the checkpoint.

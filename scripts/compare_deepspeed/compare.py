@@ -110,8 +110,9 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
     """The markdown table, one row per summary (see :meth:`LinkRounds.summary`)."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] + ["---:"] * 5) + "|"]
     for s in summaries:
-        cells = (row_label(s["link"], s["tp"], s.get("gloo", False)), fmt_ms(s["our_sync"]), fmt_ms(s["our_nocomm"]),
-                 fmt_ms(s["our_best_domino"]), fmt_ms(s["deepspeed_domino"]),
+        cells = (row_label(s["link"], s["tp"], s.get("gloo", False)), fmt_ms(s["our_sync"]),
+                 fmt_ms(s["our_nocomm"]), fmt_ms(s["our_best_domino"]),
+                 fmt_ms(s["deepspeed_domino"]),
                  fmt_ratio(s["deepspeed_over_ours"], s["deepspeed_over_ours_per_round"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -60,7 +60,8 @@ WORKER = os.path.join(HERE, "mcore_worker.py")
 DEFAULT_MCORE_VENV = os.path.join(REPO, ".venv-megatron")
 SETUP_CMD = "bash scripts/compare_megatron_moe/setup.sh"
 
-DEFAULT_MODES = "sync,nocomm,domino:m2:cross,domino:m2:cross:c2,domino:m1:cross:c2,domino:m1:cross:c4"
+DEFAULT_MODES = ("sync,nocomm,domino:m2:cross,domino:m2:cross:c2,domino:m1:cross:c2,"
+                 "domino:m1:cross:c4")
 HEADER = ("link", "our sync", "our nocomm", "our best Domino", "Megatron alltoall",
           "Megatron / ours")
 

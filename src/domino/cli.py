@@ -1,9 +1,9 @@
-"""The ``domino`` command: ``train``, ``generate``, ``eval``, ``convert``, ``export``,
-``import``, ``preprocess``, ``bench``, ``demo``.
+"""The ``domino`` command: its subcommands are :data:`SUBCOMMANDS` (``train``, ``bench``, ...).
 
 Each subcommand is a module of :mod:`domino.commands` exposing ``add_arguments(parser)`` and
 ``run(args)``; this file only wires them together and turns the errors a user can fix into exit
-code 2 (a subcommand's module is imported only when it is run, or for the full ``--help``).
+code 2 (a subcommand's module is imported only when it is run, or for the full ``--help``). A
+new subcommand is its module plus one entry of :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import importlib
 import re
 import sys
 
-# Subcommand -> (its module in domino.commands, one line of help).
+# Subcommand -> (its module in domino.commands, one line of help): the registry of subcommands
+# (tests/test_architecture.py checks that it names every command module).
 SUBCOMMANDS = {
     "train": ("train", "Train a GPT model with Domino tensor parallelism."),
     "generate": ("generate", "Generate text from a saved model."),
     "eval": ("eval", "Loss and perplexity of a saved model on a dataset."),
     "convert": ("convert", "Reshard a checkpoint to another TP size."),
     "export": ("export", "Export a checkpoint as a transformers model."),
-    "import": ("hf_import", "Import a transformers GPT-2 / Llama model."),
+    "import": ("hf_import", "Import a transformers model (GPT-2, Llama, Qwen, Mistral, ...)."),
     "preprocess": ("preprocess",
                    "Tokenize text, JSONL, Parquet or Arrow into a Megatron .bin/.idx dataset."),
     "bench": ("bench", "Measure sync TP vs Domino vs no-comm step times."),

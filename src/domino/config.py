@@ -1,8 +1,9 @@
 """Model configuration: one kw-only dataclass, validated on construction.
 
 Field names follow Megatron's TransformerConfig / arguments where they exist so that users'
-settings carry over. Checks that depend on the tensor-parallel size live in
-:meth:`TransformerConfig.validate_parallel`, called when a model is built for a TP group.
+settings carry over. The rules each field must satisfy are in :mod:`domino.config_rules`; checks
+that depend on the tensor-parallel size live in :meth:`TransformerConfig.validate_parallel`,
+called when a model is built for a TP group.
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ from typing import Any
 
 import torch
 
+from domino import config_rules as rules
+from domino.config_rules import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, ROPE_SCALING_TYPES
 from domino.runtime import SEED_SPELLING, RuntimeConfig
 from domino.utils import init_method_normal, scaled_init_method_normal
-
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
-ROPE_SCALING_TYPES = ("llama3",)
 
 
 @dataclass(kw_only=True)
@@ -29,8 +27,10 @@ class TransformerConfig:
     """Architecture and initialisation of a transformer language model.
 
     How it runs (Domino plan, sequence parallelism, recomputation) is a
-    :class:`~domino.runtime.RuntimeConfig` passed to the model; the seed's keywords for those
-    (``domino_*``, ``sequence_parallel``, ``recompute_granularity``) build the default one.
+    :class:`~domino.runtime.RuntimeConfig` passed to the model; the keywords the seed (the
+    DeepSpeed-Domino language-model API that domino keeps compatible, see docs/glossary.md)
+    takes for those (``domino_*``, ``sequence_parallel``, ``recompute_granularity``) build the
+    default one.
     """
 
     num_layers: int = field(metadata={"help": "Number of transformer layers (encoder)."})
@@ -40,12 +40,14 @@ class TransformerConfig:
     ffn_hidden_size: int | None = field(
         default=None, metadata={"help": "MLP hidden size; default 4 * hidden_size."})
     kv_channels: int | None = field(
-        default=None, metadata={"help": "Per-head size; default hidden_size / num_attention_heads."})
+        default=None,
+        metadata={"help": "Per-head size; default hidden_size / num_attention_heads."})
     num_query_groups: int | None = field(
         default=None,
         metadata={"help": "Key/value groups for grouped-query attention; default = heads (MHA)."})
     decoder_num_layers: int | None = field(
-        default=None, metadata={"help": "Decoder layers (encoder-decoder models); default num_layers."})
+        default=None,
+        metadata={"help": "Decoder layers (encoder-decoder models); default num_layers."})
     make_vocab_size_divisible_by: int = field(
         default=128, metadata={"help": "Pad the vocabulary to a multiple of this times TP size."})
     max_position_embeddings: int = field(
@@ -101,7 +103,8 @@ class TransformerConfig:
     layernorm_epsilon: float = field(default=1e-5, metadata={"help": "Norm epsilon."})
     init_method_std: float = field(default=0.02, metadata={"help": "Std of the normal init."})
     init_method: Callable[[torch.Tensor], torch.Tensor] | None = field(
-        default=None, metadata={"help": "Weight init (full tensor); default normal(init_method_std)."})
+        default=None,
+        metadata={"help": "Weight init (full tensor); default normal(init_method_std)."})
     output_layer_init_method: Callable[[torch.Tensor], torch.Tensor] | None = field(
         default=None,
         metadata={"help": "Init of the row-parallel outputs; default std / sqrt(2 num_layers)."})
@@ -175,15 +178,30 @@ class TransformerConfig:
     def __post_init__(self, domino_micro_batches: int, domino_overlap: str,
                       domino_column_chunks: int, recompute_granularity: str | None,
                       sequence_parallel: bool) -> None:
-        _positive(self, "num_layers", "hidden_size", "num_attention_heads",
-                  "make_vocab_size_divisible_by", "max_position_embeddings", "seq_length")
-        if self.vocab_size < 0:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0 = no embedding).")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}; choose heads that divide the hidden size "
-                "(or set kv_channels explicitly).")
+        # One rule group after another, in a fixed order: a config with several faults is
+        # always told the same first one.
+        rules.check_sizes(self)
+        self._derive_sizes()
+        rules.check_choices(self)
+        self._runtime = RuntimeConfig.from_seed(
+            domino_micro_batches=domino_micro_batches, domino_overlap=domino_overlap,
+            domino_column_chunks=domino_column_chunks, sequence_parallel=sequence_parallel,
+            recompute_granularity=recompute_granularity)
+        self._runtime.plan.check_width(self.hidden_size)
+        rules.check_dropout_and_window(self)
+        rules.check_moe(self)
+        rules.check_rope(self)
+        self.rotary_base = float(self.rotary_base)
+        rules.check_positions_and_norms(self)
+        rules.check_init(self)
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, self.num_layers)
+
+    def _derive_sizes(self) -> None:
+        """The sizes left None, from the others (Megatron's defaults), and their rules."""
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:
@@ -192,79 +210,9 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         if self.decoder_num_layers is None:
             self.decoder_num_layers = self.num_layers
-        _positive(self, "ffn_hidden_size", "kv_channels", "num_query_groups", "decoder_num_layers")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_query_groups={self.num_query_groups}; pick a group count that divides the "
-                "number of heads.")
-        _choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
-        _choice(self, "normalization", NORMALIZATIONS)
-        _choice(self, "activation", ACTIVATIONS)
-        self._runtime = RuntimeConfig.from_seed(
-            domino_micro_batches=domino_micro_batches, domino_overlap=domino_overlap,
-            domino_column_chunks=domino_column_chunks, sequence_parallel=sequence_parallel,
-            recompute_granularity=recompute_granularity)
-        self._runtime.plan.check_width(self.hidden_size)
-        for name in ("hidden_dropout", "attention_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name}={p} must be in [0, 1).")
-        if self.window_size is not None and (isinstance(self.window_size, bool)
-                                             or not isinstance(self.window_size, int)
-                                             or self.window_size < 1):
-            raise ValueError(f"window_size={self.window_size!r} must be an integer >= 1 (the "
-                             "tokens a query sees, itself included) or None for full attention.")
-        self._check_moe()
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1].")
-        if self.position_embedding_type == "rope":
-            rot = int(self.kv_channels * self.rotary_percent)
-            if rot < 2 or rot % 2:
-                raise ValueError(
-                    f"RoPE rotates int(kv_channels * rotary_percent) = {rot} channels per head; "
-                    "it must be even and >= 2: change rotary_percent or kv_channels.")
-        if not (isinstance(self.rotary_base, int | float) and math.isfinite(self.rotary_base)
-                and self.rotary_base > 1):
-            raise ValueError(f"rotary_base={self.rotary_base!r} must be a finite number > 1.")
-        self.rotary_base = float(self.rotary_base)
-        if self.rope_scaling_type is not None:
-            _choice(self, "rope_scaling_type", ROPE_SCALING_TYPES)
-            if not (self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor
-                    < self.rope_high_freq_factor and self.rope_original_max_position_embeddings > 0):
-                raise ValueError(
-                    "llama3 RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor "
-                    "< rope_high_freq_factor and rope_original_max_position_embeddings > 0; got "
-                    f"{self.rope_scaling_factor}, {self.rope_low_freq_factor}, "
-                    f"{self.rope_high_freq_factor}, {self.rope_original_max_position_embeddings}.")
-        if (self.rotary_seq_len_interpolation_factor is not None
-                and self.rotary_seq_len_interpolation_factor <= 0):
-            raise ValueError(
-                "rotary_seq_len_interpolation_factor="
-                f"{self.rotary_seq_len_interpolation_factor} must be > 0 (or None).")
-        if (self.position_embedding_type == "learned_absolute"
-                and self.seq_length > self.max_position_embeddings):
-            raise ValueError(
-                f"seq_length={self.seq_length} is longer than max_position_embeddings="
-                f"{self.max_position_embeddings}: the learned position table has no rows for the "
-                "extra positions; raise max_position_embeddings or shorten seq_length.")
-        if self.qk_layernorm_full_width and not (self.qk_layernorm
-                                                 and self.normalization == "RMSNorm"):
-            raise ValueError(
-                "qk_layernorm_full_width=True normalises the queries and keys over their whole "
-                f"width with RMSNorm; it needs qk_layernorm=True and normalization='RMSNorm' "
-                f"(got qk_layernorm={self.qk_layernorm}, normalization={self.normalization!r}).")
-        if self.layernorm_epsilon <= 0:
-            raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0.")
-        if self.init_method_std <= 0:
-            raise ValueError(f"init_method_std={self.init_method_std} must be > 0.")
-        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
-            raise ValueError(f"params_dtype={self.params_dtype} must be a floating torch.dtype.")
-        if self.init_method is None:
-            self.init_method = init_method_normal(self.init_method_std)
-        if self.output_layer_init_method is None:
-            self.output_layer_init_method = scaled_init_method_normal(
-                self.init_method_std, self.num_layers)
+        rules.check_derived_sizes(self)
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
 
     def validate_parallel(self, tp_size: int) -> None:
         """Raise ValueError if this model cannot be split over ``tp_size`` ranks."""
@@ -311,37 +259,6 @@ class TransformerConfig:
                 raise ValueError(f"params_dtype={values['params_dtype']!r} is not a torch dtype")
             values["params_dtype"] = dtype
         return cls(**values)
-
-    def _check_moe(self) -> None:
-        if self.num_experts is None:
-            return
-        _positive(self, "num_experts", "moe_router_topk", "moe_layer_freq")
-        if self.moe_router_topk > self.num_experts:
-            raise ValueError(f"moe_router_topk={self.moe_router_topk} is more than num_experts="
-                             f"{self.num_experts}: route to at most every expert.")
-        if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-        _positive(self, "moe_ffn_hidden_size")
-        if self.moe_shared_expert_intermediate_size is not None:
-            _positive(self, "moe_shared_expert_intermediate_size")
-        scale = self.moe_router_topk_scaling_factor
-        if scale is not None and not scale > 0:
-            raise ValueError(f"moe_router_topk_scaling_factor={scale} must be > 0 (or None: 1).")
-        _choice(self, "moe_router_score_function", ("softmax", "sigmoid"))
-        _choice(self, "moe_router_load_balancing_type", ("aux_loss", "none"))
-        _choice(self, "moe_token_drop_policy", ("probs", "position"))
-        if not 0 <= self.moe_first_k_dense_layers <= self.num_layers:
-            raise ValueError(f"moe_first_k_dense_layers={self.moe_first_k_dense_layers} must be "
-                             f"between 0 and num_layers={self.num_layers}.")
-        factor = self.moe_expert_capacity_factor
-        if factor is not None and not factor > 0:
-            raise ValueError(f"moe_expert_capacity_factor={factor} must be > 0 (or None: "
-                             "dropless routing).")
-        if self.moe_pad_expert_input_to_capacity and factor is None:
-            raise ValueError("moe_pad_expert_input_to_capacity needs a "
-                             "moe_expert_capacity_factor (dropless routing has no capacity).")
-        if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff or 0.0) < 0:
-            raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0.")
 
     def is_moe_layer(self, index: int) -> bool:
         """Layer ``index`` (0-based) has an MoE MLP."""
@@ -411,15 +328,3 @@ ARCHITECTURE_FIELDS = (
     "untie_embeddings_and_output_weights",
 )
 
-
-def _positive(cfg: TransformerConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer.")
-
-
-def _choice(cfg: TransformerConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}.")

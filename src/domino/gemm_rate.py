@@ -5,7 +5,8 @@ change it several-fold), so MFU on CPU is measured against the machine itself: t
 rank runs for a layer (:func:`domino.flops.rank_gemms`: forward, input and weight gradients, at
 the rank's TP shard) are timed with ``torch.mm`` in the run's dtype and thread count, and their
 FLOPs over their time is the rate. Measured once per machine, torch version, dtype, thread count
-and shape set, and cached in ``$DOMINO_CACHE_DIR`` (default ``~/.cache/domino``) as JSON; a cache that cannot be read is measured again, never trusted.
+and shape set, and cached in ``$DOMINO_CACHE_DIR`` (default ``~/.cache/domino``) as JSON; a
+cache that cannot be read is measured again, never trusted.
 """
 
 from __future__ import annotations

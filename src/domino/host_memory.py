@@ -6,10 +6,9 @@ mapping threshold (dynamic, at most 32 MiB by default) is unmapped, and free spa
 the heap above the trim threshold is trimmed. A training step frees its activations and
 gradients and allocates them again in the next, so every step faults those pages back in one
 by one and the kernel zeroes each: system time on the rank's core, which on a CPU host comes
-straight out of compute. Measured in the MoE unit bench (``domino bench --model moe``, 1,024
-tokens per rank, EP=2, 2026-12-03): 2,500-13,000 minor faults and 7-27 ms of system time per
-step and rank; with :func:`keep_freed_memory` 0-1 faults and 0-3 ms, and steps 2-21% faster
-(two interleaved pairs of runs; the figures are in docs/benchmark.md).
+straight out of compute. In the MoE unit bench that was thousands of minor faults per step
+and rank, and keeping the memory removed nearly all of them and made the steps faster (the
+figures: docs/benchmark.md, "Freed memory kept: no page faults per step").
 
 :func:`keep_freed_memory` raises both thresholds (``mallopt``), so blocks up to
 :data:`MMAP_THRESHOLD` come from the heap and up to :data:`TRIM_THRESHOLD` of free heap stays

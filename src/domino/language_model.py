@@ -1,4 +1,5 @@
-"""The seed's import path for the language-model API; the code lives in
+"""The seed's import path (the seed: the DeepSpeed-Domino language-model API that domino keeps
+compatible, see docs/glossary.md); the code lives in
 :mod:`domino.models.language_model`."""
 
 from domino.models.language_model import (

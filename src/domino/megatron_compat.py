@@ -20,16 +20,15 @@ _CURRENT: ParallelState | None = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               device: torch.device | str | None = None,
-                              shared_memory: bool = True, *,
-                              context_parallel_size: int = 1) -> ParallelState:
-    """Build TP x DP (x PP, x CP) groups over the current world and make them current (see
-    :meth:`ParallelState.build` for ``shared_memory``)."""
+                              shared_memory: bool = True, **sizes: int) -> ParallelState:
+    """Build TP x DP (x PP, x CP, ...) groups over the current world and make them current:
+    ``sizes`` are the other size keywords (``context_parallel_size``, ...; see
+    :meth:`ParallelState.build`, also for ``shared_memory``)."""
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("model parallel is already initialised; call destroy_model_parallel().")
     _CURRENT = ParallelState.build(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                   device, shared_memory,
-                                   context_parallel_size=context_parallel_size)
+                                   device, shared_memory, **sizes)
     return _CURRENT
 
 

@@ -1,5 +1,6 @@
 """Parallel state: one object holding this rank's groups by name (TP, CP, DP, PP, EP and the
-derived DP x CP and expert-DP groups), built from named sizes by one mesh builder.
+derived DP x CP and expert-DP groups), built from named sizes by one mesh builder; the sizes,
+the mesh's axes and the groups are those :mod:`domino.parallel_dims` declares.
 
 Model code receives a :class:`ParallelState` explicitly. The Megatron-style module functions
 (``initialize_model_parallel``, ``get_tensor_model_parallel_world_size``, ...) for code written
@@ -9,90 +10,111 @@ against Megatron's ``mpu`` live in :mod:`domino.megatron_compat`; joining the ra
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from domino import parallel_dims
 from domino.distributed import default_device
+from domino.parallel_dims import BY_NAME, DIMS, SIZED, Group
+from domino.parallel_dims import GROUPS as GROUP_TABLE
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.random import RNGTracker
 
-# The mesh's axes, outermost first: TP innermost, so a TP group holds consecutive ranks (one
-# host when ranks are packed per node), then CP, DP, PP. Experts re-cut the DP x CP ranks of
-# each (PP, TP) position into EP x expert-DP, EP innermost, as Megatron lays them out with
-# expert tensor parallelism 1: experts are whole on a rank (replicated over TP), so their
-# gradients are reduced over expert-DP x TP.
-MESH_DIMS = ("pp", "dp", "cp", "tp")
-# Every group a state holds, in the order every rank builds them (torch.distributed requires
-# one order): the named dimensions, then the derived ones: ``dp_cp`` reduces dense gradients
-# (DP x CP), ``ep`` shards experts, ``expert_dp`` reduces expert gradients (over the TP ranks
-# too: under sequence parallelism each TP rank routes its own tokens to whole experts).
-GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expert_dp")
-_SIZE_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-               "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
+# The names of the groups every state holds (parallel_dims.GROUPS), in the order every rank
+# builds them; the mesh's axes, outermost first.
+GROUPS = tuple(g.name for g in GROUP_TABLE)
+MESH_DIMS = parallel_dims.MESH_DIMS
+
+
+# One int field per dimension (the table's order), default 1: ParallelSizes' fields.
+_SizeFields = dataclasses.make_dataclass(
+    "_SizeFields", [(d.name, int, dataclasses.field(default=1)) for d in DIMS], frozen=True)
 
 
 @dataclass(frozen=True)
-class ParallelSizes:
-    """The size of every named parallel dimension; ``dp`` is what the world leaves."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
+class ParallelSizes(_SizeFields):
+    """The size of every parallel dimension of :data:`~domino.parallel_dims.DIMS` (``tp``,
+    ``pp``, ``cp``, ``ep``, ``dp``); ``dp`` is what the world leaves."""
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                  ep: int = 1) -> ParallelSizes:
-        """The sizes of a world of ``world_size`` ranks (ValueError naming the size to change)."""
-        given = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
-        for dim, value in given.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{_SIZE_NAMES[dim]}={value!r} must be a positive integer.")
-        model = tp * pp * cp
-        names = f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}" + (
-            f" x context_parallel_size={cp}" if cp > 1 else "")
-        if model > world_size:
-            raise ValueError(f"{names} = {model} is larger than the world size {world_size}; "
-                             "start more processes or lower the sizes.")
-        if world_size % model:
-            raise ValueError(
-                f"world size {world_size} is not divisible by {names} = {model}; the "
-                "data-parallel size would not be an integer: change the number of processes or "
-                "the parallel sizes.")
-        dp = world_size // model
-        if (dp * cp) % ep:
-            raise ValueError(f"expert_model_parallel_size={ep} must divide data-parallel x "
-                             f"context-parallel size {dp} x {cp} = {dp * cp}.")
-        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
+    def for_world(cls, world_size: int, **sizes: int) -> ParallelSizes:
+        """The sizes of a world of ``world_size`` ranks, the chosen ones by dimension name
+        (``tp=2, cp=2``; ValueError naming the size keyword to change)."""
+        unknown = set(sizes) - {d.name for d in SIZED}
+        if unknown:
+            raise TypeError(f"for_world() got unknown sizes {', '.join(sorted(unknown))}; the "
+                            f"sizes are {', '.join(d.name for d in SIZED)}")
+        chosen = {d.name: sizes.get(d.name, 1) for d in SIZED}
+        for d in SIZED:
+            parallel_dims.check_size(d, chosen[d.name])
+        derived = next(d for d in DIMS if d.size_field is None)
+        chosen[derived.name] = parallel_dims.data_parallel_size(world_size, chosen)
+        parallel_dims.check_carved(chosen)
+        return cls(**chosen)
+
+    @classmethod
+    def from_fields(cls, world_size: int, **fields: int) -> ParallelSizes:
+        """:meth:`for_world` with the sizes by keyword (``tensor_model_parallel_size=2``)."""
+        return cls.for_world(world_size, **{
+            parallel_dims.by_size_field(k).name: v for k, v in fields.items()})
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return math.prod(getattr(self, name) for name in MESH_DIMS)
 
     def rank_groups(self) -> dict[str, list[list[int]]]:
-        """For each name of :data:`GROUPS`, the global ranks of each of its groups."""
-        mesh = torch.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)
+        """For each name of :data:`GROUPS`, the global ranks of each of its groups: the ranks
+        that differ only along the group's axes, in the first view that has them (the mesh,
+        then each carved dimension's)."""
+        views = self._views()
+        out = {}
+        for g in GROUP_TABLE:
+            mesh, names = next(v for v in views if set(g.axes) <= set(v[1]))
+            out[g.name] = _along(mesh, names, g.axes)
+        return out
 
-        def along(t: torch.Tensor, *axes: int) -> list[list[int]]:
-            rest = [a for a in range(t.dim()) if a not in axes]
-            flat = t.permute(*rest, *axes).reshape(-1, math.prod(t.shape[a] for a in axes))
-            return flat.tolist()
+    def _views(self) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+        """The rank mesh (axes :data:`MESH_DIMS`), and for each carved dimension the mesh with
+        the axes it cuts flattened into (``rest``, the dimension), the dimension innermost."""
+        mesh = torch.arange(self.world).reshape(*(getattr(self, n) for n in MESH_DIMS))
+        views = [(mesh, MESH_DIMS)]
+        for d in DIMS:
+            if d.carved_from:
+                cut = sorted(MESH_DIMS.index(n) for n in d.carved_from)
+                keep = [i for i in range(mesh.dim()) if i not in cut]
+                view = mesh.permute(*keep, *cut).reshape(
+                    *(mesh.shape[i] for i in keep), -1, getattr(self, d.name))
+                views.append((view, (*(MESH_DIMS[i] for i in keep), str(d.rest), d.name)))
+        return views
 
-        # Experts: each (PP, TP) position's DP x CP ranks as [expert_dp, ep], EP innermost;
-        # expert gradients are reduced over expert-DP x TP.
-        experts = mesh.permute(0, 3, 1, 2).reshape(self.pp, self.tp, -1, self.ep)
-        return {"tp": along(mesh, 3), "cp": along(mesh, 2), "dp": along(mesh, 1),
-                "pp": along(mesh, 0), "dp_cp": along(mesh, 1, 2), "ep": along(experts, 3),
-                "expert_dp": along(experts, 1, 2)}
+
+def _along(t: torch.Tensor, names: tuple[str, ...], axes: tuple[str, ...]) -> list[list[int]]:
+    """The ranks of ``t`` that differ only along ``axes`` (outer first), one list per group."""
+    picked = [names.index(a) for a in axes]
+    rest = [a for a in range(t.dim()) if a not in picked]
+    flat = t.permute(*rest, *picked).reshape(-1, math.prod(t.shape[a] for a in picked))
+    return flat.tolist()
+
+
+def _group_field(g: Group) -> tuple[str, Any, Any]:
+    if g.fallback is not None:  # may be left unset: see ParallelState.__post_init__
+        return g.name, CommGroup | None, dataclasses.field(default=None)
+    return g.name, CommGroup, dataclasses.field(default_factory=CommGroup)
+
+
+# One CommGroup field per group of the table, in its order: ParallelState's groups.
+_GroupFields = dataclasses.make_dataclass(
+    "_GroupFields", [_group_field(g) for g in GROUP_TABLE], eq=False)
 
 
 @dataclass(eq=False)
-class ParallelState:
+class ParallelState(_GroupFields):
     """The groups of one rank, by name (:data:`GROUPS`): ``tp`` (tensor), ``cp`` (context),
     ``dp`` (data), ``pp`` (pipeline), ``dp_cp`` (DP x CP: what dense gradients are reduced
     over), ``ep`` (expert) and ``expert_dp`` (what expert gradients are reduced over); plus
@@ -105,27 +127,19 @@ class ParallelState:
     :meth:`from_sizes` gives MoE models their expert-DP x TP group at any TP size).
     """
 
-    tp: CommGroup = field(default_factory=CommGroup)
-    dp: CommGroup = field(default_factory=CommGroup)
-    pp: CommGroup = field(default_factory=CommGroup)
     world: CommGroup = field(default_factory=CommGroup)
     embedding: CommGroup = field(default_factory=CommGroup)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     rng: RNGTracker = field(default_factory=RNGTracker)
-    cp: CommGroup = field(default_factory=CommGroup)
-    ep: CommGroup = field(default_factory=CommGroup)
-    dp_cp: CommGroup | None = None
-    expert_dp: CommGroup | None = None
 
     def __post_init__(self) -> None:
-        if self.dp_cp is None:
-            if self.cp.size != 1:
-                raise ValueError("with context parallelism the DP x CP group must be given")
-            self.dp_cp = self.dp
-        if self.expert_dp is None:
-            if self.ep.size != 1:
-                raise ValueError("with expert parallelism the expert-DP group must be given")
-            self.expert_dp = self.dp_cp
+        for g in GROUP_TABLE:  # in order: a fallback is set before the groups falling back to it
+            if g.fallback is None or getattr(self, g.name) is not None:
+                continue
+            if getattr(self, str(g.fallback_while)).size != 1:
+                kind = BY_NAME[str(g.fallback_while)].title.removesuffix("-parallel")
+                raise ValueError(f"with {kind} parallelism the {g.label} group must be given")
+            setattr(self, g.name, getattr(self, g.fallback))
 
     def group(self, name: str) -> CommGroup:
         """The group called ``name`` (one of :data:`GROUPS`, ``world`` or ``embedding``)."""
@@ -136,31 +150,30 @@ class ParallelState:
 
     @property
     def sizes(self) -> ParallelSizes:
-        return ParallelSizes(tp=self.tp.size, pp=self.pp.size, cp=self.cp.size,
-                             ep=self.ep.size, dp=self.dp.size)
+        return ParallelSizes(**{d.name: self.group(d.name).size for d in DIMS})
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """The single-process state: every group has size 1."""
         device = torch.device(device)
-        return cls(**{name: CommGroup(device=device) for name in (
-            "tp", "dp", "pp", "world", "embedding", "cp", "ep")}, device=device)
+        names = (*(d.name for d in DIMS), "world", "embedding")
+        return cls(**{name: CommGroup(device=device) for name in names}, device=device)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-              device: torch.device | str | None = None, shared_memory: bool = True, *,
-              context_parallel_size: int = 1,
-              expert_model_parallel_size: int = 1) -> ParallelState:
-        """The groups of the named sizes over the initialised default process group (the data-
-        parallel size is what the world leaves); see :meth:`from_sizes`."""
+              device: torch.device | str | None = None, shared_memory: bool = True,
+              **sizes: int) -> ParallelState:
+        """The groups of the named sizes over the initialised default process group: the
+        keywords of :data:`~domino.parallel_dims.DIMS` (``context_parallel_size``,
+        ``expert_model_parallel_size``, ...); the data-parallel size is what the world leaves.
+        See :meth:`from_sizes`."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call domino.parallel_state."
                 "init_distributed() (or run under torchrun) before initialize_model_parallel().")
-        sizes = ParallelSizes.for_world(
-            dist.get_world_size(), tp=tensor_model_parallel_size,
-            pp=pipeline_model_parallel_size, cp=context_parallel_size,
-            ep=expert_model_parallel_size)
+        sizes = ParallelSizes.from_fields(
+            dist.get_world_size(), tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size, **sizes)
         return cls.from_sizes(sizes, device, shared_memory)
 
     @classmethod
@@ -168,16 +181,18 @@ class ParallelState:
                    shared_memory: bool = True) -> ParallelState:
         """The one mesh builder: every group of :data:`GROUPS` (ranks laid out as
         :data:`MESH_DIMS` say, TP innermost), a derived group that has the same ranks as an
-        earlier one being that group. On CPU, ``shared_memory`` gives the TP, DP and embedding
-        groups whose ranks share a host the shared-memory transport (``tensor_parallel.shm``)
-        for their all-reduces, reduce-scatters and all-gathers; ``False`` keeps every
-        collective on gloo. :meth:`transports` says what each got."""
+        earlier one being that group. On CPU, ``shared_memory`` gives the TP, DP, EP and
+        embedding groups whose ranks share a host the shared-memory transport
+        (``tensor_parallel.shm``) for their bulk collectives (all-reduces, reduce-scatters,
+        all-gathers, EP's all-to-alls); ``False`` keeps every collective on gloo.
+        :meth:`transports` says what each got."""
         if sizes.world != dist.get_world_size():
             raise ValueError(f"the sizes {sizes} make {sizes.world} ranks, the world has "
                              f"{dist.get_world_size()}")
         device = torch.device(device) if device is not None else default_device()
         me, built, seen = dist.get_rank(), {}, {}
-        for name, lists in sizes.rank_groups().items():
+        groups = sizes.rank_groups()
+        for name, lists in groups.items():
             # A group is shared only within its use: the schedule's groups launch at fixed
             # places, the gradient groups where a backward's sums happen to be final (under
             # sequence parallelism, when the TP sums finish); one process group carrying both
@@ -187,7 +202,7 @@ class ParallelState:
                 seen[key] = _group_of(me, lists, device)
             built[name] = seen[key]
         state = cls(**built, world=CommGroup.world(device),
-                    embedding=_embedding_group(sizes, device), device=device)
+                    embedding=_embedding_group(groups["pp"], device), device=device)
         state.rng.tp_rank = state.tp.rank
         if shared_memory and device.type == "cpu":
             from domino.tensor_parallel.shm import open_transport
@@ -208,7 +223,7 @@ class ParallelState:
         out = {}
         for name in _SHARED:
             g = getattr(self, name)
-            if name in ("embedding", "ep") and g.size == 1:
+            if name not in _ALWAYS_REPORTED and g.size == 1:
                 continue
             out[name] = ("-" if g.size == 1 else "shm" if g.transport is not None
                          else str(dist.get_backend(g.group)))
@@ -224,11 +239,12 @@ class ParallelState:
 
 
 # The groups gradients are summed over (by a reducer, as blocks become final).
-_GRADIENT_GROUPS = ("dp", "dp_cp", "expert_dp")
+_GRADIENT_GROUPS = tuple(g.name for g in GROUP_TABLE if g.gradients)
 # The groups whose collectives carry bulk data (the embedding group: the tied word table's
 # gradient, once a step; ep: the MoE layers' token all-to-alls); pp and cp move their data
 # point to point, world only small agreements.
-_SHARED = ("tp", "dp", "embedding", "ep")
+_SHARED = (*(g.name for g in GROUP_TABLE if g.shared_memory), "embedding")
+_ALWAYS_REPORTED = ("tp", "dp")  # transports() lists the others only when they have peers
 
 
 def _group_of(me: int, lists: list[list[int]], device: torch.device) -> CommGroup:
@@ -255,20 +271,22 @@ def world_timeout(device: torch.device) -> datetime.timedelta | None:
         return None
 
 
-def _embedding_group(sizes: ParallelSizes, device: torch.device) -> CommGroup:
-    """First and last pipeline stage at each DP x CP x TP position."""
-    if sizes.pp == 1:
+def _embedding_group(pp_groups: list[list[int]], device: torch.device) -> CommGroup:
+    """First and last pipeline stage at each DP x CP x TP position (``pp_groups``: the ranks of
+    each pipeline)."""
+    if len(pp_groups[0]) == 1:
         return CommGroup(device=device)
-    stages = torch.arange(sizes.world).reshape(sizes.pp, -1)
-    pairs = [[int(a), int(b)] for a, b in zip(stages[0], stages[-1], strict=True)]
+    pairs = [[stages[0], stages[-1]] for stages in pp_groups]
     return _group_of(dist.get_rank(), pairs, device)
 
 
 def check_sizes(world_size: int, tensor_model_parallel_size: int,
                 pipeline_model_parallel_size: int = 1,
-                expert_model_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+                expert_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                **sizes: int) -> None:
     """Raise ValueError unless world = tp * pp * cp * dp for some integer dp >= 1, with EP
-    dividing dp * cp."""
-    ParallelSizes.for_world(world_size, tp=tensor_model_parallel_size,
-                            pp=pipeline_model_parallel_size, cp=context_parallel_size,
-                            ep=expert_model_parallel_size)
+    dividing dp * cp (``sizes``: the keywords of any other dimension)."""
+    ParallelSizes.from_fields(world_size, tensor_model_parallel_size=tensor_model_parallel_size,
+                              pipeline_model_parallel_size=pipeline_model_parallel_size,
+                              context_parallel_size=context_parallel_size,
+                              expert_model_parallel_size=expert_model_parallel_size, **sizes)

@@ -2,10 +2,11 @@
 
 A :class:`Plan` is what every part of the library that chooses or runs a schedule shares: the
 model's run-time config (:class:`~domino.runtime.RuntimeConfig`, or the constructors' ``plan=``
-shortcut), ``domino train``'s flags, the benchmark's modes and the autotuner. It has one text form, ``m<N>:<none|intra|cross>[:c<K>]`` (``c1`` is
-left out), read by :meth:`Plan.parse` and written by ``str(plan)``, and one set of rules
-(:func:`check_fields`, :meth:`Plan.check_fits`, :meth:`Plan.check_width`) whose messages name
-whatever the caller calls the values (a config field, a flag, a benchmark mode).
+shortcut), ``domino train``'s flags, the benchmark's modes and the autotuner. It has one text
+form, ``m<N>:<none|intra|cross>[:c<K>]`` (``c1`` is left out), read by :meth:`Plan.parse`
+and written by ``str(plan)``, and one set of rules (:func:`check_fields`,
+:meth:`Plan.check_fits`, :meth:`Plan.check_width`) whose messages name whatever the caller
+calls the values (a config field, a flag, a benchmark mode).
 """
 
 from __future__ import annotations

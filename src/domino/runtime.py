@@ -7,10 +7,12 @@ of mixed precision (:mod:`domino.precision`) - live in one frozen value passed t
 constructors (``GPTModel(config, runtime=...)``, ``TransformerLanguageModel``,
 ``DominoTransformer``, ``PipelineModel``) and read where they act.
 
-The seed's (Megatron's) spelling - ``TransformerConfig(..., domino_micro_batches=...,
-domino_overlap=..., domino_column_chunks=..., sequence_parallel=..., recompute_granularity=...)``
-- still builds the default one: :meth:`RuntimeConfig.from_seed`, read back by
-``config.runtime()``, is what a model built without ``runtime=`` runs.
+The seed (the DeepSpeed-Domino language-model API that domino keeps compatible, see
+docs/glossary.md) spells these choices as Megatron does - ``TransformerConfig(...,
+domino_micro_batches=..., domino_overlap=..., domino_column_chunks=..., sequence_parallel=...,
+recompute_granularity=...)`` - and that spelling still builds the default one:
+:meth:`RuntimeConfig.from_seed`, read back by ``config.runtime()``, is what a model built
+without ``runtime=`` runs.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class RuntimeConfig:
     sequence_parallel: bool = field(
         default=False, metadata={"help": SEED_SPELLING["sequence_parallel"][1]})
     recompute_granularity: str | None = field(
-        default=None, metadata={"help": SEED_SPELLING["recompute_granularity"][1]})
+        default=None, metadata={"help": SEED_SPELLING["recompute_granularity"][1],
+                                "choices": RECOMPUTE_GRANULARITIES})
     compute_dtype: torch.dtype | None = field(
         default=None,
         metadata={"help": "Mixed precision: compute in this dtype (torch.bfloat16 or "
@@ -93,13 +96,15 @@ class RuntimeConfig:
         default="inductor",
         metadata={"help": "The torch.compile backend of compile=True: inductor generates fused "
                           "code (a C++ compiler on CPU, Triton on CUDA); aot_eager traces and "
-                          "differentiates the same graphs without generating code."})
+                          "differentiates the same graphs without generating code.",
+                  "choices": COMPILE_BACKENDS})
     cp_comm_type: str = field(
         default="p2p",
         metadata={"help": "Context parallelism's attention (Megatron's --cp-comm-type; read only "
                           "when the state's CP group has more than one rank): p2p (K/V blocks "
                           "around a ring, each transfer under the previous block's compute), "
-                          "all_gather (gather K/V once) or a2a (Ulysses: all-to-all by heads)."})
+                          "all_gather (gather K/V once) or a2a (Ulysses: all-to-all by heads).",
+                  "choices": tuple(CP_COMM_TYPES)})
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):

@@ -27,7 +27,8 @@ def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return init_
 
 
-def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def scaled_init_method_normal(std: float,
+                              num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """Init for layers that write into the residual stream: N(0, std / sqrt(2 num_layers))."""
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 

@@ -30,41 +30,79 @@ def _split_nocomm(mode: Mode, modes: list[Mode]) -> Mode | None:
 
 def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list[dict[str, Any]]:
     """One figures dict per mode from the workers' raw measurements."""
-    sent = raw.get("allreduce_bytes_per_step", {})
-    exchanged = raw.get("exchange_bytes_per_step", {})
-    med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
-    cpu_rounds = raw.get("per_rank_step_cpu_s") or {}
-    # A mode's CPU per step and rank: the ranks' mean in each round, the median over rounds.
-    cpu = {n: statistics.median(statistics.fmean(r) for r in zip(*v, strict=True))
-           for n, v in cpu_rounds.items() if v and v[0]}
-    flops, peak = raw.get("model_flops_per_step"), raw.get("peak_flops_per_s")
-    rows = []
-    for mode in modes:
-        t = med[mode.name]
-        per_rank, mfu = utilisation(flops, len(raw["per_rank_step_times_s"][mode.name]), t, peak)
-        # Sequence-parallel and compiled modes against their own sync and nocomm when those
-        # ran; a sequence-parallel one falls back to those of its kind (eager or compiled), a
-        # compiled one never to eager ones (they would mix eager compute into its figures).
+    measured = _Measured(raw, modes)
+    return [measured.row(mode, tokens) for mode in modes]
+
+
+class _Measured:
+    """The workers' raw measurements and the medians every mode's figures are read against."""
+
+    def __init__(self, raw: dict[str, Any], modes: list[Mode]) -> None:
+        self.raw, self.modes = raw, modes
+        self.sent = raw.get("allreduce_bytes_per_step", {})
+        self.exchanged = raw.get("exchange_bytes_per_step", {})
+        self.med = {m.name: statistics.median(raw["step_times_s"][m.name]) for m in modes}
+        self.cpu_rounds = raw.get("per_rank_step_cpu_s") or {}
+        # A mode's CPU per step and rank: the ranks' mean in each round, the median over rounds.
+        self.cpu = {n: statistics.median(statistics.fmean(r) for r in zip(*v, strict=True))
+                    for n, v in self.cpu_rounds.items() if v and v[0]}
+
+    def baselines(self, mode: Mode) -> tuple[str | None, str | None]:
+        """The names of the sync and nocomm runs ``mode`` is compared with (None: not run).
+
+        Sequence-parallel and compiled modes against their own sync and nocomm when those
+        ran; a sequence-parallel one falls back to those of its kind (eager or compiled), a
+        compiled one never to eager ones (they would mix eager compute into its figures)."""
         fam = mode.family
         kind = ":compiled" if mode.compiled else ""
-        sync_name = next((n for n in ("sync" + fam, "sync" + kind) if n in med), None)
-        nocomm_name = next((n for n in ("nocomm" + fam, "nocomm" + kind) if n in med), None)
-        f_sync, f_nocomm = med.get(sync_name), med.get(nocomm_name)
+        sync = next((n for n in ("sync" + fam, "sync" + kind) if n in self.med), None)
+        nocomm = next((n for n in ("nocomm" + fam, "nocomm" + kind) if n in self.med), None)
+        return sync, nocomm
+
+    def hidden(self, mode: Mode, exposed: float | None, sync: str | None,
+               nocomm: str | None) -> tuple[float | None, float | None]:
+        """The share of sync's exposed comm ``mode`` hides: from the medians, and paired by
+        round (None for modes that are not Domino's or without the baselines)."""
+        f_sync, f_nocomm = self.med.get(sync), self.med.get(nocomm)
         f_exposed_sync = (f_sync - f_nocomm if f_sync is not None and f_nocomm is not None
                           else None)
-        base = t - f_nocomm if f_nocomm is not None else None
-        exposed = base if mode.comm else None
-        split = _split_nocomm(mode, modes) if mode.is_domino else None
         hidden = None
         if (mode.is_domino and exposed is not None and f_exposed_sync is not None
                 and f_exposed_sync > 0):
             hidden = 1.0 - exposed / f_exposed_sync
-        hidden_paired = (hidden_share_paired(raw["step_times_s"], mode.name, sync_name,
-                                             nocomm_name)
-                         if mode.is_domino and sync_name and nocomm_name else None)
+        paired = (hidden_share_paired(self.raw["step_times_s"], mode.name, sync, nocomm)
+                  if mode.is_domino and sync and nocomm else None)
+        return hidden, paired
+
+    def cpu_figures(self, mode: Mode, split: Mode | None) -> dict[str, Any]:
+        """The CPU time (all threads, kernel work included) a rank's process spent per step,
+        and over the same split without comm: what the comm costs the CPUs."""
+        cpu, name = self.cpu, mode.name
+        return {
+            "cpu_s_per_step": cpu.get(name),
+            "cpu_s_per_step_per_rank": ([statistics.median(v) for v in self.cpu_rounds[name]]
+                                        if name in cpu else None),
+            "cpu_vs_split_nocomm_s": (cpu[name] - cpu[split.name]
+                                      if split is not None and name in cpu
+                                      and split.name in cpu else None),
+        }
+
+    def row(self, mode: Mode, tokens: int) -> dict[str, Any]:
+        raw, med = self.raw, self.med
+        t = med[mode.name]
+        per_rank, mfu = utilisation(raw.get("model_flops_per_step"),
+                                    len(raw["per_rank_step_times_s"][mode.name]), t,
+                                    raw.get("peak_flops_per_s"))
+        sync, nocomm = self.baselines(mode)
+        f_sync, f_nocomm = med.get(sync), med.get(nocomm)
+        base = t - f_nocomm if f_nocomm is not None else None
+        exposed = base if mode.comm else None
+        split = _split_nocomm(mode, self.modes) if mode.is_domino else None
+        hidden, hidden_paired = self.hidden(mode, exposed, sync, nocomm)
         peaks = raw["peak_bytes"][mode.name]
         known = [p for p in peaks if p is not None]
-        rows.append({
+        sent, exchanged = self.sent.get(mode.name), self.exchanged.get(mode.name, 0)
+        return {
             "mode": mode.name,
             "comm_enabled": mode.comm,
             "micro_batches": mode.plan.micro_batches,
@@ -81,14 +119,7 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             "mfu": mfu,
             "exposed_comm_s": exposed,
             "exposed_comm_vs_split_nocomm_s": t - med[split.name] if split is not None else None,
-            # The CPU time (all threads, kernel work included) a rank's process spent per
-            # step, and over the same split without comm: what the comm costs the CPUs.
-            "cpu_s_per_step": cpu.get(mode.name),
-            "cpu_s_per_step_per_rank": ([statistics.median(v) for v in cpu_rounds[mode.name]]
-                                        if mode.name in cpu else None),
-            "cpu_vs_split_nocomm_s": (cpu[mode.name] - cpu[split.name]
-                                      if split is not None and mode.name in cpu
-                                      and split.name in cpu else None),
+            **self.cpu_figures(mode, split),
             # For comm-free split runs: what splitting alone costs over unsplit compute.
             "split_cost_s": base if not mode.comm and mode.split != (1, 1) else None,
             "comm_hidden": hidden,
@@ -98,18 +129,16 @@ def compute_results(raw: dict[str, Any], modes: list[Mode], tokens: int) -> list
             # Bytes this rank's collectives sent in one step (of them, in exchanges: EP's
             # all-to-alls, CP's transfers), and the host CPU that moving them takes (scaled
             # from the 8 MiB probes): overlapped comm still costs this much CPU.
-            "allreduce_bytes_per_step": sent.get(mode.name),
-            "exchange_bytes_per_step": exchanged.get(mode.name, 0),
-            "comm_cpu_s_per_step": comm_cpu_s(raw, sent.get(mode.name),
-                                              exchanged.get(mode.name, 0)),
+            "allreduce_bytes_per_step": sent,
+            "exchange_bytes_per_step": exchanged,
+            "comm_cpu_s_per_step": comm_cpu_s(raw, sent, exchanged),
             "peak_mem_bytes_per_rank": peaks,
             "peak_rss_bytes_per_rank": raw["peak_rss_bytes"][mode.name],
             "timeline_png": None,
             "chrome_trace": None,
             "traced_work_s_per_rank": None,
             "traced_wait_s_per_rank": None,
-        })
-    return rows
+        }
 
 
 def paired_exposed_s(times: dict[str, list[float]], mode: str, nocomm: str) -> float:

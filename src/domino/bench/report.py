@@ -162,7 +162,8 @@ def format_table(report: dict[str, Any]) -> str:
             _fmt(r["peak_mem_bytes"], 1 / 2**20, ".1f")))
     widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
     for row in (head, *body):
-        cells = [row[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
+        cells = [row[0].ljust(widths[0])]
+        cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells))
     best = report.get("best_domino_mode")
     if best is not None:

@@ -18,6 +18,7 @@ from domino.config import TransformerConfig
 from domino.context_parallel import check_context_parallel
 from domino.flops import check_peak_tflops
 from domino.netem import check_can_emulate, parse_rate
+from domino.parallel_dims import SIZED
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
 from domino.plan import Plan
@@ -28,6 +29,8 @@ DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
 PIPELINE_MICRO_BATCHES = 8  # --pipeline-micro-batches when not given
 PIPELINE_PLAN = "m2:cross"  # --plan when not given
 
+# The parallel sizes the bench has flags for (domino.parallel_dims).
+_SIZES = tuple(str(d.size_field) for d in SIZED if d.bench_help is not None)
 # Flags only a pipeline comparison reads: given without one they would be silently ignored.
 PIPELINE_ONLY = ("pipeline_micro_batches", "schedules", "num_layers_per_virtual_pipeline_stage",
                  "pipeline_stage_layers", "plan")
@@ -135,34 +138,9 @@ def _check_at_least_one(args: argparse.Namespace, names: tuple[str, ...]) -> Non
 
 def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     """The worker spec of a comparison of Domino modes (TP ranks only), and its modes."""
-    given = [f"--{n.replace('_', '-')}" for n in PIPELINE_ONLY if getattr(args, n) is not None]
-    if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        raise ValueError(f"{', '.join(given)} {verb} only to a pipeline comparison: add "
-                         "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
-                         "modes to compare are chosen with --modes)")
-    moe_sp = args.num_experts is not None and args.tensor_model_parallel_size > 1
-    if args.modes is None and moe_sp:  # MoE at TP > 1 runs sequence parallel
-        args.modes = ",".join(f"{m}:sp" for m in DEFAULT_MODES.split(","))
-    modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
-    plain = [m.name for m in modes if not m.sequence_parallel]
-    if moe_sp and plain:
-        raise ValueError(
-            f"--num-experts at --tensor-model-parallel-size {args.tensor_model_parallel_size} "
-            f"trains with sequence parallelism (each TP rank routes its own tokens): the modes "
-            f"{', '.join(plain)} lack it; end them in ':sp' (e.g. sync:sp,nocomm:sp,"
-            "domino:m2:cross:sp)")
-    if args.compile and any(m.compiled for m in modes):
-        raise ValueError("--compile runs every mode on the compiled model; ':compiled' modes "
-                         "run a compiled twin beside the eager one: drop one or the other")
-    _check_at_least_one(args, ("steps", "threads_per_rank", "tensor_model_parallel_size"))
-    if args.warmup < 0:
-        raise ValueError(f"--warmup={args.warmup} must be >= 0")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout={args.timeout} must be > 0")
-    check_peak_tflops(args.peak_tflops)
-    if args.model == "gpt" and args.vocab_size < 1:
-        raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
+    _refuse_pipeline_flags(args)
+    modes = _modes(args)
+    _check_run_flags(args)
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     cp = _check_context_parallel(args)
     world = tp * cp * ep
@@ -184,16 +162,7 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     spec["device"] = resolve_device(args.device, world)
     _check_compile(args, spec["device"], modes)
     spec["trace"] = args.out_dir is not None
-    if args.simulate_link is not None:
-        if args.emulate_link is not None:
-            raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
-                             "CPU-free link or emulate a real one, not both")
-        spec["simulate_link"] = parse_rate(args.simulate_link)
-        if (tp < 2 and ep < 2) or cp > 1:
-            raise ValueError("--simulate-link times TP all-reduces and expert-parallel "
-                             "all-to-alls: it needs --tensor-model-parallel-size >= 2 or "
-                             "--expert-model-parallel-size >= 2, and no context parallelism "
-                             "(use --emulate-link for the CP ring)")
+    _check_simulated_link(args, spec)
     check_link(args, spec, hosts=world)
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
@@ -202,11 +171,66 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
     return spec, modes
 
 
+def _refuse_pipeline_flags(args: argparse.Namespace) -> None:
+    """The flags only a pipeline comparison reads (they would be silently ignored)."""
+    given = [f"--{n.replace('_', '-')}" for n in PIPELINE_ONLY if getattr(args, n) is not None]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{', '.join(given)} {verb} only to a pipeline comparison: add "
+                         "--pipeline-model-parallel-size 2 (or more), or drop them (the Domino "
+                         "modes to compare are chosen with --modes)")
+
+
+def _modes(args: argparse.Namespace) -> list[Mode]:
+    """The modes to compare (MoE at TP > 1: sequence parallel ones, by default)."""
+    moe_sp = args.num_experts is not None and args.tensor_model_parallel_size > 1
+    if args.modes is None and moe_sp:  # MoE at TP > 1 runs sequence parallel
+        args.modes = ",".join(f"{m}:sp" for m in DEFAULT_MODES.split(","))
+    modes = parse_modes(args.modes if args.modes is not None else DEFAULT_MODES)
+    plain = [m.name for m in modes if not m.sequence_parallel]
+    if moe_sp and plain:
+        raise ValueError(
+            f"--num-experts at --tensor-model-parallel-size {args.tensor_model_parallel_size} "
+            f"trains with sequence parallelism (each TP rank routes its own tokens): the modes "
+            f"{', '.join(plain)} lack it; end them in ':sp' (e.g. sync:sp,nocomm:sp,"
+            "domino:m2:cross:sp)")
+    if args.compile and any(m.compiled for m in modes):
+        raise ValueError("--compile runs every mode on the compiled model; ':compiled' modes "
+                         "run a compiled twin beside the eager one: drop one or the other")
+    return modes
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    """Counts, sizes and rates that must be positive."""
+    _check_at_least_one(args, ("steps", "threads_per_rank", *_SIZES))
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0")
+    check_peak_tflops(args.peak_tflops)
+    if args.model == "gpt" and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size={args.vocab_size} must be >= 1 for --model gpt")
+
+
+def _check_simulated_link(args: argparse.Namespace, spec: dict[str, Any]) -> None:
+    """``--simulate-link`` into ``spec``: TP all-reduces and EP all-to-alls only."""
+    if args.simulate_link is None:
+        return
+    if args.emulate_link is not None:
+        raise ValueError("--simulate-link and --emulate-link exclude each other: simulate a "
+                         "CPU-free link or emulate a real one, not both")
+    spec["simulate_link"] = parse_rate(args.simulate_link)
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if (tp < 2 and ep < 2) or args.context_parallel_size > 1:
+        raise ValueError("--simulate-link times TP all-reduces and expert-parallel "
+                         "all-to-alls: it needs --tensor-model-parallel-size >= 2 or "
+                         "--expert-model-parallel-size >= 2, and no context parallelism "
+                         "(use --emulate-link for the CP ring)")
+
+
 def _check_context_parallel(args: argparse.Namespace) -> int:
     """The context-parallel flags fit the rest (what ``domino train`` checks too); the CP size."""
     cp = args.context_parallel_size
-    if cp < 1:
-        raise ValueError(f"--context-parallel-size={cp} must be >= 1")
     if cp == 1:
         return cp
     if args.num_experts is not None or args.model == "moe":
@@ -225,8 +249,6 @@ def _check_context_parallel(args: argparse.Namespace) -> int:
 def _check_moe(args: argparse.Namespace) -> None:
     """The MoE flags fit together (the model config checks the rest)."""
     ep, experts = args.expert_model_parallel_size, args.num_experts
-    if ep < 1:
-        raise ValueError(f"--expert-model-parallel-size={ep} must be >= 1")
     if experts is None:
         if args.model == "moe" or ep > 1:
             what = "--model moe" if args.model == "moe" else f"--expert-model-parallel-size {ep}"
@@ -259,8 +281,7 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
         args.plan = PIPELINE_PLAN
     plan = Plan.parse(args.plan)
     p, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-    _check_at_least_one(args, ("pipeline_model_parallel_size", "pipeline_micro_batches", "steps",
-                               "threads_per_rank", "tensor_model_parallel_size"))
+    _check_at_least_one(args, ("pipeline_micro_batches", "steps", "threads_per_rank", *_SIZES))
     if args.simulate_link is not None:
         raise ValueError("--simulate-link times TP all-reduces; the pipeline bench runs on "
                          "loopback or --emulate-link")

@@ -222,9 +222,7 @@ def render_png(
     """
     # Figure + Agg canvas directly, not pyplot: no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import to_hex
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     lanes = _lanes(timelines)
     tls = sorted(timelines, key=lambda t: t.rank)
@@ -235,70 +233,19 @@ def render_png(
     fig = Figure(figsize=(width_in, 1.2 + 0.32 * n_rows + 0.25 * len(tls)), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_axes((0.11, 0.12 + 0.3 / (1 + n_rows), 0.74, 0.78 - 0.3 / (1 + n_rows)))
-    palette = [to_hex(c) for c in _palette()]
-
     # Approximate text fitting: axes width in pixels over the time range, ~6 px per character.
-    px_per_ms = width_in * dpi * 0.74 / end_ms
-    row_h, group_gap = 1.0, 0.6
+    gantt = _Gantt(ax, t0, px_per_ms=width_in * dpi * 0.74 / end_ms)
     yticks: list[float] = []
     ylabels: list[str] = []
-    mbs: set[int] = set()
-    has_plain = False
     y = 0.0
     for tl in tls:
         for lane in lanes:
-            yc = y + row_h / 2
-            yticks.append(yc)
+            yticks.append(y + _ROW_H / 2)
             ylabels.append(f"{row_label} {tl.rank} {lane}")
-            lane_spans = sorted((s for s in tl.spans if s.category == lane), key=_start)
-            slots = _slots(lane_spans)
-            n_slots = max(slots, default=0) + 1
-            bar_h = (row_h - 0.2) / n_slots
-            # One broken_barh per sub-row and colour: the same rectangles as one call per span
-            # (the spans of a sub-row never overlap), drawn many times faster.
-            bars: dict[tuple[float, str], list[tuple[float, float]]] = {}
-            for s, slot in zip(lane_spans, slots, strict=True):
-                mb = s.args.get("mb")
-                if isinstance(mb, int):
-                    colour = palette[mb % len(palette)]
-                    mbs.add(mb)
-                else:
-                    colour = _NO_MB_COLOUR
-                    has_plain = True
-                x0 = (s.start_s - t0) * 1e3
-                w = s.duration_s * 1e3
-                yb = y + 0.1 + slot * bar_h
-                bars.setdefault((yb, colour), []).append((x0, w))
-                if w * px_per_ms > 6 * len(s.name) + 4:
-                    ax.text(
-                        x0 + w / 2,
-                        yb + bar_h / 2,
-                        s.name,
-                        ha="center",
-                        va="center",
-                        fontsize=7 if n_slots == 1 else 6,
-                        clip_on=True,
-                        # A light box keeps the name readable on hatched bars.
-                        bbox={
-                            "boxstyle": "square,pad=0.1",
-                            "fc": "white",
-                            "ec": "none",
-                            "alpha": 0.7,
-                        },
-                    )
-            for (yb, colour), xranges in bars.items():
-                ax.broken_barh(
-                    xranges,
-                    (yb, bar_h),
-                    facecolors=colour,
-                    edgecolor="black",
-                    linewidth=0.4,
-                    hatch=_LANE_HATCH.get(lane),
-                    alpha=0.9,
-                )
-            y += row_h
-        ax.axhline(y + group_gap / 2, color="#cccccc", linewidth=0.8)
-        y += group_gap
+            gantt.draw_lane(lane, [s for s in tl.spans if s.category == lane], y)
+            y += _ROW_H
+        ax.axhline(y + _GROUP_GAP / 2, color="#cccccc", linewidth=0.8)
+        y += _GROUP_GAP
 
     ax.set_ylim(y, 0)  # rank 0 on top
     ax.set_xlim(0, end_ms * 1.01)
@@ -307,14 +254,86 @@ def render_png(
     ax.grid(axis="x", linestyle=":", linewidth=0.6)
     if title:
         ax.set_title(title)
-
-    handles = [Patch(facecolor=palette[m % len(palette)], label=f"mb {m}") for m in sorted(mbs)]
-    if has_plain:
-        handles.append(Patch(facecolor=_NO_MB_COLOUR, label="no micro-batch"))
-    for lane, hatch in _LANE_HATCH.items():
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch=hatch, label=lane))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.legend(handles=gantt.legend(), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.savefig(path, format="png")
+
+
+_ROW_H, _GROUP_GAP = 1.0, 0.6  # a lane's height and the gap between two ranks' row groups
+
+
+class _Gantt:
+    """The bars of one chart: where a span's bar goes, its colour, its label, and the legend
+    of the micro-batches and lanes drawn."""
+
+    def __init__(self, ax: Any, t0: float, px_per_ms: float) -> None:
+        from matplotlib.colors import to_hex
+
+        self.ax, self.t0, self.px_per_ms = ax, t0, px_per_ms
+        self.palette = [to_hex(c) for c in _palette()]
+        self.mbs: set[int] = set()
+        self.has_plain = False
+
+    def colour(self, span: Span) -> str:
+        """The span's micro-batch colour (grey without one); notes it for the legend."""
+        mb = span.args.get("mb")
+        if isinstance(mb, int):
+            self.mbs.add(mb)
+            return self.palette[mb % len(self.palette)]
+        self.has_plain = True
+        return _NO_MB_COLOUR
+
+    def draw_lane(self, lane: str, spans: list[Span], y: float) -> None:
+        """One lane's spans from height ``y``, overlapping ones stacked in sub-rows."""
+        lane_spans = sorted(spans, key=_start)
+        slots = _slots(lane_spans)
+        n_slots = max(slots, default=0) + 1
+        bar_h = (_ROW_H - 0.2) / n_slots
+        # One broken_barh per sub-row and colour: the same rectangles as one call per span
+        # (the spans of a sub-row never overlap), drawn many times faster.
+        bars: dict[tuple[float, str], list[tuple[float, float]]] = {}
+        for s, slot in zip(lane_spans, slots, strict=True):
+            colour = self.colour(s)
+            x0 = (s.start_s - self.t0) * 1e3
+            w = s.duration_s * 1e3
+            yb = y + 0.1 + slot * bar_h
+            bars.setdefault((yb, colour), []).append((x0, w))
+            if w * self.px_per_ms > 6 * len(s.name) + 4:
+                self.label(s.name, x0 + w / 2, yb + bar_h / 2, 7 if n_slots == 1 else 6)
+        for (yb, colour), xranges in bars.items():
+            self.ax.broken_barh(
+                xranges,
+                (yb, bar_h),
+                facecolors=colour,
+                edgecolor="black",
+                linewidth=0.4,
+                hatch=_LANE_HATCH.get(lane),
+                alpha=0.9,
+            )
+
+    def label(self, name: str, x: float, y: float, fontsize: int) -> None:
+        self.ax.text(
+            x,
+            y,
+            name,
+            ha="center",
+            va="center",
+            fontsize=fontsize,
+            clip_on=True,
+            # A light box keeps the name readable on hatched bars.
+            bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7},
+        )
+
+    def legend(self) -> list[Any]:
+        """Patches for the micro-batches drawn, grey if a span had none, and the hatches."""
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor=self.palette[m % len(self.palette)], label=f"mb {m}")
+                   for m in sorted(self.mbs)]
+        if self.has_plain:
+            handles.append(Patch(facecolor=_NO_MB_COLOUR, label="no micro-batch"))
+        for lane, hatch in _LANE_HATCH.items():
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch=hatch, label=lane))
+        return handles
 
 
 def _start(s: Span) -> float:

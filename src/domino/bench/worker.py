@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,12 +37,7 @@ from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
 from domino.transformer import DominoTransformer
-from domino.transformer.stack import (
-    compile_cost,
-    using_cp_overlap,
-    using_plan,
-    using_sequence_parallel,
-)
+from domino.transformer.stack import compile_cost, stacks_of, using_plan, using_runtime
 
 __all__ = ["main", "measure"]
 
@@ -135,9 +130,9 @@ class _Bench:
             comm.enter_context(self.state.cp.disabled())
         model = self.models[mode.compiled]
         if self.state.cp.size > 1:  # sync waits for each ring transfer; Domino overlaps it
-            comm.enter_context(using_cp_overlap(model, mode.is_domino))
+            comm.enter_context(_ring_overlap(model, mode.is_domino))
         with using_plan(model, mode.plan), comm, \
-                using_sequence_parallel(model, mode.sequence_parallel):
+                using_runtime(model, sequence_parallel=mode.sequence_parallel):
             model.zero_grad(set_to_none=True)
             self._losses[mode.compiled]().backward()
 
@@ -158,6 +153,21 @@ class _Bench:
             for g, hook in zip(groups, before, strict=True):
                 g.hook = hook
         return tl.to_dict()
+
+
+@contextlib.contextmanager
+def _ring_overlap(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """The enclosed code with ``model``'s ring context parallelism overlapping its transfers
+    (``on``) or waiting for each first (the sync baseline); as before afterwards."""
+    stacks = stacks_of(model)
+    saved = [s.ring_overlap for s in stacks]
+    try:
+        for s in stacks:
+            s.set_ring_overlap(on)
+        yield
+    finally:
+        for s, before in zip(stacks, saved, strict=True):
+            s.set_ring_overlap(before)
 
 
 class _MoEBlocks(DominoTransformer):
@@ -290,8 +300,8 @@ def measure(spec: dict[str, Any], device: torch.device,
         for mode in modes:
             if mode.comm:  # comm-free runs have nothing to overlap: not worth a picture
                 traces[mode.name] = bench.traced_step(mode, state.world.rank)
-    mine = {"times": times, "cpu": cpu, "memory": memory, "traces": traces, "param_bytes": bench.param_bytes,
-            "peak": peak, "compile": compiled + [recompiled]}
+    mine = {"times": times, "cpu": cpu, "memory": memory, "traces": traces,
+            "param_bytes": bench.param_bytes, "peak": peak, "compile": compiled + [recompiled]}
     gathered = state.world.all_gather_json(mine)
     if state.world.rank != 0:
         return None
@@ -317,7 +327,8 @@ def measure(spec: dict[str, Any], device: torch.device,
         "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
         "param_bytes": [g["param_bytes"] for g in gathered],
         # The step time of a round is its slowest rank's: the TP group moves at that pace.
-        "step_times_s": {n: [max(vals) for vals in zip(*(g["times"][n] for g in gathered), strict=True)]
+        "step_times_s": {n: [max(vals) for vals in zip(*(g["times"][n] for g in gathered),
+                                                       strict=True)]
                          for n in names},
         "per_rank_step_times_s": {n: [g["times"][n] for g in gathered] for n in names},
         "per_rank_step_cpu_s": {n: [g["cpu"][n] for g in gathered] for n in names},

@@ -1,5 +1,5 @@
 """A checkpoint as a ``transformers`` model folder (config.json, model.safetensors, tokenizer
-files), GPT-2 or Llama by the model's features (``domino export --format hf``)."""
+files) of the first family that expresses the model (``domino export --format hf``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from domino.checkpoint import layout
+from domino.checkpoint.families import family_for
 from domino.checkpoint.hf import to_hf
-from domino.checkpoint.hf_config import choose_architecture, hf_config
+from domino.checkpoint.hf_config import hf_config
 from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.checkpoint.store import load_tokenizer
 from domino.config import TransformerConfig
@@ -18,9 +19,9 @@ from domino.data.tokenizer import BPETokenizer, as_rust_tokenizer
 
 
 def export_hf(step_dir: Path, meta: layout.Meta, out: Path) -> str:
-    """Write the HF model folder; returns the architecture (gpt2, llama, qwen2 or mistral)."""
+    """Write the HF model folder; returns the architecture (the family's model_type)."""
     config = TransformerConfig.from_dict(meta.config)
-    arch = choose_architecture(config)
+    arch = family_for(config).model_type
     tokenizer = load_tokenizer(step_dir, meta)
     reader = ShardReader(step_dir)
     ours = {name: reader.full(name, TensorSpec.from_json(name, raw))

@@ -1,5 +1,6 @@
-"""A ``transformers`` GPT-2 or Llama folder (safetensors weights) as a domino checkpoint at any
-TP size, weights only (``domino import``)."""
+"""A ``transformers`` model folder (safetensors weights) of a family domino reads
+(:mod:`domino.checkpoint.families`) as a domino checkpoint at any TP size, weights only
+(``domino import``)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,14 @@ from safetensors.torch import save_file
 
 import domino
 from domino.checkpoint import layout
-from domino.checkpoint.hf import expected_hf_shapes, from_hf
+from domino.checkpoint.hf import expected_hf_shapes, family_of, from_hf
 from domino.checkpoint.hf_config import config_from_hf
-from domino.checkpoint.hf_keys import hf_key
 from domino.checkpoint.layout import Meta
 from domino.checkpoint.reshard import reshard
 from domino.checkpoint.shards import describe
 from domino.checkpoint.store import save_tokenizer
 from domino.config import TransformerConfig
 from domino.data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer
-
-# Buffers some GPT-2 files carry next to the weights (causal-mask constants), never weights.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-
 
 _HF_FIX = ("a model folder holds its files itself; re-download the model or re-save it with "
            "save_pretrained(dir, safe_serialization=True)")
@@ -123,9 +119,9 @@ def read_hf_weights(folder: Path, expected: dict[str, tuple[int, ...]] | None = 
 
 def _check_shape(path: Path, key: str, shape: tuple[int, ...],
                  expected: dict[str, tuple[int, ...]]) -> None:
-    """``key``'s shape in the file is the one ``config.json`` implies (GPT-2 files may or may
-    not prefix ``transformer.``; tensors the model does not use are ignored)."""
-    want = expected.get(key, expected.get("transformer." + key))
+    """``key``'s shape in the file is the one ``config.json`` implies (tensors the model does
+    not use are ignored)."""
+    want = expected.get(key)
     if want is not None and shape != want:
         raise ValueError(f"{path}: tensor {key} has shape {shape}, but config.json describes a "
                          f"model whose {key} is {want}; the weights and config.json belong to "
@@ -163,7 +159,7 @@ def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None) 
 def _check_tp(path: Path, config: TransformerConfig, arch: str, tp: int) -> None:
     """The model splits over ``tp`` ranks; ValueError naming the ``config.json`` keys that
     do not divide (not our config's field names)."""
-    sizes = {hf_key(arch, field): getattr(config, field)
+    sizes = {family_of(arch).key(field): getattr(config, field)
              for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size")}
     if arch == "gpt2" and config.ffn_hidden_size == 4 * config.hidden_size:
         sizes["n_inner (4 x n_embd when null)"] = sizes.pop("n_inner")
@@ -185,8 +181,12 @@ def import_hf(folder: Path, out: Path, tp: int) -> Path:
     _check_tp(path, config, arch, tp)
     tokenizer = read_hf_tokenizer(folder, config, eod)
     padded = config.padded_vocab_size(1)
-    weights = read_hf_weights(folder, expected_hf_shapes(config, arch))
-    hf = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    family = family_of(arch)
+    expected = expected_hf_shapes(config, arch)
+    # (the names as the files that leave the family's prefix off write them, too)
+    expected.update({k.removeprefix(family.prefix): s for k, s in list(expected.items())})
+    weights = read_hf_weights(folder, expected)
+    hf = {k: v for k, v in weights.items() if not (family.buffers and k.endswith(family.buffers))}
     try:
         ours = from_hf(hf, config, arch, padded)
     except KeyError as err:

@@ -1,7 +1,7 @@
 """Reading a Hugging Face ``config.json`` value by value: :class:`HFKeys` reads each key with
 its type and rule and refuses a missing, null or ill-typed one in one line naming the file and
-the key a user edits; :func:`hf_key` names our config fields in those keys for the messages
-of the config's own checks."""
+the key a user edits (each family names our config fields in those keys for the messages of
+the config's own checks: :meth:`~domino.checkpoint.families.family.Family.key`)."""
 
 from __future__ import annotations
 
@@ -14,44 +14,11 @@ from typing import Any, NoReturn
 from domino.config import TransformerConfig
 
 _REQUIRED, _ABSENT = object(), object()
-_FIX = "set it in config.json to the model's value (the config.json saved with these weights has it)"
+_FIX = ("set it in config.json to the model's value (the config.json saved with these weights "
+        "has it)")
 FIX_PAIR = "use the config.json saved with these weights"
 _RULES = {"": lambda x: True, "> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
           "> 1": lambda x: x > 1, "in [0, 1)": lambda x: 0 <= x < 1}
-# Our TransformerConfig fields as the config.json keys a user edits, for the messages of the
-# config's own checks (config_from_hf checks what it can first, in these terms).
-GPT2_KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
-              "num_query_groups": "n_head", "kv_channels": "n_embd / n_head",
-              "ffn_hidden_size": "n_inner", "max_position_embeddings": "n_positions",
-              "seq_length": "n_positions", "layernorm_epsilon": "layer_norm_epsilon",
-              "hidden_dropout": "resid_pdrop", "attention_dropout": "attn_pdrop",
-              "init_method_std": "initializer_range"}
-LLAMA_KEYS = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value_heads",
-               "kv_channels": "head_dim", "ffn_hidden_size": "intermediate_size",
-               "seq_length": "max_position_embeddings", "layernorm_epsilon": "rms_norm_eps",
-               "init_method_std": "initializer_range", "window_size": "sliding_window",
-               "rotary_base": "rope_theta", "num_experts": "num_experts",
-               "moe_router_topk": "num_experts_per_tok",
-               "moe_ffn_hidden_size": "moe_intermediate_size",
-               "moe_first_k_dense_layers": "mlp_only_layers",
-               "moe_aux_loss_coeff": "router_aux_loss_coef",
-               "rope_scaling_factor": "rope_scaling.factor",
-               "rotary_seq_len_interpolation_factor": "rope_scaling.factor",
-               "rope_low_freq_factor": "rope_scaling.low_freq_factor",
-               "rope_high_freq_factor": "rope_scaling.high_freq_factor",
-               "rope_original_max_position_embeddings":
-                   "rope_scaling.original_max_position_embeddings"}
-MOE_KEYS = {"mixtral": {"num_experts": "num_local_experts",
-                         "moe_ffn_hidden_size": "intermediate_size"},
-             "olmoe": {"moe_ffn_hidden_size": "intermediate_size"}}
-
-
-def hf_key(arch: str, field: str, rope: str = "rope_scaling") -> str:
-    """The ``config.json`` key of an ``arch`` model that our config's ``field`` comes from
-    (``field`` itself when none does); ``rope``: the key holding the RoPE settings."""
-    keys = GPT2_KEYS if arch == "gpt2" else {**LLAMA_KEYS, **MOE_KEYS.get(arch, {})}
-    key = keys.get(field, field)
-    return f"{rope}.{key.split('.', 1)[1]}" if key.startswith("rope_scaling.") else key
 
 
 def _shown(value: Any) -> str:

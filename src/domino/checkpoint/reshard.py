@@ -5,6 +5,7 @@ process."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,38 +38,10 @@ def reshard(step_dir: Path, meta: Meta, out_dir: Path, tp: int) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    reader = ShardReader(step_dir)
-    specs = {name: TensorSpec.from_json(name, raw) for name, raw in meta.tensors.items()}
     files: dict[str, Any] = {}
-    tensors: dict[str, Any] = {}
-    for rank in range(tp):
-        for kind, name_of in (("model", layout.model_file), ("optim", layout.optim_file)):
-            names = [n for n in specs if n.startswith("optimizer.") == (kind == "optim")]
-            out = {}
-            for name in names:
-                spec = specs[name]
-                if spec.dim is None and rank > 0:
-                    continue  # replicated: stored once
-                full_len = _target_len(spec, config, tp)
-                out[name] = (reader.full(name, spec) if spec.dim is None
-                             else reader.part(name, spec, rank, tp, full_len))
-                shape = list(spec.shape)
-                if spec.dim is not None:
-                    shape[spec.dim] = full_len
-                target_files = ([name_of(r) for r in range(tp)] if spec.dim is not None
-                                else [name_of(0)])
-                tensors[name] = TensorSpec(tuple(shape), spec.dtype, tuple(target_files),
-                                           spec.dim, spec.stride, spec.vocab).to_json()
-            if out:
-                rel = name_of(rank)
-                save_file({k: v.contiguous() for k, v in out.items()}, str(tmp / rel))
-                files[rel] = layout.file_record(tmp / rel)
+    tensors = _write_tensors(step_dir, meta, config, tp, tmp, files)
     _copy_rng(step_dir, meta, tmp, tp, files)
-    src_tok = step_dir / layout.TOKENIZER_DIR
-    if src_tok.is_dir():
-        shutil.copytree(src_tok, tmp / layout.TOKENIZER_DIR)
-        for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
-            files[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
+    _copy_tokenizer(step_dir, tmp, files)
     new = Meta(**{**meta.__dict__, "tensors": tensors, "files": files,
                   "layout": {"tp": tp, "pp": 1, "dp": 1}})
     if new.args is not None:
@@ -79,6 +52,54 @@ def reshard(step_dir: Path, meta: Meta, out_dir: Path, tp: int) -> Path:
     tmp.rename(final)
     layout.write_json_atomic(root / layout.LATEST, {"step": meta.step, "dir": final.name})
     return final
+
+
+def _write_tensors(step_dir: Path, meta: Meta, config: TransformerConfig, tp: int, tmp: Path,
+                   files: dict[str, Any]) -> dict[str, Any]:
+    """Each output rank's model and optimizer files under ``tmp`` (recorded in ``files``);
+    returns the new tensor records."""
+    reader = ShardReader(step_dir)
+    specs = {name: TensorSpec.from_json(name, raw) for name, raw in meta.tensors.items()}
+    tensors: dict[str, Any] = {}
+    for rank in range(tp):
+        for kind, name_of in (("model", layout.model_file), ("optim", layout.optim_file)):
+            names = [n for n in specs if n.startswith("optimizer.") == (kind == "optim")]
+            out = {}
+            for name in names:
+                spec = specs[name]
+                if spec.dim is None and rank > 0:
+                    continue  # replicated: stored once
+                out[name], tensors[name] = _resharded(reader, name, spec, config, tp, rank,
+                                                      name_of)
+            if out:
+                rel = name_of(rank)
+                save_file({k: v.contiguous() for k, v in out.items()}, str(tmp / rel))
+                files[rel] = layout.file_record(tmp / rel)
+    return tensors
+
+
+def _resharded(reader: ShardReader, name: str, spec: TensorSpec, config: TransformerConfig,
+               tp: int, rank: int, name_of: Callable[[int], str]) -> tuple[Any, dict[str, Any]]:
+    """Rank ``rank``'s part of tensor ``name`` at TP=``tp`` (the whole of a replicated one),
+    and the tensor's record at that TP size."""
+    full_len = _target_len(spec, config, tp)
+    part = (reader.full(name, spec) if spec.dim is None
+            else reader.part(name, spec, rank, tp, full_len))
+    shape = list(spec.shape)
+    if spec.dim is not None:
+        shape[spec.dim] = full_len
+    target_files = [name_of(r) for r in range(tp)] if spec.dim is not None else [name_of(0)]
+    record = TensorSpec(tuple(shape), spec.dtype, tuple(target_files), spec.dim, spec.stride,
+                        spec.vocab).to_json()
+    return part, record
+
+
+def _copy_tokenizer(step_dir: Path, tmp: Path, files: dict[str, Any]) -> None:
+    src_tok = step_dir / layout.TOKENIZER_DIR
+    if src_tok.is_dir():
+        shutil.copytree(src_tok, tmp / layout.TOKENIZER_DIR)
+        for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
+            files[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
 
 
 def _copy_rng(step_dir: Path, meta: Meta, tmp: Path, tp: int, files: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """How a tensor is cut across TP ranks, and reading any rank's part for any TP size.
 
 A TP-sharded tensor is described (from its parameter's
-:class:`~domino.tensor_parallel.placement.Placement`) by its partition ``dim``, its ``stride`` (the dimension is
-``stride`` equal blocks and each rank holds its part of every block: SwiGLU's [gate; up]) and,
+:class:`~domino.tensor_parallel.placement.Placement`) by its partition ``dim``, its ``stride``
+(the dimension is ``stride`` equal blocks and each rank holds its part of every block: SwiGLU's
+[gate; up]) and,
 for vocabulary tables, the number of ``vocab`` rows that are real (the rest is padding, whose
 amount depends on the TP size). Reading rank r of b of a tensor saved by a ranks gathers exactly
 the rows rank r needs from the saved files (safetensors slices: no rank loads the whole model)

@@ -1,5 +1,5 @@
-"""Every ``domino`` subcommand, one module each: ``train``, ``generate``, ``eval``, ``convert``,
-``export``, ``import`` (``hf_import``), ``preprocess``, ``bench``, ``demo``.
+"""Every ``domino`` subcommand, one module each (``hf_import`` is ``domino import``), registered
+in :data:`domino.cli.SUBCOMMANDS`.
 
 A command module is a thin argparse layer: ``add_arguments(parser)`` defines its flags and
 ``run(args)`` checks what only the command line can get wrong, then calls the feature's library

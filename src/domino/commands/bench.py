@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from domino.bench import pipeline_report, report
@@ -25,7 +26,9 @@ from domino.bench.spec import (
     pipeline_spec,
     tp_spec,
 )
+from domino.parallel_dims import SIZED
 from domino.runtime import COMPILE_BACKENDS, CP_COMM_TYPES
+from domino.training.flag_text import command_flags, flags_in_errors
 
 # The MoE flags and their defaults (add_arguments'): any other value needs --num-experts.
 MOE_DEFAULTS: dict[str, Any] = {"moe_router_topk": 2, "moe_ffn_hidden_size": None,
@@ -36,6 +39,19 @@ MOE_DEFAULTS: dict[str, Any] = {"moe_router_topk": 2, "moe_ffn_hidden_size": Non
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``domino bench`` flags to ``parser``."""
     a = parser.add_argument
+    _model_flags(a)
+    _parallel_flags(a)
+    _moe_flags(a)
+    _measurement_flags(a)
+    _link_flags(a)
+    _pipeline_flags(a)
+    a("--json", metavar="PATH", default=None, help="write the report here")
+    a("--out-dir", metavar="DIR", default=None,
+      help="write a PNG timeline and a Chrome trace per traced mode here")
+
+
+def _model_flags(a: Callable[..., Any]) -> None:
+    """The model the modes run."""
     a("--model", choices=("stack", "gpt", "moe"), default="stack",
       help="stack: the transformer stack on random [s, b, h] input; gpt: the full GPT model; "
            "moe: the stack's MoE MLP blocks only (norm, MoE layer, residual; no attention), "
@@ -46,7 +62,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seq-length", type=int, default=256)
     a("--micro-batch-size", type=int, default=8, help="batch per TP group and step")
     a("--vocab-size", type=int, default=32000, help="vocabulary (--model gpt only)")
-    a("--tensor-model-parallel-size", type=int, default=2, help="TP size = number of ranks")
+    a("--swiglu", action="store_true", help="SwiGLU MLPs and experts instead of GELU")
+    a("--recompute-granularity", choices=("full", "selective"), default=None,
+      help="activation recomputation of every mode's model (memory for compute)")
+    a("--attention-dropout", type=float, default=0.0,
+      help="attention dropout of every mode's model (with it the core attention keeps its "
+           "s x s probabilities for backward, what selective recomputation drops)")
+
+
+def _parallel_flags(a: Callable[..., Any]) -> None:
+    """One flag per parallel size (domino.parallel_dims), and CP's attention."""
+    for d in SIZED:
+        if d.bench_help is not None:
+            a(d.flag, type=int, default=d.cli_default, help=d.bench_help)
+    a("--cp-comm-type", choices=tuple(CP_COMM_TYPES), default="p2p",
+      help="CP attention: p2p (K/V ring), all_gather or a2a (Ulysses)")
+
+
+def _moe_flags(a: Callable[..., Any]) -> None:
     a("--num-experts", type=int, default=None,
       help="MoE MLPs with this many experts in every layer (stack, gpt, moe)")
     a("--moe-router-topk", type=int, default=2, help="experts per token")
@@ -55,16 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--moe-aux-loss-coeff", type=float, default=0.01, help="load-balancing loss weight")
     a("--moe-router-force-load-balancing", action="store_true",
       help="route by random scores (even loads on average) instead of the router's")
-    a("--expert-model-parallel-size", type=int, default=1,
-      help="EP: the experts split over this many ranks with different tokens (the bench then "
-           "runs TP x EP ranks, one emulated host each)")
-    a("--context-parallel-size", type=int, default=1,
-      help="CP: every sequence split over this many ranks (a head and a tail chunk each), "
-           "attention across them (the bench then runs TP x CP ranks, one emulated host each); "
-           "sync waits for each ring transfer before its block's compute, Domino modes overlap it")
-    a("--cp-comm-type", choices=tuple(CP_COMM_TYPES), default="p2p",
-      help="CP attention: p2p (K/V ring), all_gather or a2a (Ulysses)")
-    a("--swiglu", action="store_true", help="SwiGLU MLPs and experts instead of GELU")
+
+
+def _measurement_flags(a: Callable[..., Any]) -> None:
+    """What is measured, how often, on what."""
     a("--modes", default=None,
       help=f"comma-separated modes: {GRAMMAR} [default: {DEFAULT_MODES}]")
     a("--steps", type=int, default=10, help="measured rounds (steps per mode)")
@@ -79,14 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "(compiled in the warm-up steps; the compile time is reported)")
     a("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
       help="torch.compile backend of --compile (aot_eager: the same graphs, no generated code)")
-    a("--recompute-granularity", choices=("full", "selective"), default=None,
-      help="activation recomputation of every mode's model (memory for compute)")
-    a("--attention-dropout", type=float, default=0.0,
-      help="attention dropout of every mode's model (with it the core attention keeps its "
-           "s x s probabilities for backward, what selective recomputation drops)")
     a("--seed", type=int, default=1234)
     a("--device", choices=("auto", "cpu", "cuda"), default="auto",
       help="auto: cuda when it has a GPU per rank, else cpu")
+
+
+def _link_flags(a: Callable[..., Any]) -> None:
+    """How the ranks talk: the emulated or simulated link, the transport, the timeout."""
     a("--emulate-link", metavar="RATE", default=None,
       help="run each rank in its own network namespace over a veth shaped to RATE "
            "(e.g. 1gbit, 100mbit); root only")
@@ -98,13 +124,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="MTU of the emulated link's veths (default: the veth default, 1500); e.g. 9000 for "
            "jumbo frames, which cut the host CPU each transfer costs")
     a("--no-shared-memory-comm", dest="shared_memory_comm", action="store_false",
-      help="keep every collective on gloo (default on CPU: ranks on one host move TP "
-           "collectives through shared memory; emulated hosts always use gloo)")
+      help="keep every collective on gloo (default on CPU: ranks on one host move their TP "
+           "and EP collectives through shared memory; emulated hosts always use gloo)")
     a("--timeout", type=float, default=300.0,
       help="seconds a collective may wait for a peer before the ranks give up")
-    a("--pipeline-model-parallel-size", type=int, default=1,
-      help="> 1: compare pipeline schedules instead of Domino modes (GPT model, one stage per "
-           "emulated host with --emulate-link)")
+
+
+def _pipeline_flags(a: Callable[..., Any]) -> None:
+    """A comparison of pipeline schedules (--pipeline-model-parallel-size > 1)."""
     a("--pipeline-micro-batches", type=int, default=None,
       help=f"pipeline micro-batches per step [default: {PIPELINE_MICRO_BATCHES}]")
     a("--schedules", default=None,
@@ -115,22 +142,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="uneven stages, layers per stage (e.g. 5,3; not for the interleaved schedule)")
     a("--plan", default=None, help=f"Domino plan inside each pipeline stage [default: "
       f"{PIPELINE_PLAN}]")
-    a("--json", metavar="PATH", default=None, help="write the report here")
-    a("--out-dir", metavar="DIR", default=None,
-      help="write a PNG timeline and a Chrome trace per traced mode here")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark described by ``args``; print the table and return the report."""
-    _check_feature_flags(args)
+    """Run the benchmark described by ``args``; print the table and return the report. A bad
+    flag raises ValueError naming the flags (a library error's config fields spelled as the
+    bench's flags)."""
+    with flags_in_errors(command_flags(vars(args))):
+        _check_feature_flags(args)
+        if args.pipeline_model_parallel_size != 1:
+            spec = pipeline_spec(args)
+        else:
+            spec, modes = tp_spec(args)
+    _make_out_dir(args)
     if args.pipeline_model_parallel_size != 1:
-        spec = pipeline_spec(args)
-        _make_out_dir(args)
         result = pipeline_report.build_report(args, spec, execute(spec))
         table = pipeline_report.format_table(result)
     else:
-        spec, modes = tp_spec(args)
-        _make_out_dir(args)
         result = report.build_report(args, spec, modes, execute(spec))
         table = report.format_table(result)
     if args.json is not None:

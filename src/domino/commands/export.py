@@ -1,5 +1,5 @@
-"""``domino export --format hf RUN_DIR OUT``: a checkpoint as a ``transformers`` model folder,
-GPT-2 or Llama by the model's features."""
+"""``domino export --format hf RUN_DIR OUT``: a checkpoint as a ``transformers`` model folder of
+the first family that expresses the model (:data:`domino.checkpoint.families.FAMILIES`)."""
 
 from __future__ import annotations
 

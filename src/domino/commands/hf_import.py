@@ -1,8 +1,8 @@
-"""``domino import HF_DIR OUT``: a ``transformers`` GPT-2 or Llama folder as a domino
-checkpoint at any TP size, weights only, plus an OUT/config.toml with the `domino train`
-settings that rebuild the model: ``domino generate`` / ``eval`` / ``export`` use it as it is, and
-``domino train --config OUT/config.toml --load OUT --data-path ...`` fine-tunes it (a new run
-from its weights)."""
+"""``domino import HF_DIR OUT``: a ``transformers`` model folder of a family domino reads
+(:data:`domino.checkpoint.families.FAMILIES`) as a domino checkpoint at any TP size, weights
+only, plus an OUT/config.toml with the `domino train` settings that rebuild the model: ``domino
+generate`` / ``eval`` / ``export`` use it as it is, and ``domino train --config OUT/config.toml
+--load OUT --data-path ...`` fine-tunes it (a new run from its weights)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@
   :mod:`~domino.context_parallel.gathered`);
 * :class:`SequenceMask`: a model's attention mask per token (documents, key padding), what a
   context-parallel model takes as its ``attention_mask``;
-* :func:`check_context_parallel`: the configuration rules, as ValueErrors naming the flag.
+* :func:`check_context_parallel`: the configuration rules, as ValueErrors naming the
+  settings to change (their config fields; ``domino train`` shows them as its flags).
 
 The group is always passed in (a :class:`~domino.tensor_parallel.CommGroup`, so its transfers are
 counted, traced and disabled like every other collective's); nothing here holds state.
@@ -37,8 +38,8 @@ from domino.context_parallel.sharding import (
 )
 
 __all__ = [
-    "KINDS", "Masking", "SequenceMask", "allgather_attention", "alltoall_attention", "check_context_parallel",
-    "check_dropout", "check_heads", "check_sequence_length", "chunk_ids", "context_attention",
-    "dense_attention", "gather_sequence", "local_positions", "ring_attention", "shard_order",
-    "shard_sequence", "unshard_sequence",
+    "KINDS", "Masking", "SequenceMask", "allgather_attention", "alltoall_attention",
+    "check_context_parallel", "check_dropout", "check_heads", "check_sequence_length",
+    "chunk_ids", "context_attention", "dense_attention", "gather_sequence", "local_positions",
+    "ring_attention", "shard_order", "shard_sequence", "unshard_sequence",
 ]

@@ -10,9 +10,10 @@ import torch
 
 from domino.context_parallel.gathered import allgather_attention, alltoall_attention
 from domino.context_parallel.masks import Masking, dense_attention
-from domino.context_parallel.ring import Deferred, FirstHop, ring_attention
+from domino.context_parallel.ring import ring_attention
 from domino.context_parallel.sharding import check_sequence_length, gather_sequence
 from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.handles import Arriving, InFlight
 
 KINDS = ("ring", "allgather", "alltoall")
 
@@ -29,28 +30,28 @@ def check_heads(num_heads: int, num_groups: int, cp: int, tp: int = 1) -> None:
     heads and whole K/V groups of its TP rank's (``num_heads``, ``num_groups``: the model's)."""
     if num_heads % (tp * cp) or num_groups % (tp * cp):
         raise ValueError(
-            f"all-to-all context parallelism (--cp-comm-type a2a) gives each rank whole heads: "
-            f"--num-attention-heads {num_heads} and --num-query-groups {num_groups} must both "
-            f"be divisible by --tensor-model-parallel-size x --context-parallel-size = "
-            f"{tp * cp} (--tensor-model-parallel-size {tp}, --context-parallel-size {cp}). "
-            "Change those sizes, or use --cp-comm-type p2p (ring attention: no such rule).")
+            f"all-to-all context parallelism (cp_comm_type='a2a') gives each rank whole heads: "
+            f"num_attention_heads={num_heads} and num_query_groups={num_groups} must both "
+            f"be divisible by tensor_model_parallel_size x context_parallel_size = "
+            f"{tp * cp} (tensor_model_parallel_size={tp}, context_parallel_size={cp}). "
+            "Change those sizes, or use cp_comm_type='p2p' (ring attention: no such rule).")
 
 
 def check_dropout(attention_dropout: float, cp: int) -> None:
     """Raise ValueError for attention dropout, which context-parallel attention lacks."""
     if attention_dropout:
         raise ValueError(
-            f"--attention-dropout {attention_dropout} is not supported with context parallelism "
-            f"(--context-parallel-size {cp}): context-parallel attention draws no dropout "
-            "masks. Set --attention-dropout 0, or --context-parallel-size 1.")
+            f"attention_dropout={attention_dropout} is not supported with context parallelism "
+            f"(context_parallel_size={cp}): context-parallel attention draws no dropout "
+            "masks. Set attention_dropout=0, or context_parallel_size=1.")
 
 
 def check_context_parallel(*, seq_length: int, context_parallel_size: int,
                            num_attention_heads: int, num_query_groups: int | None = None,
                            attention_dropout: float = 0.0, kind: str = "ring",
                            tensor_model_parallel_size: int = 1) -> None:
-    """Every configuration rule of context-parallel attention (ValueError naming the flag to
-    change); nothing to check at ``context_parallel_size`` 1."""
+    """Every configuration rule of context-parallel attention (ValueError naming the setting
+    to change: its config field); nothing to check at ``context_parallel_size`` 1."""
     cp = context_parallel_size
     check_kind(kind)
     if cp == 1:
@@ -69,8 +70,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       document_ids: torch.Tensor | None = None, window: int | None = None,
                       softmax_scale: float | None = None,
                       dropout_p: float = 0.0, overlap: bool = True,
-                      first: FirstHop | None = None, poll: Callable[[], None] | None = None,
-                      tags: dict | None = None, defer: Deferred | None = None) -> torch.Tensor:
+                      first: tuple[torch.Tensor, Arriving] | None = None,
+                      poll: Callable[[], None] | None = None, tags: dict | None = None,
+                      defer: list[InFlight] | None = None) -> torch.Tensor:
     """Attention of this rank's share of a sequence sharded over ``group`` (load-balanced:
     see :func:`shard_sequence`), like ``kernels.attention`` on the whole sequence.
 
@@ -92,8 +94,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``first`` (ring only): its first exchange, launched ahead (``ring.launch_first``);
     ``poll``: a schedule's work, run once (the ring: after the rank's own block, before the
     first wait; the others: before the attention); ``tags`` label the exchanges for a hook;
-    ``defer`` (ring only): the backward leaves the other ranks' parts of dK/dV in flight
-    (``ring.Deferred``: the caller adds them).
+    ``defer`` (ring only): a list the backward leaves the other ranks' parts of dK/dV in, in
+    flight (``ring.arrived_sum``: the caller adds them).
     """
     check_kind(kind)
     cp = 1 if group is None else group.size

@@ -25,6 +25,7 @@ from domino.context_parallel.blocks import (
 from domino.context_parallel.masks import Masking, dense_attention
 from domino.context_parallel.sharding import chunk_ids, shard_order
 from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.mappings import all_to_all_rows
 
 
 class _GatherShards(torch.autograd.Function):
@@ -44,27 +45,6 @@ class _GatherShards(torch.autograd.Function):
         ctx.group.reduce_scatter(out.view(-1), grad.contiguous().view(-1),
                                  name="cp reduce-scatter dkv")
         return out, None
-
-
-class _AllToAll(torch.autograd.Function):
-    """[cp, ...]: slice i goes to rank i, and slice i of the result came from rank i. Its own
-    adjoint, so backward is the same exchange of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    group.all_to_all(out, x, name="cp all-to-all")
-    return out
 
 
 class _AttendGathered(torch.autograd.Function):
@@ -118,7 +98,9 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     inverse = torch.argsort(order)
     # One exchange for q, k and v: rank i's heads of each, side by side.
     x = torch.cat([t.reshape(s, b, cp, t.shape[2] // cp, d) for t in (q, k, v)], dim=3)
-    x = _AllToAll.apply(x.permute(2, 0, 1, 3, 4), group)  # [cp (source rank), s, b, h, d]
+    even = [1] * cp  # slice i to rank i, slice i of the result from rank i
+    x = all_to_all_rows(x.permute(2, 0, 1, 3, 4), group, even, even,
+                        name="cp all-to-all")  # [cp (source rank), s, b, h, d]
     x = x.reshape(seq, b, -1, d).index_select(0, inverse)  # the whole sequence, true order
     qh, kh, vh = x.split([n // cp, g // cp, g // cp], dim=2)
     pos = torch.arange(seq, device=q.device)
@@ -126,5 +108,6 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     out = dense_attention(qh, kh, vh, mask, is_causal=masking.only_causal, scale=scale,
                           q_per_group=n // g)  # [seq, b, n/cp * d]
     out = out.index_select(0, order).reshape(cp, s, b, n // cp, d)  # shard order, by owner
-    out = _AllToAll.apply(out, group)  # [cp (head group), s, b, n/cp, d]
+    out = all_to_all_rows(out, group, even, even,
+                          name="cp all-to-all")  # [cp (head group), s, b, n/cp, d]
     return out.permute(1, 2, 0, 3, 4).reshape(s, b, n * d)

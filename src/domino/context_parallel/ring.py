@@ -22,7 +22,6 @@ micro-batches' compute (``transformer/ring_entry.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +34,8 @@ from domino.context_parallel.blocks import (
 )
 from domino.context_parallel.masks import Masking
 from domino.context_parallel.sharding import chunk_ids
-from domino.tensor_parallel.comm import DONE, CommGroup, Handle
+from domino.tensor_parallel.comm import DONE, CommGroup
+from domino.tensor_parallel.handles import Arriving, InFlight
 
 
 def _neighbours(group: CommGroup) -> tuple[int, int]:
@@ -43,51 +43,35 @@ def _neighbours(group: CommGroup) -> tuple[int, int]:
     return (group.rank + 1) % group.size, (group.rank - 1) % group.size
 
 
-@dataclass(eq=False)
-class FirstHop:
-    """An exchange of the ring's forward in flight (the first one: :func:`launch_first`): the
-    K/V block sent, the buffer the previous rank's arrives in, and the exchange's handle."""
-
-    block: torch.Tensor
-    incoming: torch.Tensor
-    handle: Handle
-
-
-class Deferred:
-    """What the ring's backward leaves in flight with ``defer``: exchanges bringing parts of
-    this rank's own dK/dV from the other ranks. The gradients the backward returned lack
-    them until :meth:`wait` gives their sum (:func:`kv_seq` of it: dK, dV [s/cp, b, g, d]) for
-    the caller to add, so the transfers run under whatever the caller computes meanwhile."""
-
-    def __init__(self) -> None:
-        self.parts: list[tuple[Handle, torch.Tensor]] = []  # (exchange, [2, b, g, 2, c, d])
-
-    def wait(self) -> torch.Tensor | None:
-        """The arrived dK/dV summed, in block layout [2, b, g, 2, c, d] (None: nothing
-        was deferred); once."""
-        total = None
-        for handle, buf in self.parts:
-            handle.wait()
-            total = buf if total is None else total.add_(buf)
-        self.parts = []
-        return total
+def arrived_sum(parts: list[InFlight]) -> torch.Tensor | None:
+    """What the ring's backward left in flight with ``defer`` (exchanges bringing parts of this
+    rank's own dK/dV from the other ranks), waited for in order and summed, in block layout
+    [2, b, g, 2, c, d] (None: nothing was deferred): the caller adds :func:`kv_seq` of it to
+    the gradients the backward returned (dK, dV [s/cp, b, g, d])."""
+    total = None
+    for part in parts:
+        buf = part.wait()
+        total = buf if total is None else total.add_(buf)
+    return total
 
 
 def launch_first(k: torch.Tensor, v: torch.Tensor, group: CommGroup,
-                 tags: dict | None = None) -> FirstHop:
+                 tags: dict | None = None) -> tuple[torch.Tensor, Arriving]:
     """Launch the ring's first exchange of this rank's K/V (k, v [s/cp, b, g, d], as the
-    attention will be given them) now; hand the result to :func:`ring_attention` as
-    ``first``. Every rank of ``group`` must launch it at the same place of its schedule."""
-    return _hop(group, kv_blocks(k.detach(), v.detach()), 0, tags or {})
+    attention will be given them) now -> (the block sent, the previous rank's arriving); hand
+    it to :func:`ring_attention` as ``first``. Every rank of ``group`` must launch it at the
+    same place of its schedule."""
+    block = kv_blocks(k.detach(), v.detach())
+    return block, _hop(group, block, 0, tags or {})
 
 
-def _hop(group: CommGroup, block: torch.Tensor, step: int, tags: dict) -> FirstHop:
-    """Send ``block`` to the next rank and receive the previous rank's (step ``step``)."""
+def _hop(group: CommGroup, block: torch.Tensor, step: int, tags: dict) -> Arriving:
+    """Send ``block`` to the next rank; the previous rank's arriving (step ``step``)."""
     nxt, prev = _neighbours(group)
     incoming = torch.empty_like(block)
     handle = group.exchange([(nxt, block)], [(prev, incoming)], "cp fwd kv",
                             {"step": step, **tags})
-    return FirstHop(block, incoming, handle)
+    return Arriving([handle], lambda: incoming)
 
 
 # ---- the Function ---------------------------------------------------------------------------
@@ -96,28 +80,27 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
                 masking: Masking, scale: float, overlap: bool, limit: int,
-                keep: bool, fused: bool, first: FirstHop | None,
+                keep: bool, fused: bool, first: tuple[torch.Tensor, Arriving] | None,
                 poll: Callable[[], None] | None, tags: dict,
-                defer: Deferred | None) -> torch.Tensor:
+                defer: list[InFlight] | None) -> torch.Tensor:
         attention = BlockAttention(q, k.shape[2], chunk_ids(group.rank, group.size), masking,
                                    scale, limit, fused)
-        block = kv_blocks(k, v) if first is None else first.block
+        block = kv_blocks(k, v) if first is None else first[0]
         visitors = []  # with ``keep``: the other ranks' blocks, for backward
         for step in range(group.size):
             src = (group.rank - step) % group.size
             hop = None
             if step == 0 and first is not None:  # launched ahead by the caller
-                hop = first
+                hop = first[1]
             elif step + 1 < group.size:  # launched before this block's compute: it overlaps
                 hop = _hop(group, block, step, tags)
             if hop is not None and not overlap:  # the un-overlapped baseline: waited first
-                hop.handle.wait()
+                hop.wait()
             attention.add(block, chunk_ids(src, group.size))
             if step == 0 and poll is not None:  # other pieces' work before the first wait
                 poll()
             if hop is not None:
-                hop.handle.wait()
-                block = hop.incoming
+                block = hop.wait()
                 if keep:
                     visitors.append(block)
         out, lse = attention.finish()
@@ -148,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool,
-                   tags: dict, defer: Deferred | None) -> torch.Tensor:
+                   tags: dict, defer: list[InFlight] | None) -> torch.Tensor:
     """K/V blocks around the ring again, each block's dK/dV accumulator one step behind it and
     sent home at the end; returns this rank's block's dK/dV (summed over every rank)."""
     nxt, prev = _neighbours(group)
@@ -164,7 +147,8 @@ def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool,
             arriving = torch.empty_like(carried)
             sends.append((nxt, carried))
             recvs.append((prev, arriving))
-        pending = group.exchange(sends, recvs, "cp bwd kv", {"step": step, **tags}) if sends else DONE
+        pending = (group.exchange(sends, recvs, "cp bwd kv", {"step": step, **tags})
+                   if sends else DONE)
         if not overlap:
             pending.wait()
         grads = pairs(block, src)
@@ -176,7 +160,7 @@ def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool,
         home = torch.empty_like(carried)
         handle = group.exchange([(nxt, carried)], [(prev, home)], "cp bwd dkv home", tags)
         if defer is not None:  # all of this rank's dK/dV arrives later
-            defer.parts.append((handle, home))
+            defer.append(Arriving([handle], lambda: home))
             return torch.zeros_like(carried)
         handle.wait()
         carried = home
@@ -184,7 +168,7 @@ def _backward_ring(group: CommGroup, block: torch.Tensor, pairs, overlap: bool,
 
 
 def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
-                   overlap: bool, tags: dict, defer: Deferred | None) -> torch.Tensor:
+                   overlap: bool, tags: dict, defer: list[InFlight] | None) -> torch.Tensor:
     """With every block kept from forward (``blocks[t]`` came from rank - t): the other
     ranks' blocks first, each one's dK/dV sent straight to its owner while the next is
     computed, this rank's own block last; returns its dK/dV (summed over every rank)."""
@@ -200,7 +184,7 @@ def _backward_kept(group: CommGroup, blocks: list[torch.Tensor], pairs,
         arriving.append((handle, incoming))
     own = pairs(blocks[0], rank)
     if defer is not None:  # the other ranks' parts arrive later
-        defer.parts.extend(arriving)
+        defer.extend(Arriving([handle], lambda buf=buf: buf) for handle, buf in arriving)
         return own
     for handle, incoming in arriving:
         handle.wait()
@@ -212,8 +196,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    masking: Masking, scale: float, overlap: bool = True,
                    block_elements: int = BLOCK_ELEMENTS,
                    keep_blocks: bool | None = None, fused: bool | None = None,
-                   first: FirstHop | None = None, poll: Callable[[], None] | None = None,
-                   tags: dict | None = None, defer: Deferred | None = None) -> torch.Tensor:
+                   first: tuple[torch.Tensor, Arriving] | None = None,
+                   poll: Callable[[], None] | None = None, tags: dict | None = None,
+                   defer: list[InFlight] | None = None) -> torch.Tensor:
     """Ring attention of this rank's queries q [s/cp, b, n, d] over the whole sequence, whose
     K/V [s/cp, b, g, d] are sharded over ``group`` (load-balanced, see ``sharding``) ->
     [s/cp, b, n*d]. ``masking`` holds the whole sequence's padding and document ids.
@@ -233,12 +218,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 
     ``first``: the first exchange, already launched by :func:`launch_first` from these k, v.
     ``poll`` runs once, after this rank's own block and before the first exchange is waited
-    for (it runs in the grad mode of the call). ``tags`` label the exchanges for a hook."""
+    for (it runs in the grad mode of the call). ``tags`` label the exchanges for a hook.
+    ``defer``: a list the backward appends the exchanges bringing this rank's dK/dV to, instead
+    of waiting for them (:func:`arrived_sum`), so they run under the caller's later work."""
     if first is not None:
         s, b, g, d = k.shape
-        if first.block.shape != (2, b, g, 2, s // 2, d):
+        if first[0].shape != (2, b, g, 2, s // 2, d):
             raise ValueError(f"the first exchange carries a block of shape "
-                             f"{tuple(first.block.shape)}, not this k/v's "
+                             f"{tuple(first[0].shape)}, not this k/v's "
                              f"{(2, b, g, 2, s // 2, d)}")
     keep = group.size == 2 if keep_blocks is None else keep_blocks
     if fused is None:

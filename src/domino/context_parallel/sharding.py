@@ -17,16 +17,16 @@ from domino.tensor_parallel.comm import CommGroup
 def check_sequence_length(seq_length: int, cp: int) -> None:
     """Raise ValueError unless ``seq_length`` splits into 2 x ``cp`` equal chunks."""
     if cp < 1:
-        raise ValueError(f"--context-parallel-size {cp} must be a positive integer.")
+        raise ValueError(f"context_parallel_size={cp} must be a positive integer.")
     parts = 2 * cp
     if seq_length < parts or seq_length % parts:
         up = max(parts, -(-seq_length // parts) * parts)
         raise ValueError(
-            f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size = "
+            f"seq_length={seq_length} is not divisible by 2 x context_parallel_size = "
             f"{parts}: context parallelism cuts every sequence into 2 x CP equal chunks (rank r "
             f"holds chunks r and {parts - 1}-r, so that every rank does the same causal work). "
-            f"Use a --seq-length that is a multiple of {parts} (e.g. {up}) or another "
-            f"--context-parallel-size.")
+            f"Use a seq_length that is a multiple of {parts} (e.g. {up}) or another "
+            f"context_parallel_size.")
 
 
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:

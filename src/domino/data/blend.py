@@ -134,8 +134,8 @@ def blend_index(weights: Sequence[float], num_samples: int,
     count is within 1/2 of w_k T at the due time T of the n-th sample, and n itself is the sum
     of the counts. The order is a prefix of one infinite sequence: a longer run only appends.
     Built a time ``window`` (about that many samples) at a time, so the memory beyond the
-    result stays a few tens of MB however long the run. About 0.2 s for 10M samples of 3
-    datasets, 0.07 s for 1M of 100 (measured 2026-12-03).
+    result stays a few tens of MB however long the run (what it costs: docs/train.md,
+    "Blends").
     """
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()

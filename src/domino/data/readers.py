@@ -32,8 +32,8 @@ DATA_PATTERNS = ("*.jsonl", "*.json", "*.jsonl.gz", "*.json.gz", "*.jsonl.zst", 
                  "*.parquet", "*.arrow")
 _CHUNK = 1 << 18  # compressed bytes per read from disk
 # Compressed bytes per zstd call: a zstd block of 4 bytes can expand to 128 KiB, so 256 bytes
-# never give more than 8 MiB at once, whatever the data (the extra calls cost under 1 s per
-# decompressed GB, measured against 256 KiB steps).
+# never give more than 8 MiB at once, whatever the data (the extra calls cost little: the
+# figure is in docs/train.md).
 _ZSTD_STEP = 256
 MAX_RECORD_BYTES = 256 << 20  # one JSON line or text file; --max-record-bytes raises it
 _ROWS = 4096  # table rows per record batch

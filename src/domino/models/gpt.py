@@ -127,7 +127,8 @@ class GPTModel(nn.Module):
             logits = logits.transpose(0, 1).contiguous()  # [b, s, v/tp]
             if self.parallel_output:
                 return logits
-            return gather_from_tensor_model_parallel_region(logits, tp)[..., :self.config.vocab_size]
+            full = gather_from_tensor_model_parallel_region(logits, tp)
+            return full[..., :self.config.vocab_size]
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels have shape {tuple(labels.shape)} but input_ids have "
                              f"{tuple(input_ids.shape)}; they must match [b, s].")

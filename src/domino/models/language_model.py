@@ -1,5 +1,6 @@
-"""The seed's language-model API: Embedding, Pooler, TransformerLanguageModel,
-parallel_lm_logits and get_language_model, over Domino transformers.
+"""The seed: the DeepSpeed-Domino language-model API that domino keeps compatible (Embedding,
+Pooler, TransformerLanguageModel, parallel_lm_logits and get_language_model; docs/glossary.md),
+over Domino transformers.
 
 Shapes: token ids and position ids are [b, s] at the API edge; hidden states are [s, b, h].
 Every constructor also takes an optional ``parallel_state`` (default: the current one from

@@ -1,5 +1,7 @@
 """One pipeline rank's share of a GPT: its model chunks (one, or several for interleaved 1F1B),
-each built through the seed's API with ``pre_process`` on the first virtual stage and
+each built through the seed API (``get_language_model``: the DeepSpeed-Domino language-model
+API that domino keeps compatible, see docs/glossary.md) with ``pre_process`` on the first
+virtual stage and
 ``post_process`` on the last, holding exactly the full model's weights for its layers."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.schedules import Action, build
 from domino.tensor_parallel.comm import Handle
 from domino.transformer import BackwardContext
-from domino.transformer.moe.op import micro_batch_tokens, moe_ops, set_loss_scale
+from domino.transformer.moe.op import micro_batch_tokens, moe_ops
 
 
 def _tag(kind: str, vstage: int, mb: int) -> int:
@@ -129,76 +129,116 @@ class PipelineRunner:
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was built for {self.micro_batches} pipeline "
                              f"micro-batches per step, got {len(batches)}")
-        stats = StepStats()
-        posted: dict[tuple, tuple[torch.Tensor, Handle]] = {}
-        sends: list[tuple[torch.Tensor, Handle]] = []
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        deferred: dict[tuple[int, int], list] = {}
-        contexts: dict[tuple[int, int], BackwardContext] = {}  # of the forwards not yet B
-        loss = torch.zeros(1, dtype=torch.float64, device=self.state.device)
-        held = 0
-        # Each micro-batch's auxiliary losses weigh as much as its loss tokens, as without a
-        # pipeline: every stage has the batches (one host sync per step). Set before each B:
-        # 1F1B runs other micro-batches' forwards between a forward and its backward.
-        tokens = micro_batch_tokens(batches, self.state.cp) if any(self.experts) else []
+        run = _StepRun(self, batches, loss_scale, reducer)
         for i, a in enumerate(self.actions):
-            self._post(i, posted)
-            key, k = (a.chunk, a.mb), self._vstage(a)
-            chunk = self.model.chunks[a.chunk]
+            self._post(i, run.posted)
             if a.kind == "F":
-                batch = batches[a.mb]
-                x = None
-                if k > 0:
-                    x = self._take(a, posted, stats).requires_grad_()
-                    chunk.set_input_tensor(x)
-                t0 = time.perf_counter()  # a pass's span starts once its input is here
-                is_last = k == self.last
-                if self.zero_bubble:  # the backward leaves its weight gradients for W
-                    context = BackwardContext(sink=[])
-                elif reducer is not None and self._last_backward[a.chunk] == a.mb:
-                    context = reducer.context()  # its blocks' DP buckets launch in the B
-                else:
-                    context = BackwardContext()
-                contexts[key] = context
-                out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                            labels=batch["labels"] if is_last else None, context=context)
-                chunk.set_input_tensor(None)
-                if is_last:
-                    lsum = (out.float() * batch["loss_mask"]).sum()
-                    loss += lsum.detach().double()
-                    out = lsum * loss_scale
-                else:
-                    self._send(out.detach().contiguous(), "act", k, a.mb, k + 1, sends)
-                inputs[key], outputs[key] = x, out
-                held += 1
-                stats.peak_held = max(stats.peak_held, held)
+                run.forward(a)
             elif a.kind == "B":
-                grad = None if k == self.last else self._take(a, posted, stats)
-                t0 = time.perf_counter()
-                out = outputs.pop(key)
-                if self.experts[a.chunk]:
-                    set_loss_scale(self.experts[a.chunk], tokens[a.mb] * loss_scale)
-                torch.autograd.backward(out, grad)
-                context = contexts.pop(key)
-                if self.zero_bubble:
-                    deferred[key] = context.sink
-                else:
-                    held -= 1
-                x = inputs.pop(key)
-                if k > 0:
-                    self._send(x.grad, "grad", k, a.mb, k - 1, sends)
-            else:  # W: the weight-gradient GEMMs the B of this micro-batch left
-                t0 = time.perf_counter()
-                for stash in deferred.pop(key):
-                    stash.run()
-                held -= 1
-            if self.record:
-                stats.spans.append((str(a), t0, time.perf_counter()))
-        for _tensor, handle in sends:
+                run.backward(a)
+            else:
+                run.weights(a)
+        return run.finish()
+
+
+class _StepRun:
+    """One step of a :class:`PipelineRunner`: its messages in flight and what each pipeline
+    micro-batch keeps from its forward to its backward (and W)."""
+
+    def __init__(self, runner: PipelineRunner, batches: list[dict[str, torch.Tensor]],
+                 loss_scale: float, reducer) -> None:
+        self.runner, self.batches, self.loss_scale, self.reducer = (runner, batches,
+                                                                    loss_scale, reducer)
+        self.stats = StepStats()
+        self.posted: dict[tuple, tuple[torch.Tensor, Handle]] = {}
+        self.sends: list[tuple[torch.Tensor, Handle]] = []
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.deferred: dict[tuple[int, int], list] = {}
+        self.contexts: dict[tuple[int, int], BackwardContext] = {}  # of the forwards not yet B
+        self.loss = torch.zeros(1, dtype=torch.float64, device=runner.state.device)
+        self.held = 0
+        # Each micro-batch's auxiliary losses weigh as much as its loss tokens, as without a
+        # pipeline: every stage has the batches (one host sync per step).
+        self.tokens = (micro_batch_tokens(batches, runner.state.cp) if any(runner.experts)
+                       else [])
+
+    def forward(self, a: Action) -> None:
+        """F: the chunk's forward of micro-batch ``a.mb`` on what the stage before sent (or the
+        tokens), then its output sent on (the last stage: the loss, kept for the B)."""
+        r, key, k = self.runner, (a.chunk, a.mb), self.runner._vstage(a)
+        chunk, batch = r.model.chunks[a.chunk], self.batches[a.mb]
+        x = None
+        if k > 0:
+            x = r._take(a, self.posted, self.stats).requires_grad_()
+            chunk.set_input_tensor(x)
+        t0 = time.perf_counter()  # a pass's span starts once its input is here
+        is_last = k == r.last
+        context = self.contexts[key] = self.context(a)
+        out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                    labels=batch["labels"] if is_last else None, context=context)
+        chunk.set_input_tensor(None)
+        if is_last:
+            lsum = (out.float() * batch["loss_mask"]).sum()
+            self.loss += lsum.detach().double()
+            out = lsum * self.loss_scale
+        else:
+            r._send(out.detach().contiguous(), "act", k, a.mb, k + 1, self.sends)
+        self.inputs[key], self.outputs[key] = x, out
+        self.held += 1
+        self.stats.peak_held = max(self.stats.peak_held, self.held)
+        self.span(a, t0)
+
+    def context(self, a: Action) -> BackwardContext:
+        """The step context of F ``a``'s forward, for its backward: under zero-bubble it leaves
+        its weight gradients for W; a chunk's last backward launches its blocks' DP buckets
+        (with a reducer); an MoE chunk's auxiliary losses get the micro-batch's share."""
+        r = self.runner
+        if r.zero_bubble:
+            context = BackwardContext(sink=[])
+        elif self.reducer is not None and r._last_backward[a.chunk] == a.mb:
+            context = self.reducer.context()
+        else:
+            context = BackwardContext()
+        if r.experts[a.chunk]:
+            context.aux_loss_scale = self.tokens[a.mb] * self.loss_scale
+        return context
+
+    def backward(self, a: Action) -> None:
+        """B: the backward of F ``a``'s output from the gradient the stage after sent (the
+        last stage: from the loss), then its input's gradient sent back."""
+        r, key, k = self.runner, (a.chunk, a.mb), self.runner._vstage(a)
+        grad = None if k == r.last else r._take(a, self.posted, self.stats)
+        t0 = time.perf_counter()
+        torch.autograd.backward(self.outputs.pop(key), grad)
+        context = self.contexts.pop(key)
+        if r.zero_bubble:
+            self.deferred[key] = context.sink
+        else:
+            self.held -= 1
+        x = self.inputs.pop(key)
+        if k > 0:
+            r._send(x.grad, "grad", k, a.mb, k - 1, self.sends)
+        self.span(a, t0)
+
+    def weights(self, a: Action) -> None:
+        """W: the weight-gradient GEMMs the B of this micro-batch left."""
+        t0 = time.perf_counter()
+        for work in self.deferred.pop((a.chunk, a.mb)):
+            work.run()
+        self.held -= 1
+        self.span(a, t0)
+
+    def span(self, a: Action, t0: float) -> None:
+        if self.runner.record:
+            self.stats.spans.append((str(a), t0, time.perf_counter()))
+
+    def finish(self) -> tuple[torch.Tensor, StepStats]:
+        """Every send waited for; the loss broadcast from the last stage."""
+        for _tensor, handle in self.sends:
             handle.wait()
-        assert not posted and not outputs and not deferred and not contexts, \
-            "schedule left work undone"
-        last_rank = self.last % self.stages
-        self.state.pp.broadcast(loss, last_rank)
-        return loss, stats
+        assert not self.posted and not self.outputs and not self.deferred \
+            and not self.contexts, "schedule left work undone"
+        r = self.runner
+        r.state.pp.broadcast(self.loss, r.last % r.stages)
+        return self.loss, self.stats

@@ -45,17 +45,17 @@ def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int =
     if schedule == "interleaved":
         if chunks < 2:
             raise ValueError("the interleaved schedule needs virtual stages: set "
-                             "--num-layers-per-virtual-pipeline-stage so each rank holds >= 2 "
+                             "num_layers_per_virtual_pipeline_stage so each rank holds >= 2 "
                              "model chunks")
         if micro_batches % stages:
             raise ValueError(
                 f"interleaved 1F1B sends pipeline micro-batches through the stages in groups of "
                 f"{stages} (the stage count): {micro_batches} pipeline micro-batches per step is "
-                f"not a multiple of {stages}; change --global-batch-size (pipeline micro-batches "
+                f"not a multiple of {stages}; change global_batch_size (pipeline micro-batches "
                 "= global batch / (micro-batch size x DP))")
     elif chunks != 1:
         raise ValueError(f"virtual pipeline stages ({chunks} chunks per rank) need the "
-                         "interleaved schedule (--pipeline-schedule interleaved)")
+                         "interleaved schedule (pipeline_schedule='interleaved')")
 
 
 def build(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Action]]:
@@ -171,69 +171,91 @@ def simulate(lists: list[list[Action]], chunks: int = 1, cost_f: float = 1.0,
     """Run every rank's list in order, each action starting when its inputs exist; ValueError
     if the lists deadlock. Under ``split_backward`` B costs ``cost_b - cost_w`` and W ``cost_w``
     (the weight gradients leave the backward); otherwise W actions must not appear."""
-    p = len(lists)
-    last = p * chunks - 1
-    finish: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> time
-    pos, clock = [0] * p, [0.0] * p
-    busy = [0.0] * p
-    held, peak = [0] * p, [0] * p
-    links: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    starts: dict[tuple[int, Action], float] = {}
-    heap = [(0.0, r) for r in range(p)]
-    remaining = sum(len(x) for x in lists)
-    stalled = 0
-    while remaining:
-        if not heap or stalled > 4 * p + 8:
-            stuck = {r: str(lists[r][pos[r]]) for r in range(p) if pos[r] < len(lists[r])}
-            raise ValueError(f"pipeline schedule deadlocks: ranks wait forever at {stuck}")
-        t, r = heapq.heappop(heap)
-        if pos[r] >= len(lists[r]):
-            continue
-        a = lists[r][pos[r]]
-        k = a.chunk * p + r  # virtual stage
-        if a.kind == "F":
-            dep = 0.0 if k == 0 else finish.get(("F", k - 1, a.mb))
-            cost = cost_f
-        elif a.kind == "B":
-            dep = finish.get(("F", k, a.mb)) if k == last else finish.get(("B", k + 1, a.mb))
-            if dep is not None and ("F", k, a.mb) not in finish:
-                dep = None
-            cost = cost_b - (cost_w if split_backward else 0.0)
-        elif a.kind == "W":
-            if not split_backward:
-                raise ValueError("W actions need split_backward=True")
-            dep = finish.get(("B", k, a.mb))
-            cost = cost_w
-        else:
-            raise ValueError(f"unknown action {a}")
-        if dep is None:  # not ready: retry once someone else has moved on
-            later = min((c for c in clock if c > t), default=t + cost_f)
-            heapq.heappush(heap, (max(later, t), r))
-            stalled += 1
-            continue
+    return _Simulator(lists, chunks, cost_f, cost_b, cost_w, split_backward).run()
+
+
+class _Simulator:
+    """One run of :func:`simulate`: each rank's clock and place in its list, when each pass
+    finished, what each rank holds and each link carried."""
+
+    def __init__(self, lists: list[list[Action]], chunks: int, cost_f: float, cost_b: float,
+                 cost_w: float, split_backward: bool) -> None:
+        self.lists, self.p = lists, len(lists)
+        self.last = self.p * chunks - 1
+        self.cost_f, self.cost_w, self.split = cost_f, cost_w, split_backward
+        self.cost_b = cost_b - (cost_w if split_backward else 0.0)
+        self.finish: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> t
+        self.pos, self.clock, self.busy = [0] * self.p, [0.0] * self.p, [0.0] * self.p
+        self.held, self.peak = [0] * self.p, [0] * self.p
+        self.links: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        self.starts: dict[tuple[int, Action], float] = {}
+
+    def run(self) -> Simulation:
+        """Ranks take turns by their clocks; one whose next action's input does not exist yet
+        retries once another rank has moved on."""
+        heap = [(0.0, r) for r in range(self.p)]
+        remaining = sum(len(x) for x in self.lists)
         stalled = 0
-        start = max(t, dep)
-        end = start + cost
-        starts[(r, a)] = start
-        finish[(a.kind, k, a.mb)] = end
-        busy[r] += cost
-        clock[r] = end
-        pos[r] += 1
-        remaining -= 1
+        while remaining:
+            if not heap or stalled > 4 * self.p + 8:
+                stuck = {r: str(self.lists[r][self.pos[r]]) for r in range(self.p)
+                         if self.pos[r] < len(self.lists[r])}
+                raise ValueError(f"pipeline schedule deadlocks: ranks wait forever at {stuck}")
+            t, r = heapq.heappop(heap)
+            if self.pos[r] >= len(self.lists[r]):
+                continue
+            a = self.lists[r][self.pos[r]]
+            dep, cost = self.needs(r, a)
+            if dep is None:  # not ready: retry once someone else has moved on
+                later = min((c for c in self.clock if c > t), default=t + self.cost_f)
+                heapq.heappush(heap, (max(later, t), r))
+                stalled += 1
+                continue
+            stalled = 0
+            remaining -= 1
+            heapq.heappush(heap, (self.execute(r, a, max(t, dep), cost), r))
+        return Simulation(max(self.clock), self.busy, self.peak, self.links, self.starts)
+
+    def needs(self, r: int, a: Action) -> tuple[float | None, float]:
+        """(when the input of rank r's action ``a`` exists, None if not yet; its cost)."""
+        k = a.chunk * self.p + r  # virtual stage
         if a.kind == "F":
-            held[r] += 1
-            peak[r] = max(peak[r], held[r])
-            if k < last:
-                links.setdefault((r, (k + 1) % p), []).append(("act", k, a.mb))
+            return (0.0 if k == 0 else self.finish.get(("F", k - 1, a.mb))), self.cost_f
+        if a.kind == "B":
+            dep = (self.finish.get(("F", k, a.mb)) if k == self.last
+                   else self.finish.get(("B", k + 1, a.mb)))
+            if dep is not None and ("F", k, a.mb) not in self.finish:
+                dep = None
+            return dep, self.cost_b
+        if a.kind == "W":
+            if not self.split:
+                raise ValueError("W actions need split_backward=True")
+            return self.finish.get(("B", k, a.mb)), self.cost_w
+        raise ValueError(f"unknown action {a}")
+
+    def execute(self, r: int, a: Action, start: float, cost: float) -> float:
+        """Run rank r's action ``a`` from ``start``: its finish, what the rank holds, what its
+        links carry -> when it ends."""
+        k = a.chunk * self.p + r
+        end = start + cost
+        self.starts[(r, a)] = start
+        self.finish[(a.kind, k, a.mb)] = end
+        self.busy[r] += cost
+        self.clock[r] = end
+        self.pos[r] += 1
+        if a.kind == "F":
+            self.held[r] += 1
+            self.peak[r] = max(self.peak[r], self.held[r])
+            if k < self.last:
+                self.links.setdefault((r, (k + 1) % self.p), []).append(("act", k, a.mb))
         elif a.kind == "B":
-            if not split_backward:
-                held[r] -= 1
+            if not self.split:
+                self.held[r] -= 1
             if k > 0:
-                links.setdefault((r, (k - 1) % p), []).append(("grad", k, a.mb))
+                self.links.setdefault((r, (k - 1) % self.p), []).append(("grad", k, a.mb))
         else:
-            held[r] -= 1
-        heapq.heappush(heap, (end, r))
-    return Simulation(max(clock), busy, peak, links, starts)
+            self.held[r] -= 1
+        return end
 
 
 def consumption_order(lists: list[list[Action]], chunks: int = 1

@@ -2,8 +2,9 @@
 
 A :class:`CommGroup` is a process group plus this rank's place in it (``size``, ``rank``), the
 device of its own buffers, and optional attachments. Every collective in the library goes
-through one (a ``ParallelState``'s tp, dp, pp and embedding groups and its ``world``); nothing
-else calls ``torch.distributed`` collectives.
+through one (each group of a ``ParallelState``: one per parallel dimension, the derived
+gradient groups, the tied-embedding group and ``world``); nothing else calls
+``torch.distributed`` collectives.
 
 - Collectives: ``all_reduce`` (in place), ``reduce_scatter`` / ``all_gather_into`` (flat or
   along dim 0; ``*_seq`` allocate the output for sequence parallelism), ``all_to_all`` (dim 0
@@ -13,8 +14,8 @@ else calls ``torch.distributed`` collectives.
   reduce-scatter and an all-to-all run as pairwise exchanges that post every receive before
   any send, see ``pairwise``) or, when ``transport`` is set,
   the shared-memory transport of :mod:`domino.tensor_parallel.shm` for CPU tensors of ranks
-  on one host (``ParallelState`` opens it for tp, dp and embedding; what it does not support
-  goes to the process group).
+  on one host (``ParallelState`` opens it for tp, dp, ep and embedding; what it does not
+  support goes to the process group).
 - Handles: the bulk collectives take ``async_op`` and return a :class:`Handle` (``wait()``
   is idempotent, ``ready()`` never blocks), already waited for when ``async_op`` is False;
   ``isend`` / ``irecv`` always return one still in flight.
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from domino.tensor_parallel.handles import DONE, CommHook, CommStats, Handle, _Exchange
+from domino.tensor_parallel.handles import DONE, CommHook, CommStats, Handle, PairwiseWork
 from domino.tensor_parallel.split_sizes import all_to_all_splits
 
 __all__ = ["DONE", "CommGroup", "CommHook", "CommStats", "Handle"]
@@ -74,15 +75,13 @@ class CommGroup:
     @property
     def pairwise(self) -> bool:
         """Run reduce-scatters and all-to-alls as pairwise point-to-point exchanges, every
-        receive posted before any send? On gloo, yes. Its reduce-scatter costs a whole
-        all-reduce (at TP=2, 4 MiB at 1 Gbit/s emulated: all-reduce 35.6 ms, gloo's
-        reduce-scatter 35.1 ms, the exchange 21.0 ms; 8 MiB on loopback: 7.2 against 3.4 ms).
-        And a gloo pair whose two ranks both send before they receive moves one direction at a
-        time: 2 MiB each way between two emulated 1 Gbit/s hosts took 31-33 ms sent first,
-        18-23 ms received first, 16-19 ms one way alone; ``all_to_all_single`` took 32-37 ms
-        (``scripts/probe_exchange.py``). (gloo's all-gather is near the link's rate, 18.2 ms,
-        and beats an exchange there, 24.7 ms: it is kept.) NCCL's collectives are used as they
-        are."""
+        receive posted before any send? On gloo, yes. gloo's reduce-scatter costs a whole
+        all-reduce, where the pairwise exchange costs much less; and a gloo pair whose two ranks
+        both send before they receive moves one direction at a time, which its
+        ``all_to_all_single`` pays too. gloo's all-gather is near the link's rate and beats an
+        exchange: it is kept. NCCL's collectives are used as they are. (The figures, from
+        ``scripts/probe_exchange.py``: docs/sequence-parallel.md and docs/moe-measurements.md.)
+        """
         if self._backend is None:
             self._backend = str(dist.get_backend(self.group)) if self.group is not None else ""
         return self._backend == "gloo"
@@ -219,7 +218,7 @@ class CommGroup:
         return self._start(crossing, name, real, async_op, local, tags, "all_to_all")
 
     def _exchange_all_to_all(self, output: torch.Tensor, input: torch.Tensor, outs: list[int],
-                             ins: list[int]) -> _Exchange:
+                             ins: list[int]) -> PairwiseWork:
         """Every peer's rows sent and received point to point, each receive posted before any
         send (gloo then moves both directions of a pair at once; see ``pairwise``). Empty
         messages are sent too, so the ranks post the same messages whatever the splits."""
@@ -230,7 +229,7 @@ class CommGroup:
                                     lambda q: input[at_in[q]:at_in[q + 1]])
         me = self.rank
         output[at_out[me]:at_out[me + 1]].copy_(input[at_in[me]:at_in[me + 1]])
-        return _Exchange(works, lambda: None)
+        return PairwiseWork(works, lambda: None)
 
     def _post_pairwise(self, into, of) -> list:
         """Receive ``into(q)`` from every peer q, then send ``of(q)`` to every peer: every
@@ -244,7 +243,8 @@ class CommGroup:
         return works + [dist.isend(of(q), glob(q), group=self.group)
                         for q in ((self.rank + d) % self.size for d in near)]
 
-    def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> _Exchange:
+    def _exchange_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor
+                                 ) -> PairwiseWork:
         """Each rank sends every peer that peer's chunk and sums the chunks it receives."""
         chunks = tensor.chunk(self.size)
         parts = {q: torch.empty_like(output) for q in range(self.size) if q != self.rank}
@@ -255,7 +255,7 @@ class CommGroup:
             torch.add(parts[0], parts[1], out=output)
             for r in range(2, self.size):
                 output.add_(parts[r])
-        return _Exchange(works, finish)
+        return PairwiseWork(works, finish)
 
     def reduce_scatter_seq(self, tensor: torch.Tensor, async_op: bool = False,
                            name: str = "reduce_scatter", tags: dict | None = None
@@ -392,7 +392,7 @@ class CommGroup:
                    for i, (p, t) in enumerate(recvs)]
             ops += [dist.P2POp(dist.isend, t, glob(p), self.group, i)
                     for i, (p, t) in enumerate(sends)]
-            return _Exchange(dist.batch_isend_irecv(ops), lambda: None)
+            return PairwiseWork(dist.batch_isend_irecv(ops), lambda: None)
 
         # What the hook sees: the bytes this rank sends (a meta tensor: no memory).
         sent = torch.empty(sum(t.numel() * t.element_size() for _, t in sends),

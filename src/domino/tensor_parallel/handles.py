@@ -1,11 +1,18 @@
-"""What a collective hands back and who may watch it: :class:`Handle` (an in-flight or finished
-collective), :class:`CommStats` (a group's running totals), :class:`CommHook` (the interface of
-tools that trace collectives or stand in for their transport) and the pairwise exchange's work
-object. :mod:`~domino.tensor_parallel.comm` re-exports them with ``CommGroup``."""
+"""What a collective hands back and who may watch it.
+
+In-flight work has one protocol, :class:`InFlight` (``ready()``, ``wait()``), and two kinds:
+:class:`Handle` (one collective as launched: its result lands in buffers the launcher holds) and
+:class:`Arriving` (in-flight parts and what is made of them on arrival: a sum's chunks
+concatenated, rows put back in order, a gradient's backward finished). Besides them:
+:class:`CommStats` (a group's running totals), :class:`CommHook` (the interface of tools that
+trace collectives or stand in for their transport) and :class:`PairwiseWork` (the transport's
+work object of a collective made of point-to-point messages, what a ``Handle`` waits on).
+:mod:`~domino.tensor_parallel.comm` re-exports them with ``CommGroup``."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,8 +62,18 @@ class CommHook(Protocol):
         """A stretch of work (e.g. a schedule's compute piece) worth recording."""
 
 
+class InFlight(Protocol):
+    """Work on its way: poll with :meth:`ready` (never blocks), take the result with
+    :meth:`wait` (any number of times; the first blocks until it is there)."""
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> Any: ...
+
+
 class Handle:
-    """An in-flight (or finished) collective. ``wait()`` is idempotent."""
+    """One collective as launched, in flight or finished (an :class:`InFlight` whose result,
+    None, is that its buffers are filled). ``wait()`` is idempotent."""
 
     __slots__ = ("_work", "_done", "_stats", "_trace")
 
@@ -72,7 +89,7 @@ class Handle:
             return
         t0 = time.perf_counter()
         self._work.wait()
-        self._done = True
+        self._work, self._done = None, True  # (a finished work may hold its buffers)
         t1 = time.perf_counter()
         if self._stats is not None:
             self._stats.wait_s += t1 - t0
@@ -88,7 +105,41 @@ class Handle:
 DONE = Handle()
 
 
-class _Exchange:
+class Arriving:
+    """In-flight parts (``handles``: any :class:`InFlight`) and what is made of them on arrival
+    (``finish``, run once, on the first :meth:`wait`, which returns its result from then on).
+    ``handles`` None: not launched yet (``start``, run by the first wait, launches them).
+    :func:`arrived` makes one that needs nothing to arrive."""
+
+    def __init__(self, handles: list[InFlight] | None, finish: Callable[[], Any] | None,
+                 start: Callable[[], None] | None = None) -> None:
+        self.handles, self.finish, self.value, self.start = handles, finish, None, start
+        self.done = False
+
+    def ready(self) -> bool:
+        return self.done or (self.handles is not None and all(h.ready() for h in self.handles))
+
+    def wait(self) -> Any:
+        if not self.done:
+            if self.handles is None:
+                self.start()
+            for h in self.handles:
+                h.wait()
+            self.value, self.done = self.finish(), True
+            # Drop what made it (receive buffers) and the launch (which may refer back to this
+            # object: a cycle only the garbage collector would free, buffers and all). The
+            # parts stay: a consumer may take them apart (one backward step per part).
+            self.finish, self.start = None, None
+        return self.value
+
+
+def arrived(value: Any) -> Arriving:
+    """A result that needed no collective (e.g. a region entered without sequence
+    parallelism), as an :class:`InFlight`."""
+    return Arriving([], lambda: value)
+
+
+class PairwiseWork:
     """Point-to-point sends and receives that make up one collective, finished (e.g. the
     received chunks summed) once all are done: the work object of a pairwise collective."""
 

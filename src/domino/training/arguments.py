@@ -1,9 +1,11 @@
 """`domino train` settings: one flat dataclass, its command-line flags and TOML layering.
 
 Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. Flags follow
-Megatron's names. The model flags are TransformerConfig's fields (``model_flags``: their names,
-types and help); the run-time flags (``--domino-*``, ``--sequence-parallel``,
-``--recompute-granularity``) make the :class:`~domino.runtime.RuntimeConfig`.
+Megatron's names. Three tables make most of them: the model flags are TransformerConfig's
+fields (``model_flags``: their names, types and help), the parallel sizes are
+:data:`domino.parallel_dims.DIMS`, and the run-time flags (``--domino-*``,
+``--sequence-parallel``, ``--recompute-granularity``, ``--compile``, ``--cp-comm-type``) are
+RuntimeConfig's fields (``runtime_flags``); the rest are declared here.
 """
 
 from __future__ import annotations
@@ -21,34 +23,23 @@ from typing import Any
 
 import torch
 
-from domino.config import TransformerConfig
+from domino.parallel_dims import SIZED
 from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
 from domino.precision import PRECISIONS, precision_of
-from domino.runtime import (
-    COMPILE_BACKENDS,
-    CP_COMM_TYPES,
-    RECOMPUTE_GRANULARITIES,
-    SEED_SPELLING,
-    RuntimeConfig,
-)
-from domino.training import model_flags
+from domino.runtime import RuntimeConfig
+from domino.training import model_flags, runtime_flags
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-# Help of a flag given without its own: the config field's, or the seed keyword's.
-_MODEL_HELP = {**{f.name: f.metadata.get("help", "") for f in dataclasses.fields(TransformerConfig)},
-               **{name: text for name, (_, text) in SEED_SPELLING.items()}}
 
-
-def _f(default: Any, help: str | None = None, group: str = "training",
+def _f(default: Any, help: str, group: str = "training",
        choices: tuple[str, ...] | None = None) -> Any:
-    """A field; ``help=None`` takes the help of the TransformerConfig field or seed keyword of
-    the same name."""
+    """A field: its default, the flag's help, its help group and choices."""
     return field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
@@ -58,50 +49,32 @@ ModelArgs.__module__ = __name__
 ModelArgs.__doc__ = "`domino train`'s model flags, derived from TransformerConfig's fields."
 
 
+def _size_fields() -> list[tuple[str, type, Any]]:
+    """One flag per chosen parallel size (parallel_dims.DIMS), group "parallel"."""
+    return [(str(d.size_field), int, _f(d.cli_default, d.help, "parallel")) for d in SIZED]
+
+
+# The parallel sizes (from the dimensions' table), then the run-time flags (RuntimeConfig's
+# fields: see runtime_flags).
+SizeArgs = dataclasses.make_dataclass("SizeArgs", _size_fields(), bases=(ModelArgs,),
+                                      kw_only=True)
+RuntimeArgs = dataclasses.make_dataclass("RuntimeArgs", runtime_flags.runtime_fields(),
+                                         bases=(SizeArgs,), kw_only=True)
+for _cls in (SizeArgs, RuntimeArgs):
+    _cls.__module__ = __name__
+SizeArgs.__doc__ = "`domino train`'s parallel-size flags, from domino.parallel_dims."
+RuntimeArgs.__doc__ = "`domino train`'s run-time flags, derived from RuntimeConfig's fields."
+
+
 @dataclass(kw_only=True)
-class TrainArgs(ModelArgs):
+class TrainArgs(RuntimeArgs):
     """Everything a `domino train` run needs (model, parallelism, optimisation, data, output)."""
 
-    # how the model runs (RuntimeConfig): its flags sit with the model's
-    recompute_granularity: str | None = _f(
-        None, "Activation recomputation: full (every layer's pieces are rerun in backward from "
-        "their inputs) or selective (the core attention only); saves memory for compute.",
-        "model", RECOMPUTE_GRANULARITIES)
-    domino_micro_batches: int = _f(SEED_SPELLING["domino_micro_batches"][0], group="model")
-    domino_overlap: str = _f(SEED_SPELLING["domino_overlap"][0], group="model")
-    domino_column_chunks: int = _f(SEED_SPELLING["domino_column_chunks"][0], group="model")
-    compile: bool = _f(
-        False, "torch.compile each piece's work between its GEMMs and collectives (norms, "
-        "dropout, residuals, RoPE, attention, activations; never across a collective, so the "
-        "Domino overlap stays). Compiling costs tens of seconds at start (reported once); "
-        "docs/compile.md says when it pays.", "model")
-    compile_backend: str = _f(
-        "inductor", "torch.compile backend of --compile: inductor (fused generated code; a C++ "
-        "compiler on CPU, Triton on CUDA) or aot_eager (the same graphs, no generated code).",
-        "model", COMPILE_BACKENDS)
     domino_autotune: bool = _f(
         False, "Before training, time sync TP and cross-layer Domino with 2-4 micro-batches x 1-2 "
         "column chunks on the first batch and train with the fastest (all ranks agree; replaces "
         "the three --domino-* settings above).", "model")
     # parallelism and launch
-    tensor_model_parallel_size: int = _f(2, "Tensor-parallel size (TP); DP = world size / (TP x "
-                                         "PP x CP).",
-                                         "parallel")
-    pipeline_model_parallel_size: int = _f(
-        1, "Pipeline-parallel size (PP): the layers are cut into this many stages.", "parallel")
-    expert_model_parallel_size: int = _f(
-        1, "Expert-parallel size (EP): each MoE layer's experts split over this many of the "
-        "data-parallel ranks, tokens exchanged by all-to-all (needs --num-experts).", "parallel")
-    context_parallel_size: int = _f(
-        1, "Context-parallel size (CP): every sequence is cut into 2 x CP chunks and CP rank r "
-        "holds chunks r and 2CP-1-r (equal causal work); attention runs across the CP ranks "
-        "(--cp-comm-type), dense gradients are summed over DP x CP. Needs --seq-length "
-        "divisible by 2 x CP and --attention-dropout 0.", "parallel")
-    cp_comm_type: str = _f(
-        "p2p", "Context-parallel attention: p2p (K/V blocks passed around a ring, each transfer "
-        "under the previous block's compute), all_gather (K/V gathered once) or a2a (Ulysses: "
-        "all-to-all by heads; heads divisible by TP x CP).", "parallel",
-        tuple(CP_COMM_TYPES))
     pipeline_schedule: str | None = _f(
         None, "Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual stages) or zero_bubble "
         "(weight gradients fill the bubble); default 1f1b, or interleaved with "
@@ -129,16 +102,11 @@ class TrainArgs(ModelArgs):
         "the next forward, each bucket waited for just before its first layer (off: waited at "
         "the end of the step; pipeline runs always wait there).", "parallel")
     shared_memory_comm: bool = _f(
-        True, "On CPU: TP, DP and tied-embedding groups whose ranks share a host move their "
-        "all-reduces, reduce-scatters and all-gathers through shared memory instead of gloo's "
-        "loopback TCP (a sixth of the host CPU per byte in the bench's probe; see docs/parallelism.md). "
-        "Off: gloo for everything. Groups across hosts (or emulated hosts) always use gloo.",
-        "parallel")
-    sequence_parallel: bool = _f(
-        False, "With TP > 1: norms, dropout and residuals on each TP rank's 1/TP of the "
-        "sequence (activation memory of those parts / TP); the TP all-reduces become "
-        "reduce-scatters and all-gathers, which the Domino schedule overlaps the same way. "
-        "Needs --seq-length divisible by TP.", "parallel")
+        True, "On CPU: TP, DP, EP and tied-embedding groups whose ranks share a host move their "
+        "bulk collectives (all-reduces, reduce-scatters, all-gathers, EP's all-to-alls) through "
+        "shared memory instead of gloo's loopback TCP (far less host CPU per byte; see "
+        "docs/parallelism.md). Off: gloo for everything. Groups across hosts (or emulated "
+        "hosts) always use gloo.", "parallel")
     use_distributed_optimizer: bool = _f(
         False, "With DP > 1: ZeRO-1 - AdamW state (and under --bf16 the fp32 master weights) "
         "sharded over DP (memory per rank / DP), gradients reduce-scattered during the "
@@ -288,12 +256,13 @@ class TrainArgs(ModelArgs):
 
     def runtime(self) -> RuntimeConfig:
         """How the model runs: the plan (before any autotuning), sequence parallelism,
-        recomputation, the compute dtype (``--bf16`` / ``--fp16``) and ``--compile``."""
-        return RuntimeConfig(plan=self.plan(), sequence_parallel=self.sequence_parallel,
-                             recompute_granularity=self.recompute_granularity,
-                             compute_dtype=self.compute_dtype(), compile=self.compile,
-                             compile_backend=self.compile_backend,
-                             cp_comm_type=self.cp_comm_type)
+        recomputation, the compute dtype (``--bf16`` / ``--fp16``) and ``--compile``
+        (:mod:`~domino.training.runtime_flags`)."""
+        return runtime_flags.runtime_config(self)
+
+    def parallel_sizes(self) -> dict[str, int]:
+        """The chosen parallel sizes, by keyword (``tensor_model_parallel_size``, ...)."""
+        return {str(d.size_field): getattr(self, str(d.size_field)) for d in SIZED}
 
     def grad_reduce_dtype(self) -> torch.dtype | None:
         """The dtype DP gradient sums run in (None: the gradients' own, fp32)."""
@@ -354,8 +323,8 @@ _GROUPS = {"model": "model (TransformerConfig)", "parallel": "parallelism and la
 
 
 def help_text(name: str) -> str:
-    meta = _meta(name)
-    return meta["help"] if meta["help"] is not None else _MODEL_HELP.get(name, "")
+    """The help of setting ``name``'s flag."""
+    return _meta(name)["help"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -393,12 +362,28 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
         items = value.items() if isinstance(value, dict) else [(key, value)]
         for k, v in items:
             name = k.replace("-", "_")
+            if name in RETIRED:
+                _check_retired(path, k, v)
+                continue
             if name not in _FIELDS:
                 close = difflib.get_close_matches(name, list(_FIELDS), n=1)
                 hint = f" (did you mean {flag(close[0])}?)" if close else ""
                 raise ValueError(f"--config {os.fspath(path)}: unknown setting {k!r}{hint}")
             flat[name] = v
     return flat
+
+
+# Settings an earlier `domino train` wrote into config.toml that are no flags now: read back at
+# that value, refused at another (what they set is a benchmark's, model_flags.SET_BY_RUN).
+RETIRED: dict[str, Any] = {"moe_router_force_load_balancing": False}
+
+
+def _check_retired(path: str | os.PathLike, key: str, value: Any) -> None:
+    name = key.replace("-", "_")
+    if value != RETIRED[name]:
+        raise ValueError(f"--config {os.fspath(path)}: {key} = {_toml_value(value)} is not a "
+                         f"`domino train` setting: it sets "
+                         f"{model_flags.flag_label(name)}; remove it")
 
 
 def resolve_args(ns: argparse.Namespace | dict[str, Any]) -> TrainArgs:

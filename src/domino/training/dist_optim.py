@@ -1,4 +1,5 @@
-"""ZeRO-1: AdamW whose state is sharded over the data-parallel group (``--use-distributed-optimizer``).
+"""ZeRO-1: AdamW whose state is sharded over the data-parallel group
+(``--use-distributed-optimizer``).
 
 The gradient buckets of :class:`~domino.training.grad_sync.GradReducer` (sharded mode) are
 reduce-scattered over their gradient group (DP x CP for dense weights: the placement's
@@ -13,12 +14,14 @@ its placement counts it, e.g. TP-replicated ones once over TP), so clipping is t
 optimizer's.
 
 The fp32 chunk buffers are the master weights, sharded like the moments. Under ``--bf16`` the
-parameters themselves become bf16 when the optimizer is built (:func:`~domino.precision.to_compute_dtype`:
-no compute copies), their ``.grad`` staying the fp32 main gradient; so a rank holds bf16
+parameters themselves become bf16 when the optimizer is built
+(:func:`~domino.precision.to_compute_dtype`: no compute copies), their ``.grad`` staying the fp32
+main gradient; so a rank holds bf16
 weights, fp32 gradients and 1/DP of the fp32 masters and moments, and the updated chunks are
 all-gathered in bf16 (half the bytes). A parameter written from outside (a test copying weights
 in) is taken back into its chunk at the next step, as its version counter shows; checkpoints
-read and write the masters (:meth:`DistributedAdamW.full_masters`, :meth:`~DistributedAdamW.load_master`).
+read and write the masters (:meth:`DistributedAdamW.full_masters`,
+:meth:`~DistributedAdamW.load_master`).
 
 Checkpoints hold the full moments per parameter, exactly as the unsharded optimizer writes them
 (:meth:`DistributedAdamW.full_state` gathers them over DP), so a checkpoint loads at any DP size,
@@ -269,9 +272,9 @@ class DistributedAdamW:
         self._mark_written([p])
 
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Every parameter's full AdamW state, as :class:`~domino.training.adamw.AdamW` holds it, on every
-        rank of the gradient groups (a collective: every rank calls it). Empty before the first
-        step."""
+        """Every parameter's full AdamW state, as :class:`~domino.training.adamw.AdamW` holds
+        it, on every rank of the gradient groups (a collective: every rank calls it). Empty
+        before the first step."""
         local = [self.inner.state.get(seg.view, {}) for seg in self.segments]
         groups = self.reducer.groups()
         stepped = [any(g.all_gather_json(bool(any(local)))) for g in groups]  # every group

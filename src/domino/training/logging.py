@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,37 +102,31 @@ class RunLogger:
         return plot_loss_curve(self.run_dir / "loss_curve.png", self.train_curve, self.val_curve)
 
 
+# The parts of a log line, in order: (the record key that brings it, its text).
+_PARTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("loss", lambda r: f"loss {r['loss']:.4f}"),
+    ("val_loss", lambda r: f"val loss {r['val_loss']:.4f} ppl {r['val_ppl']:.2f}"),
+    ("lr", lambda r: f"lr {r['lr']:.2e}"),
+    ("grad_norm", lambda r: f"grad norm {r['grad_norm']:.3f}"),
+    ("tokens_per_s", lambda r: f"{r['tokens_per_s']:,.0f} tok/s"),
+    ("step_time_s", lambda r: f"{r['step_time_s'] * 1e3:.0f} ms/step"),
+    ("model_tflops_per_rank", lambda r: f"{r['model_tflops_per_rank']:.3g} TFLOP/s/rank"
+     + (f" MFU {r['mfu'] * 100:.1f}%" if "mfu" in r else "")),
+    ("moe_aux_loss", lambda r: f"moe aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.3g} max "
+     f"load {r['moe_max_load']:.2f}x dropped {r['moe_dropped'] * 100:.1f}%"),
+    ("exposed_comm_s", lambda r: f"exposed comm {r['exposed_comm_s'] * 1e3:.1f} ms"),
+    ("peak_mem_bytes", lambda r: f"peak mem {r['peak_mem_bytes'] / 2**20:.0f} MiB"),
+    ("exposed_dp_comm_s", lambda r: f"exposed DP comm {r['exposed_dp_comm_s'] * 1e3:.1f} ms"),
+    ("skipped", lambda r: f"skipped {r['skipped']}" if r["skipped"] else ""),
+    ("loss_scale", lambda r: f"scale {r['loss_scale']:.0f}"),
+)
+
+
 def format_record(rec: dict[str, Any], total: int) -> str:
+    """One log line of a metrics record (``total``: the run's steps)."""
     width = len(str(total)) if total else 1
     parts = [f"step {rec['step']:>{width}}/{total}"]
-    if "loss" in rec:
-        parts.append(f"loss {rec['loss']:.4f}")
-    if "val_loss" in rec:
-        parts.append(f"val loss {rec['val_loss']:.4f} ppl {rec['val_ppl']:.2f}")
-    if "lr" in rec:
-        parts.append(f"lr {rec['lr']:.2e}")
-    if "grad_norm" in rec:
-        parts.append(f"grad norm {rec['grad_norm']:.3f}")
-    if "tokens_per_s" in rec:
-        parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
-    if "step_time_s" in rec:
-        parts.append(f"{rec['step_time_s'] * 1e3:.0f} ms/step")
-    if "model_tflops_per_rank" in rec:
-        parts.append(f"{rec['model_tflops_per_rank']:.3g} TFLOP/s/rank"
-                     + (f" MFU {rec['mfu'] * 100:.1f}%" if "mfu" in rec else ""))
-    if "moe_aux_loss" in rec:
-        parts.append(f"moe aux {rec['moe_aux_loss']:.3f} z {rec['moe_z_loss']:.3g} max load "
-                     f"{rec['moe_max_load']:.2f}x dropped {rec['moe_dropped'] * 100:.1f}%")
-    if "exposed_comm_s" in rec:
-        parts.append(f"exposed comm {rec['exposed_comm_s'] * 1e3:.1f} ms")
-    if "peak_mem_bytes" in rec:
-        parts.append(f"peak mem {rec['peak_mem_bytes'] / 2**20:.0f} MiB")
-    if "exposed_dp_comm_s" in rec:
-        parts.append(f"exposed DP comm {rec['exposed_dp_comm_s'] * 1e3:.1f} ms")
-    if rec.get("skipped"):
-        parts.append(f"skipped {rec['skipped']}")
-    if "loss_scale" in rec:
-        parts.append(f"scale {rec['loss_scale']:.0f}")
+    parts += [text for key, part in _PARTS if key in rec and (text := part(rec))]
     return " | ".join(parts)
 
 

@@ -6,13 +6,13 @@ Each field of the config is one of:
   except the defaults in :data:`TRAIN_DEFAULTS` (a small model that trains in minutes);
 * a renamed flag (:data:`RENAMED`: Megatron's ``--swiglu`` / ``--openai-gelu`` for
   ``activation``, ``--disable-bias-linear``, ``--norm-epsilon``);
-* set by the run itself (:data:`SET_BY_RUN`: the vocabulary from the tokenizer, and what a GPT
-  run keeps at the config's default).
+* set by the run itself (:data:`SET_BY_RUN`: the vocabulary from the tokenizer, what a GPT
+  run keeps at the config's default, and a benchmark-only setting).
 
 So a new field gets its flag by being declared (tests/test_runtime.py checks that every field's
 type makes a flag). :func:`model_config` (flags -> config), :func:`train_settings` (config ->
 flags) and :func:`flag_label` (a field as messages name it) read this one table; the run-time
-flags are not here (``TrainArgs.runtime()``).
+flags come from :mod:`~domino.training.runtime_flags`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ RENAMED: dict[str, Renamed] = {
         "--norm-epsilon"),
 }
 
-# Fields no flag sets: the run gives them (label), or a GPT run keeps the config's default.
+# Fields no flag sets: the run gives them (label), a GPT run keeps the config's default, or only
+# the benchmark sets them.
 SET_BY_RUN: dict[str, str] = {
     "vocab_size": "the vocabulary size (the tokenizer)",
     "decoder_num_layers": "TransformerConfig.decoder_num_layers",  # a GPT has no decoder
@@ -83,6 +84,9 @@ SET_BY_RUN: dict[str, str] = {
     "init_method": "TransformerConfig.init_method",  # from --init-method-std
     "output_layer_init_method": "TransformerConfig.output_layer_init_method",
     "attention_softmax_in_fp32": "TransformerConfig.attention_softmax_in_fp32",
+    # random routing measures even expert loads; a model trained with it learns no router
+    "moe_router_force_load_balancing": "`domino bench --moe-router-force-load-balancing` (a "
+                                       "benchmark setting: the router learns nothing)",
 }
 
 # Same-named flags whose training default differs from the config's: (default, help or None

@@ -69,7 +69,8 @@ def global_grad_norm(params: Sequence[nn.Parameter], state: NamedGroups) -> floa
     parameter on every rank of its group, a replicated one (norms, row-parallel biases, position
     embeddings) only on rank 0 of the groups replicating it, a pipeline's tied copy of the word
     table nowhere (it equals the first stage's). The squares are summed over the norm groups
-    (TP, PP, and EP when > 1), so the result is identical on every rank of them. Gradients are already reduced over their gradient group: no DP sum.
+    (TP, PP, and EP when > 1), so the result is identical on every rank of them. Gradients are
+    already reduced over their gradient group: no DP sum.
     """
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -1,6 +1,6 @@
 """What a run is made of, built once: :class:`Run` (settings, model config, run-time config,
-tokenizer, datasets), and :func:`prepare_run`, which checks everything that can be checked before any
-process starts and fills in the derived settings.
+tokenizer, datasets), and :func:`prepare_run`, which checks everything that can be checked
+before any process starts and fills in the derived settings.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from domino.context_parallel import check_context_parallel
 from domino.data.checks import check_tokenizer, eod_of, open_dataset
 from domino.data.tokenizer import Tokenizer
 from domino.flops import check_peak_tflops
-from domino.parallel_state import check_sizes
+from domino.parallel_dims import model_dims
+from domino.parallel_state import ParallelSizes
 from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
 from domino.runtime import CP_COMM_TYPES, RuntimeConfig, check_compile
@@ -33,6 +34,7 @@ from domino.training.data import (
     normalized_blend,
     prepare_default_corpus,
 )
+from domino.training.flag_text import flags_in_errors, train_flags
 from domino.training.resume import (
     Resume,
     check_compatible,
@@ -103,9 +105,8 @@ def _check_scalars(args: TrainArgs) -> None:
                                     "max_position_embeddings",
                                     "num_layers_per_virtual_pipeline_stage", "nproc")
                   if getattr(args, name) is not None))
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "context_parallel_size", "micro_batch_size", "train_iters", "log_interval", "lr",
-              "distributed_timeout_minutes")
+    _positive(args, *args.parallel_sizes(), "micro_batch_size", "train_iters", "log_interval",
+              "lr", "distributed_timeout_minutes")
     _positive(args, "eval_interval", "eval_iters", "min_lr", "lr_warmup_iters", "weight_decay",
               "clip_grad", "save_interval", "exit_interval", "sample_tokens",
               "save_interval_minutes", "keep_checkpoints", "max_nonfinite_steps",
@@ -233,8 +234,10 @@ def prepare_run(args: TrainArgs, world_size: int | None = None, progress: bool =
                 run_dir: Path | None = None) -> Run:
     """Check everything that can be checked without starting processes and build the run; fills
     in nproc, device, save, data_path, tokenizer, global_batch_size and max_position_embeddings.
-    Raises ValueError, leaving no folder behind that it created."""
-    with removed_on_error(args.save if args.save is not None else run_dir):
+    Raises ValueError naming the flags to change (a library error's config fields spelled as
+    flags), leaving no folder behind that it created."""
+    with removed_on_error(args.save if args.save is not None else run_dir), \
+            flags_in_errors(train_flags()):
         return _prepare(args, world_size, progress, run_dir)
 
 
@@ -242,19 +245,56 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
              run_dir: Path | None) -> Run:
     _check_scalars(args)
     check_features(args)  # MoE / CP / fp16 flags: values, and none whose feature is off
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = args.context_parallel_size
-    if world_size is None:
-        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (
-            args.nproc or tp * pp * cp)
-    if not under_torchrun():
-        args.nproc = world_size
+    world_size = _world_size(args, world_size)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _check_device(args, local if under_torchrun() else world_size)
     _check_link(args, world_size)
-    ep = args.expert_model_parallel_size
-    check_sizes(world_size, tp, pp, ep, cp)
+    dp = _check_parallel(args, world_size)
+    if args.save is None and run_dir is not None:
+        args.save = str(run_dir)
+    if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
+        args.max_position_embeddings = args.seq_length
+    _check_batches(args, dp)
+    _check_pipeline(args, dp, progress)
+    if args.num_experts is not None and args.tensor_model_parallel_size > 1 \
+            and not args.sequence_parallel:
+        raise ValueError(
+            f"--num-experts {args.num_experts} at --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} needs --sequence-parallel (as in Megatron): each "
+            "TP rank then routes its own shard of the tokens to whole experts; add "
+            "--sequence-parallel or use TP=1")
+    _prepare_data(args, progress)  # data first: the vocabulary size comes from the tokenizer
+    resume = None
+    if args.load is not None:
+        # Rank 0 of each host hashes every file; the other local ranks check sizes only.
+        hashes = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        resume = open_resume(args, hashes=hashes, progress=progress)
+    if args.save is not None:
+        check_save_dir(args, resume)
+    run = build_run(args, run_dir, resume)
+    if resume is not None:
+        check_compatible(args, run, resume)
+    if args.save is not None:
+        check_free_space(args, run.config)
+    return run
+
+
+def _world_size(args: TrainArgs, world_size: int | None) -> int:
+    """The run's world size: torchrun's, ``world_size``, ``--nproc``, or one model replica's
+    ranks (filled into ``--nproc`` when this command starts the ranks)."""
+    if world_size is None:
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (
+            args.nproc or math.prod(getattr(args, str(d.size_field)) for d in model_dims()))
+    if not under_torchrun():
+        args.nproc = world_size
+    return world_size
+
+
+def _check_parallel(args: TrainArgs, world_size: int) -> int:
+    """The parallel sizes fit the world and the model; the data-parallel size."""
+    dp = ParallelSizes.from_fields(world_size, **args.parallel_sizes()).dp
     _check_context_parallel(args)
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if ep > 1 and (args.num_experts is None or args.num_experts % ep):
         raise ValueError(
             f"--expert-model-parallel-size {ep} splits each MoE layer's experts over {ep} "
@@ -264,19 +304,13 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
             f"--sequence-parallel splits each sequence over the TP ranks: --seq-length="
             f"{args.seq_length} is not divisible by --tensor-model-parallel-size={tp}; use a "
             f"multiple of {tp} (e.g. {args.seq_length - args.seq_length % tp or tp}).")
-    if args.save is None and run_dir is not None:
-        args.save = str(run_dir)
-    if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
-        args.max_position_embeddings = args.seq_length
-    _check_batches(args, world_size // (tp * pp * cp))
-    _check_pipeline(args, world_size // (tp * pp * cp), progress)
-    if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
-        raise ValueError(
-            f"--num-experts {args.num_experts} at --tensor-model-parallel-size {tp} needs "
-            "--sequence-parallel (as in Megatron): each TP rank then routes its own shard of "
-            "the tokens to whole experts; add --sequence-parallel or use TP=1")
+    return dp
 
-    # Data first: the vocabulary size comes from the tokenizer.
+
+def _prepare_data(args: TrainArgs, progress: bool) -> None:
+    """The tokenizer's default, the datasets (the built-in corpus when none is given, written
+    to the run folder) and their blends normalised; a cache folder that cannot be written fails
+    here."""
     if args.tokenizer_type is None:
         # The built-in corpus learns clearly faster per byte with a small BPE than with bytes
         # (same steps: ~1.6 vs ~2.4 nats/byte on validation); user data defaults to bytes.
@@ -292,22 +326,9 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, name) is not None:
             setattr(args, name, normalized_blend(getattr(args, name)))
-    _, note = cache_folder(args, sources)  # a --data-cache-path that cannot be written fails here
+    _, note = cache_folder(args, sources)
     if note and progress:
         print(f"domino train: {note}")
-    resume = None
-    if args.load is not None:
-        # Rank 0 of each host hashes every file; the other local ranks check sizes only.
-        hashes = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        resume = open_resume(args, hashes=hashes, progress=progress)
-    if args.save is not None:
-        check_save_dir(args, resume)
-    run = build_run(args, run_dir, resume)
-    if resume is not None:
-        check_compatible(args, run, resume)
-    if args.save is not None:
-        check_free_space(args, run.config)
-    return run
 
 
 def build_run(args: TrainArgs, run_dir: Path | None = None,

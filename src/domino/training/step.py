@@ -18,7 +18,8 @@ from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import GradReducer
 from domino.training.optim import agree, clip_coeff, clip_grads, global_grad_norm, grads_of
-from domino.transformer.moe.op import micro_batch_tokens, moe_ops, set_loss_scale, step_end
+from domino.transformer.context import BackwardContext
+from domino.transformer.moe.op import micro_batch_tokens, moe_ops, step_end
 
 
 @dataclass
@@ -80,6 +81,27 @@ def evaluate(model, dataset, args: TrainArgs, state: ParallelState,
     return float(total[0] / total[1].clamp(min=1)), int(total[1])
 
 
+class _LossScale:
+    """What a step's summed token losses are multiplied by before their backward: the fp16
+    scale over the global number of loss tokens (the DP sum of the gradients is then the exact
+    global mean, whatever the DP size or accumulation layout). The count is summed over DP
+    asynchronously and waited for at first use (the first backward): DP collectives finish in
+    order, so behind ZeRO's parameter all-gathers of the last step, which the first forward
+    overlaps."""
+
+    def __init__(self, batches, dp: CommGroup, scale: float) -> None:
+        self.tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double()
+        self.tokens = self.tokens.reshape(1)
+        self.counted = dp.all_reduce(self.tokens, async_op=True, name="token count")
+        self.scale, self.denom = scale, None
+
+    def __call__(self) -> float:
+        if self.denom is None:
+            self.counted.wait()
+            self.denom = float(self.tokens.clamp(min=1))
+        return self.scale / self.denom
+
+
 def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state: ParallelState,
                requests: Sequence[bool] = (), runner=None,
                reducer: GradReducer | None = None) -> StepOutcome:
@@ -94,49 +116,66 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
                          "domino.training.grad_sync.make_reducer")
     # Under CP a rank's batches hold its shards of the samples: its loss tokens are counted
     # and its loss summed over DP x CP, so every token counts once (dp_cp is dp at CP = 1).
-    dp, tp, device = state.dp_cp, state.tp, state.device
+    dp, tp = state.dp_cp, state.tp
     # Time blocked on DP collectives: the token count's, the gradient groups', ZeRO's gathers.
     dp_groups = _distinct([dp, *(reducer.groups() if reducer is not None else [])])
     comm0 = tp.stats.wait_s
-    # Normalise by the global number of loss tokens: the DP sum of the gradients is then the
-    # exact global mean, whatever the DP size or accumulation layout.
-    n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
-    # Waited for at the first backward: DP collectives finish in order, so behind ZeRO's
-    # parameter all-gathers of the last step (which the first forward overlaps).
-    counted = dp.all_reduce(n_tokens, async_op=True, name="token count")
+    loss_scale = _LossScale(batches, dp, scaler.scale if scaler is not None else 1.0)
     gather0 = _waited(dp_groups)  # ZeRO's parameter all-gathers waited in the forward
-    denom = None
-    scale = scaler.scale if scaler is not None else 1.0
-
-    def loss_scale() -> float:
-        nonlocal denom
-        if denom is None:
-            counted.wait()
-            denom = float(n_tokens.clamp(min=1))
-        return scale / denom
     optimizer.zero_grad(set_to_none=False)
     experts = moe_ops(model)
-    pipeline_wait = 0.0
-    zero = isinstance(optimizer, DistributedAdamW)
     overlap = reducer is not None and reducer.overlap
+    pipeline_wait = 0.0
     if runner is None:
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        tokens = micro_batch_tokens(batches, state.cp) if experts else []
-        for i, batch in enumerate(batches):  # gradient accumulation: the schedule adds into .grad
-            last = i == len(batches) - 1
-            with reducer.armed() if overlap and last else contextlib.nullcontext() as context:
-                lsum = forward_loss(model, batch, context)
-                if experts:  # the auxiliary losses weigh as much as this micro-batch's tokens
-                    set_loss_scale(experts, tokens[i] * loss_scale())
-                (lsum * loss_scale()).backward()
-            loss_sum += lsum.detach().double()
+        loss_sum = _micro_steps(model, batches, state, loss_scale, experts,
+                                reducer if overlap else None)
     else:
         if overlap:
             reducer.begin()  # each chunk's last backward launches its blocks' buckets
         loss_sum, stats = runner.step(batches, loss_scale(), reducer=reducer if overlap else None)
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
-    grads = grads_of(params)
+    grads = grads_of(params)  # (zeros for unused parameters: every rank reduces the same)
+    _reduce_grads(model, state, runner, reducer, overlap)
+    exposed_dp = _waited(dp_groups) - gather0
+    dp.all_reduce(loss_sum, name="loss")
+    norm, overflow, agreed, exposed_step = _update(optimizer, params, grads, scaler,
+                                                   loss_scale.scale, args, state, requests,
+                                                   dp_groups)
+    # A pipeline's stages hold different MoE layers: the metrics are summed over them.
+    stages = state.pp if runner is not None and runner.has_moe else None
+    return StepOutcome(float(loss_sum) / loss_scale.denom, norm, exposed, overflow, agreed,
+                       pipeline_wait, exposed_dp + exposed_step,
+                       step_end(experts, state.dp, stages))
+
+
+def _micro_steps(model, batches, state: ParallelState, loss_scale: _LossScale, experts: list,
+                 reducer: GradReducer | None) -> torch.Tensor:
+    """Forward and backward of each micro-batch (gradient accumulation: the schedule adds into
+    ``.grad``) -> the summed token losses. With ``reducer`` (overlapped), the last micro-batch's
+    backward launches the DP buckets as its blocks are final. Each micro-batch's MoE auxiliary
+    losses weigh as much as its loss tokens (its step context's ``aux_loss_scale``)."""
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=state.device)
+    tokens = micro_batch_tokens(batches, state.cp) if experts else []
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        armed = reducer.armed() if reducer is not None and last else contextlib.nullcontext()
+        with armed as context:
+            if experts and context is None:
+                context = BackwardContext()
+            lsum = forward_loss(model, batch, context)
+            if experts:  # set once the step's tokens are counted (the first backward waits)
+                context.aux_loss_scale = tokens[i] * loss_scale()
+            (lsum * loss_scale()).backward()
+        loss_sum += lsum.detach().double()
+    return loss_sum
+
+
+def _reduce_grads(model, state: ParallelState, runner, reducer: GradReducer | None,
+                  overlap: bool) -> None:
+    """The gradients summed over their groups: a pipeline's tied word table over its first and
+    last stage, then the reducer's buckets (launched now unless the backward overlapped them),
+    waited for."""
     if runner is not None:
         for table in model.tied_word_tables():  # first and last stage: one tied weight
             state.embedding.all_reduce(table.grad, name="tied embedding grads")
@@ -144,8 +183,16 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         if not overlap:
             reducer.begin()  # everything is launched at finish
         reducer.finish()
-    exposed_dp = _waited(dp_groups) - gather0
-    dp.all_reduce(loss_sum, name="loss")
+
+
+def _update(optimizer, params, grads: list[torch.Tensor], scaler, scale: float,
+            args: TrainArgs, state: ParallelState, requests: Sequence[bool],
+            dp_groups: list[CommGroup]) -> tuple[float, bool, list[bool], float]:
+    """The optimizer's update from the summed gradients ``grads`` (of ``params``): unscaled
+    (fp16: by ``scale``), their global norm, skipped where it is not finite (every rank
+    agrees, with the caller's ``requests``), else clipped and applied -> (norm, skipped, the
+    agreed requests, time blocked on DP)."""
+    zero = isinstance(optimizer, DistributedAdamW)
     if scaler is not None:
         if zero:
             optimizer.scale_grads(1.0 / scale)
@@ -154,20 +201,18 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
                 grad.mul_(1.0 / scale)
     norm = optimizer.grad_norm(state) if zero else global_grad_norm(params, state)
     # Every rank must agree to skip, or the replicas would diverge.
-    overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, device)
+    overflow, *agreed = agree([not math.isfinite(norm), *requests], state.world, state.device)
+    exposed_dp = 0.0
     if not overflow and zero:
         before = _waited(dp_groups)
         optimizer.step(clip_coeff(args.clip_grad, norm))
-        exposed_dp += _waited(dp_groups) - before  # its parameter all-gathers, when waited here
+        exposed_dp = _waited(dp_groups) - before  # its parameter all-gathers, when waited here
     elif not overflow:
         clip_grads(params, args.clip_grad, norm)
         optimizer.step()
     if scaler is not None:
         scaler.update(overflow)
-    # A pipeline's stages hold different MoE layers: the metrics are summed over them.
-    stages = state.pp if runner is not None and runner.has_moe else None
-    return StepOutcome(float(loss_sum) / denom, norm, exposed, overflow, agreed, pipeline_wait,
-                       exposed_dp, step_end(experts, state.dp, stages))
+    return norm, overflow, agreed, exposed_dp
 
 
 def _distinct(groups: list[CommGroup]) -> list[CommGroup]:

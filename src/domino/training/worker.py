@@ -19,6 +19,7 @@ from domino.host_memory import keep_freed_memory
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import CommGroup
 from domino.training.arguments import TrainArgs
+from domino.training.flag_text import as_flags, train_flags
 from domino.training.launch import write_config
 from domino.training.loop import TrainingDiverged, train
 from domino.training.prepare import Run, build_run, default_run_dir
@@ -74,13 +75,9 @@ def run_worker(run: Run) -> int:
             if rank == 0:
                 write_config(run.run_dir, args)
         args.device = str(device)
-        state = ParallelState.build(args.tensor_model_parallel_size,
-                                    args.pipeline_model_parallel_size, device=device,
-                                    shared_memory=args.shared_memory_comm,
-                                    expert_model_parallel_size=args.expert_model_parallel_size,
-                                    context_parallel_size=args.context_parallel_size)
+        state = build_state(args, device)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-        result = train(run, state=state, stop=stop, progress=progress)
+        result = train(run, state, stop=stop, progress=progress)
         state.close()
         world.barrier()  # DP rank 0's TP/EP group may still be sampling: leave together
         if result.stopped_at is not None:
@@ -93,7 +90,8 @@ def run_worker(run: Run) -> int:
             sys.stderr.write(f"[rank {rank}] " + timeout_report(
                 err, progress, args.distributed_timeout_minutes) + "\n")
             return 1
-        sys.stderr.write(f"[rank {rank}] {progress}: {type(err).__name__}: {err}\n")
+        text = as_flags(str(err), train_flags()) if type(err) is ValueError else str(err)
+        sys.stderr.write(f"[rank {rank}] {progress}: {type(err).__name__}: {text}\n")
         if isinstance(err, ValueError):  # bad input or a full disk: the message says the fix
             return 2
         if not isinstance(err, TrainingDiverged):
@@ -102,6 +100,13 @@ def run_worker(run: Run) -> int:
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         shutdown_distributed()
+
+
+def build_state(args: TrainArgs, device: torch.device | str | None) -> ParallelState:
+    """The run's parallel state: its groups at the run's sizes, on ``device`` (the process group
+    is initialised). The one place a run builds it; the caller closes it."""
+    return ParallelState.build(device=device, shared_memory=args.shared_memory_comm,
+                               **args.parallel_sizes())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = build_run(args, path.parent)
     except ValueError as err:
-        print(f"[rank {os.environ.get('RANK', '0')}] ValueError: {err}", file=sys.stderr)
+        print(f"[rank {os.environ.get('RANK', '0')}] ValueError: "
+              f"{as_flags(str(err), train_flags())}", file=sys.stderr)
         return 2
     return run_worker(run)
 

@@ -15,13 +15,14 @@ sliding window go by true position, which RoPE also takes from the caller's posi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from domino.config import TransformerConfig
 from domino.context_parallel import SequenceMask, check_dropout, check_heads, context_attention
-from domino.context_parallel.ring import Deferred, FirstHop
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
@@ -32,6 +33,10 @@ from domino.transformer.microbatch import MicroBatch
 from domino.transformer.norms import ShardedRMSNorm, build_norm
 from domino.transformer.ring_entry import RingEntry
 from domino.utils import divide
+
+if TYPE_CHECKING:
+    from domino.transformer.edge import EdgeContext
+    from domino.transformer.spec import LayerArgs
 
 
 def _recomputed(fn, gen: torch.Generator, *args):
@@ -90,15 +95,13 @@ class _AttentionBase(nn.Module):
             init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
             device=device)
 
-    def entry(self, sequence_parallel: bool, context_parallel: bool = False
-              ) -> ColumnParallelEntry:
+    def entry(self, edges: EdgeContext) -> ColumnParallelEntry:
         """Entered by the column-parallel Q/K/V GEMMs (a :class:`~.layer.BlockOp`)."""
-        return ColumnParallelEntry(self.dense.group, sequence_parallel)
+        return ColumnParallelEntry(self.dense.group, edges.sequence_parallel)
 
-    def exit(self, sequence_parallel: bool, context_parallel: bool = False
-             ) -> RowParallelExit:
+    def exit(self, edges: EdgeContext) -> RowParallelExit:
         """Left by the row-parallel ``dense``'s partial sums (a :class:`~.layer.BlockOp`)."""
-        return RowParallelExit(self.dense, sequence_parallel)
+        return RowParallelExit(self.dense, edges.sequence_parallel)
 
     def _attend(self, q, k, v, mask, causal=False, kernels: Kernels | None = None,
                 window: int | None = None):
@@ -125,7 +128,8 @@ class SelfAttention(_AttentionBase):
                  kernels: Kernels | None = None, cp_kind: str = "ring") -> None:
         super().__init__(config, state, layer_number, device, recompute, kernels)
         self.cp_kind = cp_kind  # a domino.context_parallel kind (RuntimeConfig.cp_kind)
-        self.cp_overlap = True  # the ring's transfers under compute (stack.using_cp_overlap)
+        # The ring's transfers under compute (a stack's set_ring_overlap may turn it off).
+        self.cp_overlap = True
         if self.cp.size > 1:
             check_dropout(config.attention_dropout, self.cp.size)
             if cp_kind == "alltoall":
@@ -147,15 +151,21 @@ class SelfAttention(_AttentionBase):
             self.k_layernorm = build_norm(config, device, self.head_dim)
         self.qk_layernorm = config.qk_layernorm
 
-    def entry(self, sequence_parallel: bool, context_parallel: bool = False
-              ) -> ColumnParallelEntry | RingEntry:
+    @classmethod
+    def build(cls, args: LayerArgs) -> SelfAttention:
+        """A layer's self attention (a part of :mod:`~domino.transformer.spec`)."""
+        return cls(args.config, args.state, args.layer_number, args.device,
+                   recompute=args.recompute_attention, kernels=args.kernels,
+                   cp_kind=args.cp_kind)
+
+    def entry(self, edges: EdgeContext) -> ColumnParallelEntry | RingEntry:
         """Entered by the column-parallel Q/K/V GEMMs (a :class:`~.layer.BlockOp`); in a run
         whose sequences are split over CP by the overlapped ring (not under sequence
         parallelism), by the GEMM and the ring's first exchange (``ring_entry``)."""
-        if (context_parallel and self.cp.size > 1 and self.cp_kind == "ring"
-                and self.cp_overlap and not sequence_parallel):
+        if (edges.context_parallel and self.cp_kind == "ring" and self.cp_overlap
+                and not edges.sequence_parallel):
             return RingEntry(self)
-        return ColumnParallelEntry(self.dense.group, sequence_parallel)
+        return ColumnParallelEntry(self.dense.group, edges.sequence_parallel)
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:
@@ -194,13 +204,13 @@ class SelfAttention(_AttentionBase):
                           k.view(s, b, self.groups, 1, self.head_dim), g[:, :, :, -1:]],
                          dim=3).view(s, b, -1)
 
-    def context_attend(self, q, k, v, mb: MicroBatch, first: FirstHop | None = None,
-                       poll=None, defer: Deferred | None = None) -> torch.Tensor:
+    def context_attend(self, q, k, v, mb: MicroBatch, first: tuple | None = None,
+                       poll=None, defer: list | None = None) -> torch.Tensor:
         """Attention of this rank's sequence shard against the whole sequence over the CP
-        group (``first``, ``poll``, ``defer``: see ``ring_entry``). Not under selective recomputation:
-        ring attention keeps no s x s tensor for backward, and recomputing would repeat the
-        exchanges. (KV-cache decoding does not come here: weights are whole on every CP rank,
-        so one rank generates alone from whole, unsharded sequences.)"""
+        group (``first``, ``poll``, ``defer``: see ``ring_entry``). Not under selective
+        recomputation: ring attention keeps no s x s tensor for backward, and recomputing would
+        repeat the exchanges. (KV-cache decoding does not come here: weights are whole on every
+        CP rank, so one rank generates alone from whole, unsharded sequences.)"""
         mask = mb.self_mask  # a SequenceMask or None (DominoTransformer.forward checks)
         mask = (mask or SequenceMask()).rows(mb.batch_start, mb.batch_start + q.shape[1])
         return context_attention(q, k, v, group=self.cp, kind=self.cp_kind,
@@ -260,6 +270,12 @@ class CrossAttention(_AttentionBase):
             config.hidden_size, 2 * config.num_query_groups * self.head_dim, group=state.tp,
             bias=config.add_bias_linear, init_method=config.init_method,
             params_dtype=config.params_dtype, device=device)
+
+    @classmethod
+    def build(cls, args: LayerArgs) -> CrossAttention:
+        """A decoder layer's cross attention (a part of :mod:`~domino.transformer.spec`)."""
+        return cls(args.config, args.state, args.layer_number, args.device,
+                   recompute=args.recompute_attention, kernels=args.kernels)
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:

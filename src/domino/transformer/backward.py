@@ -2,26 +2,30 @@
 
 One :class:`BackwardPass` per backward call holds that call's state (input-gradient collectives
 in flight, deferred weight-gradient work, what is left per block) and runs the units
-``local^T(j+1, m), par^T(j, m)`` in the mirror order of the forward.
+``local^T(j+1, m), par^T(j, m)`` in the mirror order of the forward
+(``forward.ForwardPass``), under the same :class:`~domino.transformer.policy.SchedulePolicy`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from domino.tensor_parallel.handles import InFlight
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.context import BackwardContext
-from domino.transformer.executor import Executor, LocalPiece, Record, Span
-from domino.transformer.exits import InFlight
+from domino.transformer.executor import Executor
+from domino.transformer.forward import LocalPiece, Record
 from domino.transformer.late_work import LateWork, Task
 from domino.transformer.sp_grads import ShardGrads
 
 
 class BackwardPass:
-    """Backward of :meth:`Executor.forward` for one record (:meth:`run`, once).
+    """Backward of a :class:`~domino.transformer.forward.ForwardPass` for its record
+    (:meth:`run`, once).
 
     Weight-gradient GEMMs of the TP pieces are deferred (FIFO, so every parameter still
     accumulates its micro-batches in a fixed order) and run whenever the schedule would
@@ -37,6 +41,7 @@ class BackwardPass:
     def __init__(self, executor: Executor, rec: Record, grad_y: torch.Tensor,
                  context: BackwardContext) -> None:
         ex = self.ex = executor
+        self.policy = executor.policy
         self.rec, self.grad_y = rec, grad_y
         self.sink, self.on_final, self.late = context.sink, context.on_final, context.late
         self.B, self.M = B, M = len(ex.blocks), len(rec.mbs)
@@ -46,28 +51,41 @@ class BackwardPass:
         self.device = grad_y.device
         self.pending: dict[tuple[int, int], InFlight] = {}  # entries' gradients in flight
         self.deferred: deque = deque()  # weight-gradient stashes not run yet, oldest first
-        self.first_layer = ex.blocks[0].layer if ex.blocks else None
         self.exit_grads: dict[tuple[int, int], InFlight] = {}  # par^T inputs, in flight
         # Pieces in order, each after the local^T it needs.
         self.order = [(j, m) for j in range(B - 1, -1, -1) for m in range(M)]
 
     def run(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Returns (grad_x or None with a prologue, grad_memory or None)."""
-        ex, rec, order, M = self.ex, self.rec, self.order, self.M
+        ex = self.ex
         streams = ex.blocks[0].rng.snapshot(self.device) if ex.recompute else None
-        # Under sequence parallelism a piece's local^T runs inside the piece before it where
-        # it can (fixed places, as in forward).
+        self.pieces()
+        self.finish_weights()
+        if streams is not None:  # where the forward left the dropout streams
+            ex.blocks[0].rng.restore(self.device, streams)
+        return self.input_grads()
+
+    def pieces(self) -> None:
+        """Every unit ``local^T(j+1, m), par^T(j, m)``, then the first block's norms. A piece's
+        local^T runs inside the piece before it where the policy says (fixed places, as in
+        forward)."""
+        order, M = self.order, self.M
         for k, (j, m) in enumerate(order):
             if not self._inside(k):
-                if m == 0 and ex._syncs_before(j + 1):
+                if m == 0 and self.policy.syncs_before(j + 1):
                     for mm in range(M):
                         self._fill(self.pending[(j + 1, mm)]).wait()
                 self.local_bwd(j + 1, m)
-            nxt = k + 1 < len(order) and self._inside(k + 1)
-            self.par_bwd(j, m, (lambda k=k: self.local_bwd(order[k + 1][0] + 1,
-                                                           order[k + 1][1])) if nxt else None)
+            between = None
+            if k + 1 < len(order) and self._inside(k + 1):
+                between = partial(self.local_bwd, order[k + 1][0] + 1, order[k + 1][1])
+            self.par_bwd(j, m, between)
         for m in range(M):  # the first block's norms (no par^T left to run them in)
             self.local_bwd(0, m)
+
+    def finish_weights(self) -> None:
+        """The weight-gradient work left: handed to the sink (zero-bubble's W pass), or run
+        here with the late work; then the sequence-parallel sums."""
         if self.sink is not None:
             self.sink.extend(self.deferred)
             self.sink.extend(self.late.take_all())  # (ends with the flush of the staged grads)
@@ -77,8 +95,11 @@ class BackwardPass:
         self.late.drain()
         if self.shard_grads is not None:
             self.shard_grads.finish()
-        if streams is not None:  # where the forward left the dropout streams
-            ex.blocks[0].rng.restore(self.device, streams)
+
+    def input_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gradients of the stack's inputs: x (None with a prologue) and the encoder
+        memory (None without one)."""
+        ex, rec = self.ex, self.rec
         grad_x = _cat_grads(rec.x_leaves) if rec.x_leaves else None
         grad_mem = None
         if rec.mem_leaves[0] is not None:
@@ -94,11 +115,7 @@ class BackwardPass:
     def _inside(self, k: int) -> bool:
         """Does piece k's local^T run inside piece k - 1?"""
         j, m = self.order[k]
-        ex = self.ex
-        ahead = ex.sp or ex.exits[j].lookahead
-        if not ahead or self.M == 1 or ex.plan.overlap == "none" or k == 0:
-            return False
-        return m > 0 or not ex._syncs_before(j + 1)
+        return self.policy.grad_runs_ahead(j, m, self.M)
 
     def _done(self, j: int) -> None:
         """One of block j's stashes or local backwards is done; the last makes it final."""
@@ -113,7 +130,7 @@ class BackwardPass:
         """local^T(jj, m); then launch the backward of par(jj - 1, m)'s exit on the gradient
         it produced (sequence parallel: an all-gather)."""
         ex, rec, B = self.ex, self.rec, self.B
-        with ex._span(f"bwd local {jj}", m):
+        with ex.span(f"bwd local {jj}", m):
             if jj == B:
                 mb = rec.mbs[m]
                 g = self.grad_y[:, mb.batch_start:mb.batch_start + mb.batch_size]
@@ -137,14 +154,14 @@ class BackwardPass:
             if rec.prologue is not None:
                 self._queue_prologue_backward(m)
         else:  # the exit's backward (sequence parallel: the whole sequence's gradient)
-            self.exit_grads[(jj - 1, m)] = ex.eager(ex.exits[jj - 1].launch_grad(
+            self.exit_grads[(jj - 1, m)] = self.policy.eager(ex.exits[jj - 1].launch_grad(
                 rec.reduced[(jj - 1, m)].grad, jj - 1, m))
 
     def par_bwd(self, j: int, m: int, between: Callable[[], None] | None) -> None:
         """par^T(j, m); ``between`` (the next piece's local^T) runs between the backward of its
         row-parallel GEMM and the backward of its core."""
         ex, rec = self.ex, self.rec
-        with Span(ex.group, f"bwd par {j}", m) as span:
+        with ex.span(f"bwd par {j}", m) as span:
             if between is not None and ex.exits[j].lookahead:
                 # An exit whose gradient's launch is work (an MoE combine): the next piece's
                 # local^T goes first, so its launch runs under this piece's whole backward.
@@ -154,12 +171,12 @@ class BackwardPass:
             core_in = None
             if ex.recompute:
                 stash = WgradStash()
-                ex._replay(rec, ("par", j, m), self.device)
+                self._replay(("par", j, m))
                 with torch.enable_grad():
                     core = ex.core(j)(rec.local[(j, m)].ln_leaf, rec.mbs[m], stash)
                     core_in = core.detach().requires_grad_() if ex.sp else core
                     parts = list(ex.exits[j].parts(
-                        core_in, ex._chunks(j, m, self.B, self.M), stash, m))
+                        core_in, self.policy.chunks(j, m, self.M), stash, m))
                 if not ex.sp:
                     core = None
             del rec.reduced[(j, m)]
@@ -174,10 +191,10 @@ class BackwardPass:
             elif between is not None:
                 span.outside(between)()
             ln_leaf = rec.local[(j, m)].ln_leaf
-            self.pending[(j, m)] = ex.eager(ex.entries[j].launch_grad(ln_leaf.grad, j, m))
-            self.deferred.append(_Counted(stash, lambda j=j: self._done(j)))
-            keep = 0 if ex.plan.overlap == "none" else (
-                len(self.deferred) if ex.blocks[j].layer == self.first_layer else self.M)
+            self.pending[(j, m)] = self.policy.eager(
+                ex.entries[j].launch_grad(ln_leaf.grad, j, m))
+            self.deferred.append(Task(partial(self._run_stash, stash, j)))
+            keep = self.policy.wgrad_backlog(j, len(self.deferred), self.M)
             while self.sink is None and len(self.deferred) > keep:
                 self.deferred.popleft().run()
 
@@ -186,20 +203,29 @@ class BackwardPass:
         ex, rec = self.ex, self.rec
         residual = (rec.local[(j - 1, m)].res_leaf if j > 0
                     else rec.x_leaves[m] if rec.x_leaves else None)
-        ex._replay(rec, ("local", j, m), self.device)
+        self._replay(("local", j, m))
         with torch.enable_grad():
-            return ex._local_piece(j, rec.mbs[m], residual, rec.reduced.get((j - 1, m)),
-                                   rec.prologue)
+            return ex.local_piece(j, rec.mbs[m], residual, rec.reduced.get((j - 1, m)),
+                                  rec.prologue)
+
+    def _replay(self, key: tuple) -> None:
+        """Full recompute: the dropout streams as the forward left them for piece ``key``."""
+        self.ex.blocks[0].rng.restore(self.device, self.rec.rng.pop(key))
+
+    def _run_stash(self, stash: WgradStash, j: int) -> None:
+        """A deferred weight-gradient stash of block j's (then one less left of the block)."""
+        stash.run()
+        self._done(j)
 
     def _fill(self, pending: InFlight, late: LateWork | None = None) -> InFlight:
         """Run deferred weight-gradient work (then ``late`` work) while ``pending`` is in
         flight."""
         while not pending.ready():
             if self.deferred:
-                with self.ex._span("bwd wgrad", None):
+                with self.ex.span("bwd wgrad", None):
                     self.deferred.popleft().run()
             elif late is not None and len(late):
-                with self.ex._span("bwd late", None):
+                with self.ex.span("bwd late", None):
                     late.pop().run()
             else:
                 break
@@ -215,7 +241,7 @@ class BackwardPass:
         if grad is None or not part.requires_grad or not params:
             return
         space = late.space()
-        arriving = self.ex.eager(self.ex.prologue_exit.launch_grad(grad, -1, m))
+        arriving = self.policy.eager(self.ex.prologue_exit.launch_grad(grad, -1, m))
 
         def run() -> None:
             g = arriving.wait()
@@ -233,17 +259,6 @@ def _local_backward(piece: LocalPiece, ln_grad: torch.Tensor) -> None:
         torch.autograd.backward([piece.ln], [ln_grad + res_grad])
     else:
         torch.autograd.backward([piece.ln, piece.res], [ln_grad, res_grad])
-
-
-class _Counted:
-    """A block's deferred weight-gradient stash that reports when it has run."""
-
-    def __init__(self, stash: WgradStash, after: Callable[[], None]) -> None:
-        self.stash, self.after = stash, after
-
-    def run(self) -> None:
-        self.stash.run()
-        self.after()
 
 
 def _cat_grads(leaves: list[torch.Tensor]) -> torch.Tensor:

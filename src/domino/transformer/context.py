@@ -1,4 +1,4 @@
-"""The backward context: what one forward/backward of a model shares with whoever runs it."""
+"""The step context: what one forward/backward of a model shares with whoever runs it."""
 
 from __future__ import annotations
 
@@ -28,11 +28,17 @@ class BackwardContext:
     gradients final (a block's: its norm, its op and what its exit adds, deferred GEMMs and
     sequence-parallel sums included), in the order of
     ``model.blocks()`` reversed - what a data-parallel reducer launches its buckets on.
+
+    ``aux_loss_scale``: the gradient the auxiliary losses of the model's MoE layers get in this
+    backward (their micro-batch's share of the step's objective). Read when the backward
+    reaches them, so whoever runs the step may set it after the forward (a training step does,
+    once the step's loss tokens are counted).
     """
 
     late: LateWork = field(default_factory=LateWork)
     sink: list | None = None
     on_final: Callable[[Sequence[torch.nn.Parameter]], None] | None = None
+    aux_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.on_final is not None and self.sink is not None:

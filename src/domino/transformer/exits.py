@@ -1,8 +1,9 @@
 """The collectives at a block's edges, owned by its op: what is sent and what the receiver does.
 
-A schedule (``executor``, ``backward``) only orders steps and launches and waits
-:class:`InFlight` handles. A block op (``layer.BlockOp``) says, per run, how its region is
-entered (:class:`Entry`) and left (:class:`Exit`), in both directions:
+A schedule (``forward``, ``backward``) only orders steps and launches and waits what they
+return: in-flight work (:class:`~domino.tensor_parallel.handles.InFlight`). A block op
+(``layer.BlockOp``) says, per run, how its region is entered (:class:`Entry`) and left
+(:class:`Exit`), in both directions:
 
 * the TP regions of today (attention, MLP) are entered by a column-parallel GEMM and left by
   a row-parallel one: :class:`ColumnParallelEntry` (forward: nothing, or an all-gather of the
@@ -15,7 +16,7 @@ entered (:class:`Entry`) and left (:class:`Exit`), in both directions:
 An entry or exit whose ``lookahead`` is true does work worth hiding where the schedule launches
 it (an MoE layer's router and dispatch; its combine's gradient): the schedule then runs the
 local piece that launches it inside the piece before, as it does for every piece under
-sequence parallelism (``executor.Executor._looks_ahead``).
+sequence parallelism (``policy.SchedulePolicy.runs_ahead``).
 
 Every rank launches the same collectives in the same order: what a launch sends may depend on
 the data, never whether or when it is launched.
@@ -24,93 +25,25 @@ the data, never whether or when it is launched.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from domino.precision import compute
-from domino.tensor_parallel.comm import CommGroup, Handle
+from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.handles import Arriving, InFlight, arrived
 from domino.tensor_parallel.layers import RowParallelLinear, WgradStash, column_chunks
 from domino.transformer.microbatch import MicroBatch
 
 
-class InFlight(Protocol):
-    """A result on its way: poll with :meth:`ready`, take with :meth:`wait` (any number of
-    times; the first blocks until it is there)."""
-
-    def ready(self) -> bool: ...
-
-    def wait(self) -> torch.Tensor: ...
-
-
-@dataclass(eq=False)
-class Ready:
-    """A result that needed no collective (e.g. entering a region without sequence
-    parallelism)."""
-
-    value: torch.Tensor
-
-    def ready(self) -> bool:
-        return True
-
-    def wait(self) -> torch.Tensor:
-        return self.value
-
-
-@dataclass(eq=False)
-class Pending:
-    """Collectives in flight: their buffers (one per part, e.g. column chunk) and handles;
-    :meth:`wait` concatenates the parts along the last dim."""
-
-    buffers: list[torch.Tensor]
-    handles: list[Handle]
-    # Inputs freed once sent: a reduce-scatter's partial sums stay graph roots of the backward,
-    # which needs their shapes and autograd nodes but not their data.
-    release: list[torch.Tensor] = field(default_factory=list)
-
-    def ready(self) -> bool:
-        return all(h.ready() for h in self.handles)
-
-    def wait(self) -> torch.Tensor:
-        for h in self.handles:
-            h.wait()
-        for t in self.release:
-            t.untyped_storage().resize_(0)
-        self.release = []
-        return self.buffers[0] if len(self.buffers) == 1 else torch.cat(self.buffers, dim=-1)
-
-
-class Arriving:
-    """Exchanges in flight and what is made of them on arrival (``finish``, run once, on the
-    first wait); ``handles`` None: not launched yet (``start`` launches them)."""
-
-    def __init__(self, handles: list[Handle] | None, finish: Callable[[], torch.Tensor] | None,
-                 start: Callable[[], None] | None = None) -> None:
-        self.handles, self.finish, self.value, self.start = handles, finish, None, start
-
-    def ready(self) -> bool:
-        return self.handles is not None and all(h.ready() for h in self.handles)
-
-    def wait(self) -> torch.Tensor:
-        if self.value is None:
-            if self.handles is None:
-                self.start()
-            for h in self.handles:
-                h.wait()
-            self.value = self.finish()
-            # Drop what made it (receive buffers) and the launch (which refers back to this
-            # object: a cycle only the garbage collector would free, buffers and all).
-            self.handles, self.finish, self.start = [], None, None
-        return self.value
-
-
 def sum_parts(group: CommGroup, sp: bool, parts: Iterable[torch.Tensor], direction: str,
-              j: int, m: int, release: bool = False) -> Pending:
+              j: int, m: int, release: bool = False) -> Arriving:
     """Sum each part over ``group`` as soon as ``parts`` (possibly a generator) yields it: an
     all-reduce in place, or under sequence parallelism (``sp``) a reduce-scatter along the
-    sequence (dim 0). ``release``: free the parts' data once sent (``sp`` only; see
-    :class:`Pending`)."""
+    sequence (dim 0); on arrival the sums concatenated along the last dim. ``release`` (``sp``
+    only): free the parts' data once sent - a reduce-scatter's partial sums stay graph roots of
+    the backward, which needs their shapes and autograd nodes but not their data."""
     bufs, handles, sent = [], [], []
     for c, t in enumerate(parts):
         tags = {"mb": m, "block": j, "chunk": c}
@@ -124,14 +57,19 @@ def sum_parts(group: CommGroup, sp: bool, parts: Iterable[torch.Tensor], directi
             handle = group.all_reduce(buf, async_op=True, name=f"{direction} b{j}", tags=tags)
         bufs.append(buf)
         handles.append(handle)
-    return Pending(bufs, handles, sent)
+
+    def summed() -> torch.Tensor:
+        for t in sent:
+            t.untyped_storage().resize_(0)
+        return bufs[0] if len(bufs) == 1 else torch.cat(bufs, dim=-1)
+    return Arriving(handles, summed)
 
 
-def gather_seq(group: CommGroup, t: torch.Tensor, direction: str, j: int, m: int) -> Pending:
+def gather_seq(group: CommGroup, t: torch.Tensor, direction: str, j: int, m: int) -> Arriving:
     """All-gather the sequence shards ``t`` [s/tp, ...] into the whole sequence."""
     buf, handle = group.all_gather_seq(t.detach(), async_op=True, name=f"{direction} ag b{j}",
                                        tags={"mb": m, "block": j, "chunk": 0})
-    return Pending([buf], [handle])
+    return Arriving([handle], lambda: buf)
 
 
 @dataclass(eq=False)
@@ -215,7 +153,7 @@ class ColumnParallelEntry:
 
     def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None,
                chunks: int = 1) -> InFlight:
-        return gather_seq(self.group, x, "fwd", j, m) if self.sp else Ready(x)
+        return gather_seq(self.group, x, "fwd", j, m) if self.sp else arrived(x)
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
         return sum_parts(self.group, self.sp, [grad], "bwd", j, m)
@@ -236,7 +174,7 @@ class PartialSums:
         return sum_parts(self.group, self.sp, parts, "fwd", j, m, release)
 
     def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> InFlight:
-        return gather_seq(self.group, grad, "bwd", j, m) if self.sp else Ready(grad)
+        return gather_seq(self.group, grad, "bwd", j, m) if self.sp else arrived(grad)
 
 
 class RowParallelExit(PartialSums):

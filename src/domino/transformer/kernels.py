@@ -190,14 +190,6 @@ class CompileLog:
 
     graphs: int = 0
     seconds: float = 0.0
-    reported: bool = False
-
-    def take_report(self) -> str | None:
-        """A one-line report the first time anything was compiled, then None."""
-        if self.reported or not self.graphs:
-            return None
-        self.reported = True
-        return f"compiled {self.graphs} forward graphs in {self.seconds:.1f} s"
 
 
 def _graphs_compiled() -> int:

@@ -13,8 +13,10 @@ A block's exit and the next block's enter run as one local piece
 (:func:`domino.transformer.kernels.local`, compiled with ``RuntimeConfig.compile``); the
 block gives it its norm (:meth:`Block.norm_args`) and dropout mask (:meth:`Block.dropout_keep`).
 
-The layer itself holds the modules under Megatron's names; :meth:`TransformerLayer.blocks`
-returns its branches in order (self attention, [cross attention], MLP).
+The layer is built from a :class:`~domino.transformer.spec.LayerSpec` (by default the config's
+choice, :func:`~domino.transformer.spec.layer_spec`), which names each block's norm and op and
+the attributes they are kept under (Megatron's names); :meth:`TransformerLayer.blocks` returns
+its branches in order (self attention, [cross attention], MLP).
 """
 
 from __future__ import annotations
@@ -31,27 +33,26 @@ from domino.enums import LayerType
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel.layers import WgradStash
 from domino.tensor_parallel.random import RNGTracker, dropout_mask
-from domino.transformer.attention import CrossAttention, SelfAttention
+from domino.transformer.edge import EdgeContext
 from domino.transformer.exits import Entry, Exit
 from domino.transformer.kernels import Kernels, NormArgs
 from domino.transformer.microbatch import MicroBatch
-from domino.transformer.mlp import MLP
-from domino.transformer.moe.op import MoEOp
-from domino.transformer.norms import build_norm
+from domino.transformer.spec import LayerArgs, LayerSpec, layer_spec
 
 
 class BlockOp(Protocol):
     """The region of a block between its norm and its residual add (attention, MLP), as a
-    schedule drives it. The op owns the collectives at the region's edges (see ``exits``)."""
+    schedule drives it. The op owns the collectives at the region's edges (see ``exits``). A
+    layer spec names an op by its class, which builds it (``build(args)``: ``spec.Part``)."""
 
     training: bool
 
-    def entry(self, sequence_parallel: bool, context_parallel: bool = False) -> Entry:
-        """How the region is entered in a run (``sequence_parallel``: from sequence shards;
-        ``context_parallel``: the run's sequences are split over the CP group)."""
+    def entry(self, edges: EdgeContext) -> Entry:
+        """How the region is entered in a run whose parallel dimensions are ``edges`` (e.g.
+        from the sequence's shards under sequence parallelism)."""
 
-    def exit(self, sequence_parallel: bool, context_parallel: bool = False) -> Exit:
-        """How the region is left in a run, and what the receiving side does with it."""
+    def exit(self, edges: EdgeContext) -> Exit:
+        """How the region is left in the run, and what the receiving side does with it."""
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll: Callable[[], None] | None = None) -> torch.Tensor:
@@ -105,45 +106,34 @@ class Block:
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: self attention, cross attention (decoder), MLP.
-    ``recompute_attention``: selective recomputation of the core attention (a run-time choice,
-    ``RuntimeConfig.recompute_granularity == "selective"``); ``kernels``: the piece functions
-    its ops run (eager, or compiled: ``RuntimeConfig.compile``); ``cp_kind``: the
-    context-parallel attention it runs when the state's CP group has more than one rank
+    """Pre-norm transformer layer: self attention, cross attention (decoder), MLP, or the
+    blocks ``spec`` names (default: :func:`~domino.transformer.spec.layer_spec`, the config's
+    choice). ``recompute_attention``: selective recomputation of the core attention (a
+    run-time choice, ``RuntimeConfig.recompute_granularity == "selective"``); ``kernels``: the
+    piece functions its ops run (eager, or compiled: ``RuntimeConfig.compile``); ``cp_kind``:
+    the context-parallel attention it runs when the state's CP group has more than one rank
     (``RuntimeConfig.cp_kind``)."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState, layer_number: int,
                  layer_type: LayerType = LayerType.encoder,
                  device: torch.device | None = None, *,
                  recompute_attention: bool = False, kernels: Kernels | None = None,
-                 cp_kind: str = "ring") -> None:
+                 cp_kind: str = "ring", spec: LayerSpec | None = None) -> None:
         super().__init__()
         self.layer_number, self.layer_type = layer_number, layer_type
         self.config, self.rng = config, state.rng
-        self.input_layernorm = build_norm(config, device)
-        self.self_attention = SelfAttention(config, state, layer_number, device,
-                                            recompute=recompute_attention, kernels=kernels,
-                                            cp_kind=cp_kind)
-        self.post_attention_layernorm = build_norm(config, device)
-        if layer_type == LayerType.decoder:
-            self.inter_attention = CrossAttention(config, state, layer_number, device,
-                                                  recompute=recompute_attention,
-                                                  kernels=kernels)
-            self.post_inter_attention_layernorm = build_norm(config, device)
-        self.mlp = (MoEOp(config, state, device) if config.is_moe_layer(layer_number - 1)
-                    else MLP(config, state, device, kernels))
+        self.spec = spec if spec is not None else layer_spec(config, layer_number, layer_type)
+        args = LayerArgs(config, state, layer_number, device, recompute_attention, kernels,
+                         cp_kind)
+        # Built in forward order (norm, op, ...): the order their weights are drawn in.
+        for b in self.spec.blocks:
+            self.add_module(b.norm_name, b.norm.build(args))
+            self.add_module(b.op_name, b.op.build(args))
 
     def blocks(self) -> list[Block]:
+        """The layer's residual branches, in forward order."""
         cfg = self.config
-
-        def block(kind: str, norm: nn.Module, op: nn.Module) -> Block:
-            return Block(self.layer_number, kind, norm, op, cfg.hidden_dropout,
-                         cfg.apply_residual_connection_post_layernorm, self.rng)
-
-        out = [block("self_attn", self.input_layernorm, self.self_attention)]
-        if self.layer_type == LayerType.decoder:
-            out.append(block("cross_attn", self.post_attention_layernorm, self.inter_attention))
-            out.append(block("mlp", self.post_inter_attention_layernorm, self.mlp))
-        else:
-            out.append(block("mlp", self.post_attention_layernorm, self.mlp))
-        return out
+        return [Block(self.layer_number, b.kind, getattr(self, b.norm_name),
+                      getattr(self, b.op_name), cfg.hidden_dropout,
+                      cfg.apply_residual_connection_post_layernorm, self.rng)
+                for b in self.spec.blocks]

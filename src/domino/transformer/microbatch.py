@@ -1,7 +1,8 @@
 """What one micro-batch's pieces read besides their input tensor, and how a batch is split.
 
-A schedule hands every piece a read-only :class:`MicroBatch`; a :class:`Prologue` is the work
-before a stack's first block whose result needs a TP reduction (the embedding).
+A schedule hands every piece a read-only :class:`MicroBatch` (with the step's
+:class:`~domino.transformer.context.BackwardContext` when training); a :class:`Prologue` is the
+work before a stack's first block whose result needs a TP reduction (the embedding).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 
 from domino.plan import Plan
+from domino.transformer.context import BackwardContext
 from domino.utils import even_splits
 
 
@@ -40,6 +42,9 @@ class MicroBatch:
     rotary: torch.Tensor | None = None  # [s, b, 1, rot_dim]
     memory: torch.Tensor | None = None  # encoder output [s_enc, b, h] for cross attention
     inference_params: InferenceParams | None = None
+    # The step's context when the forward records a graph: per-step values its backward reads
+    # (the auxiliary losses' scale of an MoE layer).
+    context: BackwardContext | None = None
 
 
 def split_batch(batch: int, micro_batches: int) -> list[tuple[int, int]]:

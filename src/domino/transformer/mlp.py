@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -12,6 +14,10 @@ from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.kernels import Kernels
 from domino.transformer.microbatch import MicroBatch
+
+if TYPE_CHECKING:
+    from domino.transformer.edge import EdgeContext
+    from domino.transformer.spec import LayerArgs
 
 
 class MLP(nn.Module):
@@ -35,20 +41,23 @@ class MLP(nn.Module):
             init_method=config.output_layer_init_method, params_dtype=config.params_dtype,
             device=device)
 
+    @classmethod
+    def build(cls, args: LayerArgs) -> MLP:
+        """A layer's dense MLP (a part of :mod:`~domino.transformer.spec`)."""
+        return cls(args.config, args.state, args.device, args.kernels)
+
     @property
     def dense(self) -> RowParallelLinear:
         """The row-parallel exit, under the name every block uses."""
         return self.dense_4h_to_h
 
-    def entry(self, sequence_parallel: bool, context_parallel: bool = False
-              ) -> ColumnParallelEntry:
+    def entry(self, edges: EdgeContext) -> ColumnParallelEntry:
         """Entered by the column-parallel fc1 (a :class:`~domino.transformer.layer.BlockOp`)."""
-        return ColumnParallelEntry(self.dense_h_to_4h.group, sequence_parallel)
+        return ColumnParallelEntry(self.dense_h_to_4h.group, edges.sequence_parallel)
 
-    def exit(self, sequence_parallel: bool, context_parallel: bool = False
-             ) -> RowParallelExit:
+    def exit(self, edges: EdgeContext) -> RowParallelExit:
         """Left by fc2's partial sums (a :class:`~domino.transformer.layer.BlockOp`)."""
-        return RowParallelExit(self.dense_4h_to_h, sequence_parallel)
+        return RowParallelExit(self.dense_4h_to_h, edges.sequence_parallel)
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
              poll=None) -> torch.Tensor:

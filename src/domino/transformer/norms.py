@@ -11,6 +11,8 @@ there: ``Block.first_module``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -21,6 +23,9 @@ from domino.tensor_parallel.mappings import sum_over
 from domino.tensor_parallel.placement import Placement, place
 from domino.transformer.kernels import NormArgs, norm
 
+if TYPE_CHECKING:
+    from domino.transformer.spec import LayerArgs
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
@@ -30,6 +35,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+
+    @classmethod
+    def build(cls, args: LayerArgs) -> RMSNorm:
+        """A layer's norm over the hidden size (a part of :mod:`~domino.transformer.spec`)."""
+        c = args.config
+        return cls(c.hidden_size, c.layernorm_epsilon, c.params_dtype, args.device)
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
         args = (compute(self.weight), None, self.eps, True)
@@ -61,6 +72,13 @@ class ShardedRMSNorm(nn.Module):
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state-dict names) computed with the compute copies
     of its weight and bias (``domino.precision``)."""
+
+    @classmethod
+    def build(cls, args: LayerArgs) -> LayerNorm:
+        """A layer's norm over the hidden size (a part of :mod:`~domino.transformer.spec`)."""
+        c = args.config
+        return cls(c.hidden_size, eps=c.layernorm_epsilon, dtype=c.params_dtype,
+                   device=args.device)
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
         args = (compute(self.weight), compute(self.bias), self.eps, False)

@@ -16,7 +16,7 @@ so micro-batch m's transfer runs under the next micro-batch's Q/K/V GEMM as well
 block, and micro-batch m + 1's under the rest of micro-batch m's attention and its dense GEMM.
 
 Backward. The ring's backward returns without waiting for the other ranks' parts of this rank's
-dK/dV (``ring.Deferred``); they are added where the schedule takes the entry's input gradient:
+dK/dV (``ring.arrived_sum``); they are added where the schedule takes the entry's input gradient:
 at one TP rank in the local^T piece (:meth:`RingEntry.launch_grad` returns them unwaited), so
 the transfer runs under the backward of the other micro-batches (the next one's attention, or
 the layer below's MLP); at TP > 1 in the par^T piece, because the input gradient's all-reduce
@@ -35,9 +35,10 @@ from __future__ import annotations
 import torch
 
 from domino.context_parallel.blocks import kv_seq
-from domino.context_parallel.ring import Deferred, FirstHop, launch_first
+from domino.context_parallel.ring import arrived_sum, launch_first
+from domino.tensor_parallel.handles import Arriving, InFlight, arrived
 from domino.tensor_parallel.layers import WgradStash
-from domino.transformer.exits import Arriving, InFlight, Pending, Ready, sum_parts
+from domino.transformer.exits import sum_parts
 from domino.transformer.microbatch import MicroBatch
 
 
@@ -50,10 +51,11 @@ class RingEntry:
     def __init__(self, attn) -> None:
         self.attn = attn
         self.late = attn.dense.group.size == 1  # the input gradient finished in local^T
-        self.hops: dict[int, FirstHop] = {}  # first exchanges in flight, by micro-batch
+        # First exchanges in flight, by micro-batch: (the block sent, the one arriving).
+        self.hops: dict[int, tuple[torch.Tensor, Arriving]] = {}
         self.stashes: dict[int, WgradStash] = {}  # the GEMM's deferred weight gradient
         self.graphs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, output)
-        self.deferred: dict[int, Deferred] = {}  # the backward's dK/dV parts in flight
+        self.deferred: dict[int, list[InFlight]] = {}  # the backward's dK/dV parts in flight
 
     def launch(self, x: torch.Tensor, j: int, m: int, mb: MicroBatch | None = None,
                chunks: int = 1) -> InFlight:
@@ -72,7 +74,7 @@ class RingEntry:
                 self.stashes[m] = stash
             self.graphs[m] = (x, packed)
             packed = packed.detach()
-        return Ready(packed)
+        return arrived(packed)
 
     def _unpacked(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s, b, _ = packed.shape
@@ -91,7 +93,7 @@ class RingEntry:
             stash.append(self.stashes.pop(m).run)
         defer = None
         if torch.is_grad_enabled() and packed.requires_grad:  # its backward will run
-            defer = self.deferred[m] = Deferred()
+            defer = self.deferred[m] = []
         return self.attn.context_attend(*self._unpacked(packed), mb,
                                         first=self.hops.pop(m, None), poll=poll, defer=defer)
 
@@ -102,12 +104,12 @@ class RingEntry:
         x, packed = self.graphs.pop(m)
         defer = self.deferred.pop(m, None)
 
-        def finish() -> Pending:
-            arrived = None if defer is None else defer.wait()
-            if arrived is not None:
+        def finish() -> Arriving:
+            dkv = None if defer is None else arrived_sum(defer)
+            if dkv is not None:
                 _, k, v = self._unpacked(grad)
-                k.add_(kv_seq(arrived[0]).to(k.dtype))
-                v.add_(kv_seq(arrived[1]).to(v.dtype))
+                k.add_(kv_seq(dkv[0]).to(k.dtype))
+                v.add_(kv_seq(dkv[1]).to(v.dtype))
             torch.autograd.backward([packed], [grad])
             return sum_parts(self.attn.dense.group, False, [x.grad], "bwd", j, m)
 
@@ -115,5 +117,5 @@ class RingEntry:
             return finish()
         # Finished when first waited for, once the dK/dV parts are in (at one TP rank the
         # all-reduce is the group of one's no-op).
-        return Arriving([h for h, _ in defer.parts] if defer is not None else [],
+        return Arriving(list(defer) if defer is not None else [],
                         lambda: finish().wait())

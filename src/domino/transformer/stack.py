@@ -1,9 +1,10 @@
 """DominoTransformer: a stack of layers run by a Domino schedule (a :class:`~domino.plan.Plan`).
 
 How the stack runs is a :class:`~domino.runtime.RuntimeConfig` (plan, sequence parallelism,
-recomputation) passed in at construction. The plan changes only through
-:meth:`DominoTransformer.set_plan` or, for every stack of a model at once, :func:`set_plan` and
-the :func:`using_plan` context manager (which puts the previous plans back).
+recomputation) passed in at construction. What a forward reads of it changes only through
+:meth:`DominoTransformer.set_runtime` (:meth:`~DominoTransformer.set_plan` for the plan) or, for
+every stack of a model at once, :func:`set_plan` and the :func:`using_plan` and
+:func:`using_runtime` context managers (which put the previous ones back).
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ from domino.runtime import RuntimeConfig, check_compile, resolve_runtime
 from domino.transformer.attention import SelfAttention
 from domino.transformer.backward import BackwardPass
 from domino.transformer.context import BackwardContext
+from domino.transformer.edge import EdgeContext
 from domino.transformer.executor import Executor
+from domino.transformer.forward import ForwardPass
 from domino.transformer.kernels import Kernels
 from domino.transformer.layer import Block, TransformerLayer
 from domino.transformer.microbatch import InferenceParams, MicroBatch, Prologue, split_batch
 from domino.transformer.norms import build_norm
 from domino.utils import init_scope
+
+# What a stack builds in from its runtime: a later set_runtime may not change it.
+_BUILT_IN = ("compute_dtype", "compile", "compile_backend", "cp_comm_type")
 
 
 class _ScheduledStack(torch.autograd.Function):
@@ -43,7 +49,7 @@ class _ScheduledStack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, context, executor, mbs, prologue, x, memory, *params):
         with torch.enable_grad():
-            y, record = executor.forward(x, mbs, graph=True, prologue=prologue)
+            y, record = ForwardPass(executor, mbs, graph=True, prologue=prologue).run(x)
         ctx.context, ctx.executor, ctx.record = context, executor, record
         ctx.num_params = len(params)
         return y.detach()
@@ -66,7 +72,7 @@ class _ScheduledStack(torch.autograd.Function):
 class DominoTransformer(nn.Module):
     """Transformer stack whose TP all-reduces overlap with computation (the Domino schedule).
 
-    ``runtime`` is how it runs (default: ``config.runtime()``, the seed's keywords); ``plan``
+    ``runtime`` is how it runs (default: ``config.runtime()``, the seed API's keywords); ``plan``
     is a shortcut for ``runtime.replace(plan=plan)``, and :meth:`set_plan` swaps the plan
     (same weights, another schedule). Input and output are [s, b, h]; with sequence
     parallelism (:meth:`sequence_parallel_active`) this rank's sequence shard [s/tp, b, h] of
@@ -136,6 +142,36 @@ class DominoTransformer(nn.Module):
         plan.check_width(self.config.hidden_size, what="the plan's column_chunks")
         self._runtime, self._force = self._runtime.replace(plan=plan), bool(force)
 
+    def set_runtime(self, runtime: RuntimeConfig) -> None:
+        """Run later forwards under ``runtime``: the same weights computed another way. Only
+        what a forward reads may differ from the runtime the stack was built with (the plan,
+        sequence parallelism, full recomputation or none); the rest is built in."""
+        fixed = [f for f in _BUILT_IN if getattr(runtime, f) != getattr(self._runtime, f)]
+        if (runtime.recompute_granularity == "selective") != (
+                self._runtime.recompute_granularity == "selective"):
+            fixed.append("selective recomputation")
+        if fixed:
+            raise ValueError(
+                f"set_runtime changes what a forward reads (plan, sequence_parallel, "
+                f"recompute_granularity None or 'full'), not {', '.join(fixed)}: those are "
+                "built into the stack; build another one.")
+        self.set_plan(runtime.plan, force=self._force)
+        self._runtime = runtime
+
+    @property
+    def ring_overlap(self) -> bool:
+        """Does ring context parallelism run each K/V transfer under compute (the default;
+        see :meth:`set_ring_overlap`)?"""
+        return all(a.cp_overlap for a in self.modules() if isinstance(a, SelfAttention))
+
+    def set_ring_overlap(self, on: bool) -> None:
+        """Whether ring context parallelism runs each K/V transfer under the compute of the
+        block before (``on``, the default) or waits for it first (the benchmark's sync
+        baseline, what the overlap is measured against)."""
+        for attn in self.modules():
+            if isinstance(attn, SelfAttention):
+                attn.cp_overlap = bool(on)
+
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline stages without pre-processing receive their input here."""
         self.input_tensor = input_tensor
@@ -162,7 +198,8 @@ class DominoTransformer(nn.Module):
                 and inference_params is None)
 
     def _micro_batches(self, batch: int, attention_mask, encoder_output, enc_dec_attn_mask,
-                       inference_params, rotary_pos_emb, training: bool) -> list[MicroBatch]:
+                       inference_params, rotary_pos_emb, training: bool,
+                       context: BackwardContext | None) -> list[MicroBatch]:
         if training:
             # The configured count must fit the batch even where it is not used (TP=1), so a
             # config that fails at TP=2 fails the same way in a single-process test.
@@ -182,7 +219,7 @@ class DominoTransformer(nn.Module):
                 causal=self.self_attn_mask_type == AttnMaskType.causal,
                 cross_mask=enc_dec_attn_mask,
                 rotary=rot, memory=None if encoder_output is None else encoder_output[:, b0:b1],
-                inference_params=inference_params))
+                inference_params=inference_params, context=context))
         return mbs
 
     def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -195,10 +232,41 @@ class DominoTransformer(nn.Module):
         """``prologue`` (instead of ``hidden_states``): what produces the input, run inside the
         schedule (the embedding, whose all-reduce then overlaps the first block).
         ``context``: the step's :class:`BackwardContext` (late work, W-pass sink, final-block
-        callback) that this forward's backward uses; default: a fresh one."""
+        callback, the auxiliary losses' scale) that this forward's backward uses; default: a
+        fresh one."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         sp = self.sequence_parallel_active(inference_params)
+        s, b = self._input_shape(hidden_states, prologue, sp, attention_mask, rotary_pos_emb)
+        self._check_masks(attention_mask, enc_dec_attn_mask, encoder_output, b,
+                          inference_params)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if prologue is not None:
+            params += [p for p in prologue.parameters() if p.requires_grad]
+        needs_graph = torch.is_grad_enabled() and (
+            (hidden_states is not None and hidden_states.requires_grad) or bool(params)
+            or (encoder_output is not None and encoder_output.requires_grad))
+        if needs_graph and context is None:
+            context = BackwardContext()
+        mbs = self._micro_batches(b, attention_mask, self._whole_memory(encoder_output, sp),
+                                  enc_dec_attn_mask, inference_params, rotary_pos_emb,
+                                  needs_graph, context if needs_graph else None)
+        edges = EdgeContext.of(self.state, sequence_parallel=sp,
+                               kv_cache=inference_params is not None)
+        executor = Executor(self.blocks(), self.final_layernorm, edges, self.effective_plan(),
+                            recompute=self._runtime.recompute_granularity == "full",
+                            kernels=self.kernels)
+        if not needs_graph:
+            return ForwardPass(executor, mbs, graph=False, prologue=prologue).run(
+                hidden_states)[0]
+        return _ScheduledStack.apply(context, executor, mbs, prologue, hidden_states,
+                                     encoder_output, *params)
+
+    def _input_shape(self, hidden_states: torch.Tensor | None, prologue: Prologue | None,
+                     sp: bool, attention_mask, rotary_pos_emb) -> tuple[int, int]:
+        """(s, b) of the input (``hidden_states`` or what ``prologue`` produces), checked:
+        exactly one of them; under sequence parallelism (``sp``) a sequence the TP ranks
+        split, and what else covers the sequence covering all of it."""
         tp = self.state.tp.size
         if prologue is not None:
             if hidden_states is not None:
@@ -209,55 +277,45 @@ class DominoTransformer(nn.Module):
                     f"sequence parallelism splits the sequence over the {tp} TP ranks: a "
                     f"sequence of {s} tokens is not divisible by {tp}; pad it to a multiple of "
                     f"{tp} (or build the model with sequence_parallel=False).")
-        elif hidden_states is None:
+            return s, b
+        if hidden_states is None:
             raise ValueError("DominoTransformer got no input: pass hidden_states, or call "
                              "set_input_tensor() on a stage built with pre_process=False.")
-        else:
-            s, b, _ = hidden_states.shape
-            if sp:  # a shard [s/tp, b, h]: what else covers the sequence must say s * tp
-                for name, t, dim in (("attention_mask", attention_mask, -2),
-                                     ("rotary_pos_emb", rotary_pos_emb, 0)):
-                    if isinstance(t, torch.Tensor) and t.shape[dim] not in (1, s * tp):
-                        raise ValueError(
-                            f"sequence parallelism: hidden_states are this rank's sequence "
-                            f"shard [s/{tp}, b, h], {s} positions, so {name} must cover "
-                            f"{s * tp} positions, but its dim {dim} is {t.shape[dim]}; pass "
-                            "the shard (state.tp.seq_shard(x)) or turn sequence_parallel off.")
-        if sp and encoder_output is not None:
-            # Cross attention reads the whole encoder output: gather it once for every layer
-            # (its gradient comes back as this rank's shard, see BackwardPass.run).
-            encoder_output_full = self.state.tp.all_gather_seq(
-                encoder_output.detach(), name="fwd ag memory")[0]
-        else:
-            encoder_output_full = encoder_output
-        check_mask(attention_mask, b, "attention_mask")
+        s, b, _ = hidden_states.shape
+        if sp:  # a shard [s/tp, b, h]: what else covers the sequence must say s * tp
+            for name, t, dim in (("attention_mask", attention_mask, -2),
+                                 ("rotary_pos_emb", rotary_pos_emb, 0)):
+                if isinstance(t, torch.Tensor) and t.shape[dim] not in (1, s * tp):
+                    raise ValueError(
+                        f"sequence parallelism: hidden_states are this rank's sequence "
+                        f"shard [s/{tp}, b, h], {s} positions, so {name} must cover "
+                        f"{s * tp} positions, but its dim {dim} is {t.shape[dim]}; pass "
+                        "the shard (state.tp.seq_shard(x)) or turn sequence_parallel off.")
+        return s, b
+
+    def _check_masks(self, attention_mask, enc_dec_attn_mask, encoder_output, batch: int,
+                     inference_params: InferenceParams | None) -> None:
+        """The masks fit a batch of ``batch`` and the parallelism; a decoder has its memory."""
+        check_mask(attention_mask, batch, "attention_mask")
         if self.state.cp.size > 1 and inference_params is None \
                 and isinstance(attention_mask, torch.Tensor):
             raise ValueError(
                 "with context parallelism (context_parallel_size > 1) the attention_mask is a "
                 "domino.context_parallel.SequenceMask (document ids, key padding per token), "
                 "not a dense [b, 1, s, s] mask: each rank holds only a shard of the queries.")
-        check_mask(enc_dec_attn_mask, b, "enc_dec_attn_mask")
+        check_mask(enc_dec_attn_mask, batch, "enc_dec_attn_mask")
         if self.layer_type == LayerType.decoder and encoder_output is None:
             raise ValueError("a decoder needs encoder_output for its cross attention.")
-        params = [p for p in self.parameters() if p.requires_grad]
-        if prologue is not None:
-            params += [p for p in prologue.parameters() if p.requires_grad]
-        needs_graph = torch.is_grad_enabled() and (
-            (hidden_states is not None and hidden_states.requires_grad) or bool(params)
-            or (encoder_output is not None and encoder_output.requires_grad))
-        mbs = self._micro_batches(b, attention_mask, encoder_output_full, enc_dec_attn_mask,
-                                  inference_params, rotary_pos_emb, needs_graph)
-        executor = Executor(self.blocks(), self.final_layernorm, self.state.tp,
-                            self.effective_plan(),
-                            recompute=self._runtime.recompute_granularity == "full",
-                            sequence_parallel=sp, kernels=self.kernels,
-                            context_parallel=self.state.cp.size > 1 and inference_params is None)
-        if not needs_graph:
-            return executor.forward(hidden_states, mbs, graph=False, prologue=prologue)[0]
-        return _ScheduledStack.apply(context if context is not None else BackwardContext(),
-                                     executor, mbs, prologue, hidden_states, encoder_output,
-                                     *params)
+
+    def _whole_memory(self, encoder_output: torch.Tensor | None,
+                      sp: bool) -> torch.Tensor | None:
+        """What cross attention reads: the whole encoder output. Under sequence parallelism
+        it is gathered once for every layer (its gradient comes back as this rank's shard,
+        see BackwardPass.run)."""
+        if sp and encoder_output is not None:
+            return self.state.tp.all_gather_seq(encoder_output.detach(),
+                                                name="fwd ag memory")[0]
+        return encoder_output
 
     def blocks(self) -> list[Block]:
         """The stack's blocks in forward order (a backward makes them final in reverse)."""
@@ -320,32 +378,21 @@ def using_plan(model: nn.Module, plan: Plan, *, force: bool = False) -> Iterator
 
 
 @contextlib.contextmanager
-def using_sequence_parallel(model: nn.Module, on: bool) -> Iterator[None]:
-    """Run the enclosed code with sequence parallelism ``on`` (or off) in every
-    DominoTransformer of ``model`` (what the bench compares; a model normally keeps its
-    runtime's setting); their own settings are back afterwards, also when the code raises."""
+def using_runtime(model: nn.Module, **changes) -> Iterator[None]:
+    """Run the enclosed code with every DominoTransformer of ``model`` on its runtime with
+    ``changes`` (e.g. ``sequence_parallel=False``; what :meth:`DominoTransformer.set_runtime`
+    accepts); their own runtimes are back afterwards, also when the code raises."""
     stacks = stacks_of(model)
-    saved = [s.sequence_parallel for s in stacks]
+    saved = [s.runtime for s in stacks]
     try:
         for s in stacks:
-            s._runtime = s._runtime.replace(sequence_parallel=bool(on))
+            s.set_runtime(s.runtime.replace(**changes))
         yield
     finally:
         for s, before in zip(stacks, saved, strict=True):
-            s._runtime = s._runtime.replace(sequence_parallel=before)
+            s.set_runtime(before)
 
 
-@contextlib.contextmanager
-def using_cp_overlap(model: nn.Module, on: bool) -> Iterator[None]:
-    """Run the enclosed code with the context-parallel ring's transfers overlapped with the
-    block in hand (``on``, what a model does) or each waited for before it (the benchmark's
-    sync baseline) in every self attention of ``model``; restored afterwards."""
-    attns = [m for m in model.modules() if isinstance(m, SelfAttention)]
-    saved = [a.cp_overlap for a in attns]
-    try:
-        for a in attns:
-            a.cp_overlap = on
-        yield
-    finally:
-        for a, o in zip(attns, saved, strict=True):
-            a.cp_overlap = o
+def plan_of(model: nn.Module) -> Plan:
+    """The plan ``model``'s stacks were given (:func:`set_plan` keeps them alike)."""
+    return stacks_of(model)[0].plan

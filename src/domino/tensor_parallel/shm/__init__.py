@@ -2,10 +2,10 @@
 
 gloo moves every byte between two processes of one host through loopback TCP: each rank's
 worker thread copies into the kernel, the kernel copies to the peer, and the sums run on top.
-On this project's 2-CPU host an 8 MiB all-reduce at TP=2 costs 3-5 ms of CPU per rank that way
-(and 4.5-7 ms of wall time), CPU the ranks' compute needs: overlapping the transfer then
-cannot hide it. Through one shared mapping the same all-reduce is one copy in, a sum of this
-rank's 1/N segment and one copy out: 1.1-1.4 ms of wall time and of CPU per rank.
+That costs CPU the ranks' compute needs on a host whose cores the ranks fill: overlapping the
+transfer then cannot hide it. Through one shared mapping the same all-reduce is one copy in, a
+sum of this rank's 1/N segment and one copy out, a fraction of gloo's wall time and CPU (the
+figures: docs/benchmark.md, "The shared-memory transport").
 
 How one collective runs (every rank of the group runs the same steps, in launch order, on its
 own worker thread):

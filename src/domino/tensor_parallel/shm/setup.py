@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,10 +60,7 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp",
     None on every rank when it cannot be used. Collective: every rank of the group calls it.
     Agreement runs over ``group`` itself, as JSON (never pickles). ``slot_bytes`` overrides
     the slot size (a multiple of 64; tests use small ones to cut tensors into many pieces)."""
-    if slot_bytes is not None and (slot_bytes % 64 or slot_bytes < max(64, 8 * size)):
-        raise ValueError(f"slot_bytes={slot_bytes} must be a multiple of 64 and at least "
-                         f"max(64, 8 x the group size {size}) (a reduce-scatter's piece holds "
-                         "at least one 8-byte element per rank)")
+    _check_slot_bytes(slot_bytes, size)
     if size < 2:
         return None
     comm = CommGroup(group, size, rank)
@@ -70,40 +68,67 @@ def open_transport(group: Any, rank: int, size: int, label: str = "tp",
         return None
     slot = _slot_bytes(size) if slot_bytes is None else slot_bytes
     nbytes = 2 * size * slot
-    where = ""
-    if rank == 0:
-        where = _create(size, nbytes)
-    where = comm.broadcast_json(where)
+    where = comm.broadcast_json(_create(size, nbytes) if rank == 0 else "")
     if not where:
         return None
-    buffer, reads, writes, error = None, {}, {}, ""
-    try:
-        buffer = torch.from_file(os.path.join(where, "slots"), shared=True, size=nbytes,
-                                 dtype=torch.uint8)
-        for src in range(size):  # a read end opens at once without O_NONBLOCK's writer
-            if src != rank:
-                reads[src] = os.open(os.path.join(where, f"{src}-{rank}"),
-                                     os.O_RDONLY | os.O_NONBLOCK)
-    except Exception as e:  # noqa: BLE001 - any failure here: every rank must hear of it
-        error = f"{type(e).__name__}: {e}"
-    if any(comm.all_gather_json(error)):
-        return _abandon(comm, rank, where, list(reads.values()))
-    try:  # every read end is open now; a reader gone since fails (ENXIO) instead of blocking
-        for dst in range(size):
-            if dst != rank:
-                writes[dst] = os.open(os.path.join(where, f"{rank}-{dst}"),
-                                      os.O_WRONLY | os.O_NONBLOCK)
-        for fd in [*reads.values(), *writes.values()]:
-            os.set_blocking(fd, True)
-    except Exception as e:  # noqa: BLE001 - any failure here: every rank must hear of it
-        error = f"{type(e).__name__}: {e}"
-    if any(comm.all_gather_json(error)):
-        return _abandon(comm, rank, where, [*reads.values(), *writes.values()])
+    ends = _Ends(where, rank, size)
+    # Each step's outcome is agreed on: a rank that failed makes every rank give up.
+    if any(comm.all_gather_json(_failure(ends.open_mapping_and_reads, nbytes))):
+        return _abandon(comm, rank, where, ends.fds())
+    if any(comm.all_gather_json(_failure(ends.open_writes))):
+        return _abandon(comm, rank, where, ends.fds())
     comm.barrier()  # every rank holds every file open: the names can go
     if rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return SharedMemoryTransport(Channel(rank, size, buffer, slot, reads, writes,
+    return SharedMemoryTransport(Channel(rank, size, ends.buffer, slot, ends.reads, ends.writes,
                                          _group_timeout(group), label))
+
+
+def _check_slot_bytes(slot_bytes: int | None, size: int) -> None:
+    if slot_bytes is not None and (slot_bytes % 64 or slot_bytes < max(64, 8 * size)):
+        raise ValueError(f"slot_bytes={slot_bytes} must be a multiple of 64 and at least "
+                         f"max(64, 8 x the group size {size}) (a reduce-scatter's piece holds "
+                         "at least one 8-byte element per rank)")
+
+
+def _failure(step: Callable[..., None], *args: Any) -> str:
+    """What went wrong in ``step(*args)`` ("" when it succeeds): every rank must hear of it."""
+    try:
+        step(*args)
+    except Exception as e:  # noqa: BLE001 - any failure: the others give up too
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+class _Ends:
+    """This rank's ends of the set-up's files: the mapping, and a FIFO from and to each peer."""
+
+    def __init__(self, where: str, rank: int, size: int) -> None:
+        self.where, self.rank, self.size = where, rank, size
+        self.buffer: torch.Tensor | None = None
+        self.reads: dict[int, int] = {}
+        self.writes: dict[int, int] = {}
+
+    def fds(self) -> list[int]:
+        return [*self.reads.values(), *self.writes.values()]
+
+    def open_mapping_and_reads(self, nbytes: int) -> None:
+        self.buffer = torch.from_file(os.path.join(self.where, "slots"), shared=True,
+                                      size=nbytes, dtype=torch.uint8)
+        for src in range(self.size):  # a read end opens at once without O_NONBLOCK's writer
+            if src != self.rank:
+                self.reads[src] = os.open(os.path.join(self.where, f"{src}-{self.rank}"),
+                                          os.O_RDONLY | os.O_NONBLOCK)
+
+    def open_writes(self) -> None:
+        """Once every read end is open: a reader gone since fails (ENXIO) instead of
+        blocking. Then every end blocks, as the channel expects."""
+        for dst in range(self.size):
+            if dst != self.rank:
+                self.writes[dst] = os.open(os.path.join(self.where, f"{self.rank}-{dst}"),
+                                           os.O_WRONLY | os.O_NONBLOCK)
+        for fd in self.fds():
+            os.set_blocking(fd, True)
 
 
 def _abandon(comm: Any, rank: int, where: str, fds: list[int]) -> None:

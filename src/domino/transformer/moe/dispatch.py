@@ -35,7 +35,7 @@ class Dispatched:
 
 
 @dataclass
-class Layout:
+class DispatchLayout:
     """Who sends whom how many rows, from each rank's per-expert counts: ``received_counts``
     [EP, E / EP] rows this rank receives per (source, local expert), ``sent`` / ``received``
     rows per rank, ``order`` the received rows (per source) -> sorted by local expert, stable
@@ -60,20 +60,21 @@ def launch_counts(counts: torch.Tensor, group: CommGroup, name: str = "moe dispa
                                           tags=tags)
 
 
-def layout(counts: torch.Tensor, received: torch.Tensor, size: int) -> Layout:
-    """The exchange's :class:`Layout` from this rank's ``counts`` [E] and the ``received``
-    counts of :func:`launch_counts` (over a group of ``size`` ranks)."""
+def layout(counts: torch.Tensor, received: torch.Tensor, size: int) -> DispatchLayout:
+    """The exchange's :class:`DispatchLayout` from this rank's ``counts`` [E] and the
+    ``received`` counts of :func:`launch_counts` (over a group of ``size`` ranks)."""
     local = counts.numel() // size
     received_counts = received.view(size, local)  # [source, local expert]
     expert_of = torch.arange(local, device=counts.device).repeat(size).repeat_interleave(
         received_counts.reshape(-1))
-    return Layout(received_counts, counts.view(size, local).sum(1).tolist(),
+    return DispatchLayout(received_counts, counts.view(size, local).sum(1).tolist(),
                   received_counts.sum(1).tolist(), torch.argsort(expert_of, stable=True))
 
 
 def exchange_counts(counts: torch.Tensor, group: CommGroup, name: str = "moe dispatch counts",
-                    tags: dict | None = None) -> Layout:
-    """Exchange ``counts`` [E] over ``group`` and wait -> the exchange's :class:`Layout`."""
+                    tags: dict | None = None) -> DispatchLayout:
+    """Exchange ``counts`` [E] over ``group`` and wait -> the exchange's
+    :class:`DispatchLayout`."""
     received, handle = launch_counts(counts, group, name, tags)
     handle.wait()
     return layout(counts, received, group.size)

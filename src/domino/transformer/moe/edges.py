@@ -46,8 +46,9 @@ from itertools import accumulate
 import torch
 
 from domino.tensor_parallel.comm import DONE
+from domino.tensor_parallel.handles import Arriving
 from domino.tensor_parallel.layers import WgradStash, column_chunks
-from domino.transformer.exits import Arriving, GradStep
+from domino.transformer.exits import GradStep
 from domino.transformer.moe.dispatch import launch_counts, layout
 
 
@@ -121,21 +122,6 @@ class _CoreGrad:
         leaf.grad = None
 
 
-class _Groups:
-    """One :class:`Arriving` per group of experts (waited for all at once where a schedule
-    overlaps nothing)."""
-
-    def __init__(self, groups: list[Arriving]) -> None:
-        self.groups = groups
-
-    def ready(self) -> bool:
-        return all(g.ready() for g in self.groups)
-
-    def wait(self) -> None:
-        for g in self.groups:
-            g.wait()
-
-
 def _landed(handle, land: Callable[[], object] | None) -> None:
     """A group of the dispatch: wait for its rows, then put them in the core."""
     handle.wait()
@@ -165,9 +151,9 @@ class MoEEntry:
         # A graph exactly when the schedule records one (its leaf ``x`` requires grad), also
         # where this runs inside a piece recomputation runs without one.
         with torch.set_grad_enabled(x.requires_grad):
-            return self._launch(x, j, m, chunks)
+            return self._launch(x, j, m, chunks, mb)
 
-    def _launch(self, x: torch.Tensor, j: int, m: int, chunks: int) -> Arriving:
+    def _launch(self, x: torch.Tensor, j: int, m: int, chunks: int, mb=None) -> Arriving:
         moe, ep = self.op.moe, self.op.moe.ep
         flat, rows, stats = moe.route(x, self.op.shards)
         # [x | weight | 0...]: rows padded so the experts' GEMMs can read the x columns in place
@@ -175,7 +161,7 @@ class MoEEntry:
         h, step = rows.x.shape[1], max(1, 16 // rows.x.element_size())
         pad = rows.x.new_zeros(rows.x.shape[0], -(h + 1) % step)
         payload = torch.cat([rows.x, rows.weights.to(rows.x.dtype).unsqueeze(-1), pad], dim=-1)
-        payload = self.op.record(payload, stats, rows.dropped)
+        payload = self.op.record(payload, stats, rows.dropped, mb)
         tags = {"mb": m, "block": j, "chunk": 0}
         if ep.size > 1:
             arrived, counted = launch_counts(rows.counts, ep, f"fwd dispatch counts b{j}", tags)
@@ -351,7 +337,7 @@ class MoEExit:
     def bias(self) -> None:
         return None
 
-    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> _Groups:
+    def launch_grad(self, grad: torch.Tensor, j: int, m: int) -> Arriving:
         """The delivered gradient's rows to the expert ranks, one all-to-all per group of
         experts (the forward's groups), in order, so that a group's backward starts once its
         own rows are in; by local expert on arrival."""
@@ -371,18 +357,20 @@ class MoEExit:
                                    name=f"bwd combine b{j}",
                                    tags={"mb": m, "block": j, "chunk": c})
             groups.append(Arriving([handle], lambda buf=buf, back=back: buf[_by_expert(back)]))
-        return _Groups(groups)
+        # One per group of experts (waited for all at once where a schedule overlaps nothing).
+        return Arriving(groups, lambda: None)
 
-    def grad_steps(self, grad: _Groups, parts: list[torch.Tensor]) -> list[GradStep]:
+    def grad_steps(self, grad: Arriving, parts: list[torch.Tensor]) -> list[GradStep]:
         """One step per group of experts: their rows arrive apart, and the groups' graphs
         share nothing but the received rows (a leaf)."""
-        return [GradStep(g, [p], lambda t: [t]) for g, p in zip(grad.groups, parts, strict=True)]
+        return [GradStep(g, [p], lambda t: [t])
+                for g, p in zip(grad.handles, parts, strict=True)]
 
     def replicated_parameters(self) -> list[torch.Tensor]:
         return self.op.replicated_parameters()
 
 
-def edges(op) -> tuple[MoEEntry, MoEExit]:
+def run_edges(op) -> tuple[MoEEntry, MoEExit]:
     """A run's entry and exit of ``op``, sharing their per-micro-batch state."""
     pieces: dict[int, _Piece] = {}
     return MoEEntry(op, pieces), MoEExit(op, pieces)

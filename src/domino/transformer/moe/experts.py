@@ -84,7 +84,8 @@ def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
     block. Ranks that hold parts of the same sequences (sequence parallelism) decide on the
     gathered routing and keep their own part."""
     t, k = experts.shape
-    flat_e, flat_t = experts.reshape(-1), torch.arange(t, device=experts.device).repeat_interleave(k)
+    flat_e = experts.reshape(-1)
+    flat_t = torch.arange(t, device=experts.device).repeat_interleave(k)
     order = _sorted(flat_e, weights.reshape(-1), capacity, drop_policy)
     key = flat_e[order] * sequences + flat_t[order] % sequences
     keep = torch.empty(t * k, dtype=torch.bool, device=experts.device)

@@ -9,9 +9,9 @@ against.)
 
 The auxiliary losses (``moe_aux_loss_coeff`` x load balancing + ``moe_z_loss_coeff`` x z-loss)
 are not returned with the model's output: each MoE op attaches them to the rows its dispatch
-sends with :class:`_AuxGrad`, whose backward gives the loss the gradient ``loss_scale`` (so the
-schedule's backward needs nothing special). A training step sets ``loss_scale`` to the
-micro-batch's share of the step's objective (:func:`set_loss_scale`), so
+sends with :class:`_AuxGrad`, whose backward gives the loss the gradient the step's context
+says (``BackwardContext.aux_loss_scale``, so the schedule's backward needs nothing special). A
+training step sets it to the micro-batch's share of the step's objective, so
 the step minimises the mean token loss plus the token-weighted mean of the auxiliary losses, at
 any accumulation and DP size. :func:`step_end` then sums the step's router statistics over DP,
 moves the expert biases and returns the metrics a log line shows.
@@ -30,8 +30,8 @@ auxiliary losses by the whole micro-batch's loss tokens (summed over CP).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -41,14 +41,18 @@ from domino.parallel_state import ParallelState
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.microbatch import MicroBatch
-from domino.transformer.moe.edges import MoEEntry, MoEExit, edges
+from domino.transformer.moe.edges import MoEEntry, MoEExit, run_edges
 from domino.transformer.moe.layer import MoEMLP
 from domino.transformer.moe.router import RouterStats, aux_losses, update_expert_bias
 from domino.transformer.moe.shards import TokenShards
 
+if TYPE_CHECKING:
+    from domino.transformer.edge import EdgeContext
+    from domino.transformer.spec import LayerArgs
+
 
 @dataclass(eq=False)
-class Run:
+class MicroBatchStats:
     """A training micro-batch's router statistics, summed over the pieces a schedule splits it
     into (Domino's micro-batches), so that its auxiliary losses are those of the whole
     micro-batch whatever the split."""
@@ -66,23 +70,24 @@ class Run:
 class _AuxGrad(torch.autograd.Function):
     """``out`` unchanged; in backward, a piece's summed scores and squared log-partitions get
     their gradient in the auxiliary losses of the whole micro-batch (``run``, complete by then),
-    scaled by ``op.loss_scale`` (read then: a step sets it before its backward). The
+    scaled by ``step.aux_loss_scale`` (read then: a step sets it before its backward). The
     load-balancing loss is linear in each piece's score sums (with the micro-batch's counts),
     the z-loss in its log-partition sums, so these are exact."""
 
     @staticmethod
-    def forward(ctx, out, score_sum, z_sum, run, op):
-        ctx.run, ctx.op = run, op
+    def forward(ctx, out, score_sum, z_sum, run, op, step):
+        ctx.run, ctx.op, ctx.step = run, op, step
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         op, total = ctx.op, ctx.run.stats
+        scale = 1.0 if ctx.step is None else ctx.step.aux_loss_scale
         n = max(total.tokens, 1)
         e = total.counts.numel()
-        g_score = (op.loss_scale * op.aux_coeff * e / (n * n * op.topk)) * total.counts.float()
-        g_z = torch.tensor(op.loss_scale * op.z_coeff / n, device=grad.device)
-        return grad, g_score.to(grad.device), g_z, None, None
+        g_score = (scale * op.aux_coeff * e / (n * n * op.topk)) * total.counts.float()
+        g_z = torch.tensor(scale * op.z_coeff / n, device=grad.device)
+        return grad, g_score.to(grad.device), g_z, None, None, None
 
 
 class MoEOp(nn.Module):
@@ -118,8 +123,12 @@ class MoEOp(nn.Module):
         self.aux_coeff = config.moe_aux_loss_coeff if balance else 0.0
         self.z_coeff = config.moe_z_loss_coeff or 0.0
         self.bias_rate = config.moe_router_bias_update_rate
-        self.loss_scale = 1.0  # the auxiliary losses' gradient (set_loss_scale)
         self.reset_stats()
+
+    @classmethod
+    def build(cls, args: LayerArgs) -> MoEOp:
+        """A layer's MoE MLP (a part of :mod:`~domino.transformer.spec`)."""
+        return cls(args.config, args.state, args.device)
 
     def reset_stats(self) -> None:
         """Forget the router statistics gathered since the last step (kept on the device:
@@ -128,7 +137,7 @@ class MoEOp(nn.Module):
         self.counts = torch.zeros(self.moe.router.num_experts, dtype=torch.float64,
                                   device=device)
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # balance, z, dropped, n
-        self.run: Run | None = None  # the micro-batch being recorded
+        self.run: MicroBatchStats | None = None  # the micro-batch being recorded
 
     def close_run(self) -> None:
         """Add the recorded micro-batch's auxiliary losses and dropped assignments to
@@ -141,19 +150,21 @@ class MoEOp(nn.Module):
                                   self.sums.new_tensor(float(run.dropped)),
                                   self.sums.new_tensor(1.0)])
 
-    def entry(self, sequence_parallel: bool, context_parallel: bool = False) -> MoEEntry:
+    def entry(self, edges: EdgeContext) -> MoEEntry:
         """A run's dispatch (:mod:`.edges`); :meth:`exit` then returns the combine that shares
         its state, so a schedule asks for both, entry first. A run is one micro-batch of
-        training: its router statistics add up over the run's pieces. ``context_parallel``:
-        the run's sequences are split over the CP group (not with a KV cache)."""
+        training: its router statistics add up over the run's pieces. Its tokens are where
+        ``edges`` says: the sequence sharded over TP, the sequences split over CP, or
+        neither."""
         self.close_run()
-        self.run = Run()
-        self.shards = TokenShards.of(self.tp if sequence_parallel else None,
-                                     self.cp if context_parallel else None)
-        self._edges = edges(self)
+        self.run = MicroBatchStats()
+        self.shards = TokenShards.of(edges.tp if edges.sequence_parallel else None,
+                                     edges.cp if edges.context_parallel else None)
+        self._edges = run_edges(self)
         return self._edges[0]
 
-    def exit(self, sequence_parallel: bool, context_parallel: bool = False) -> MoEExit:
+    def exit(self, edges: EdgeContext) -> MoEExit:
+        """The run's combine (after :meth:`entry`, whose state it shares)."""
         return self._edges[1]
 
     def core(self, x: torch.Tensor, mb: MicroBatch, stash: WgradStash | None,
@@ -165,10 +176,12 @@ class MoEOp(nn.Module):
             poll()
         return x
 
-    def record(self, payload: torch.Tensor, stats: RouterStats, dropped: int) -> torch.Tensor:
+    def record(self, payload: torch.Tensor, stats: RouterStats, dropped: int,
+               mb: MicroBatch | None = None) -> torch.Tensor:
         """A piece's router statistics, added to its micro-batch's; the gradient of the
-        micro-batch's auxiliary losses attached to ``payload`` (the rows the dispatch sends).
-        Only a forward whose backward will run counts (grad mode on, training)."""
+        micro-batch's auxiliary losses attached to ``payload`` (the rows the dispatch sends),
+        scaled as the step's context (``mb.context``) says. Only a forward whose backward will
+        run counts (grad mode on, training)."""
         if not self.training or not torch.is_grad_enabled() or self.run is None:
             return payload
         if self.tp.size > 1 and self.shards is None:
@@ -184,7 +197,8 @@ class MoEOp(nn.Module):
         self.counts += whole.counts.detach().double()
         # (each rank's own score and z sums: their gradients are summed with the router's)
         if (self.aux_coeff or self.z_coeff) and stats.score_sum.requires_grad:
-            payload = _AuxGrad.apply(payload, stats.score_sum, stats.z_sum, self.run, self)
+            payload = _AuxGrad.apply(payload, stats.score_sum, stats.z_sum, self.run, self,
+                                     None if mb is None else mb.context)
         return payload
 
     def _summed_over_shards(self, stats: RouterStats, dropped: int
@@ -213,18 +227,10 @@ def moe_ops(model: nn.Module) -> list[MoEOp]:
     return [m for m in model.modules() if isinstance(m, MoEOp)]
 
 
-def set_loss_scale(ops: Iterable[MoEOp], scale: float) -> None:
-    """The gradient the auxiliary losses of the next backward get (a micro-batch's share of
-    the step's objective). A pipeline sets it on a stage's ops right before each micro-batch's
-    backward there (1F1B runs other micro-batches' forwards in between)."""
-    for op in ops:
-        op.loss_scale = scale
-
-
 def micro_batch_tokens(batches: list[dict[str, torch.Tensor]], cp: CommGroup) -> list[float]:
     """Each training micro-batch's loss tokens over its whole sequences: what its auxiliary
-    losses weigh (:func:`set_loss_scale`). Under context parallelism a rank's batches hold
-    its shards: summed over CP (one small all-reduce, one host sync)."""
+    losses weigh (``BackwardContext.aux_loss_scale``). Under context parallelism a rank's
+    batches hold its shards: summed over CP (one small all-reduce, one host sync)."""
     tokens = torch.stack([b["loss_mask"].sum() for b in batches]).double()
     if cp.size > 1:
         cp.all_reduce(tokens, name="moe micro-batch tokens")

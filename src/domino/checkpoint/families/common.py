@@ -1,0 +1,44 @@
+"""What several families share beyond one layout: the obstacles every family's refusal starts
+with, and the GELU spellings of ``config.json``."""
+
+from __future__ import annotations
+
+from domino.config import TransformerConfig
+
+# config.json's GELU names -> ours (gelu_new, gelu_fast: the tanh approximation, written out).
+GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_fast": "gelu_tanh"}
+GELU_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def obstacles(config: TransformerConfig) -> list[str]:
+    """What no family has: the residual after the norm, no final norm, and the MoE settings
+    none of the MoE families has."""
+    out = _moe_obstacles(config)
+    if config.apply_residual_connection_post_layernorm:
+        out.append("the residual taken after the norm (post-LN)")
+    if not config.final_layernorm:
+        out.append("no final norm")
+    return out
+
+
+def _moe_obstacles(config: TransformerConfig) -> list[str]:
+    """What keeps an MoE model from Mixtral / Qwen3-MoE / OLMoE (empty for a dense model)."""
+    if config.num_experts is None:
+        return []
+    out = []
+    per_head = config.qk_layernorm and not config.qk_layernorm_full_width  # Qwen3-MoE
+    if config.moe_layer_freq != 1 or (config.moe_first_k_dense_layers and not per_head):
+        out.append("dense layers among the MoE ones (Mixtral and OLMoE have none; Qwen3-MoE "
+                   "only first)")
+    if config.qk_layernorm_full_width and config.window_size is not None:
+        out.append("sliding-window attention with query/key norms over all heads (OLMoE has "
+                   "no window)")
+    if config.moe_shared_expert_intermediate_size:
+        out.append("a shared expert")
+    if config.moe_router_score_function != "softmax" or config.moe_router_enable_expert_bias \
+            or config.moe_router_topk_scaling_factor:
+        out.append("a sigmoid router, expert bias or top-k scaling (DeepSeek's)")
+    if config.moe_router_pre_softmax and not config.qk_layernorm:
+        out.append("top-k weights not re-normalised (Mixtral re-normalises them)")
+    return out

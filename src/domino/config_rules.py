@@ -1,0 +1,164 @@
+"""The rules a :class:`~domino.config.TransformerConfig` must satisfy, one function per group of
+fields; ``__post_init__`` calls them in a fixed order. Each raises ValueError with a message
+that names the field and says what to change."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from domino.config import TransformerConfig
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ROPE_SCALING_TYPES = ("llama3",)
+
+
+def check_sizes(cfg: TransformerConfig) -> None:
+    """The sizes given: positive; the heads divide the hidden size unless kv_channels is set."""
+    positive(cfg, "num_layers", "hidden_size", "num_attention_heads",
+             "make_vocab_size_divisible_by", "max_position_embeddings", "seq_length")
+    if cfg.vocab_size < 0:
+        raise ValueError(f"vocab_size={cfg.vocab_size} must be >= 0 (0 = no embedding).")
+    if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(
+            f"hidden_size={cfg.hidden_size} is not divisible by num_attention_heads="
+            f"{cfg.num_attention_heads}; choose heads that divide the hidden size "
+            "(or set kv_channels explicitly).")
+
+
+def check_derived_sizes(cfg: TransformerConfig) -> None:
+    """The sizes with defaults (given or derived): positive; the groups divide the heads."""
+    positive(cfg, "ffn_hidden_size", "kv_channels", "num_query_groups", "decoder_num_layers")
+    if cfg.num_attention_heads % cfg.num_query_groups:
+        raise ValueError(
+            f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+            f"num_query_groups={cfg.num_query_groups}; pick a group count that divides the "
+            "number of heads.")
+
+
+def check_choices(cfg: TransformerConfig) -> None:
+    choice(cfg, "position_embedding_type", POSITION_EMBEDDING_TYPES)
+    choice(cfg, "normalization", NORMALIZATIONS)
+    choice(cfg, "activation", ACTIVATIONS)
+
+
+def check_dropout_and_window(cfg: TransformerConfig) -> None:
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(cfg, name)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name}={p} must be in [0, 1).")
+    window = cfg.window_size
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window_size={window!r} must be an integer >= 1 (the "
+                         "tokens a query sees, itself included) or None for full attention.")
+
+
+def check_moe(cfg: TransformerConfig) -> None:
+    """The Mixture-of-Experts fields (none without ``num_experts``)."""
+    if cfg.num_experts is None:
+        return
+    positive(cfg, "num_experts", "moe_router_topk", "moe_layer_freq")
+    if cfg.moe_router_topk > cfg.num_experts:
+        raise ValueError(f"moe_router_topk={cfg.moe_router_topk} is more than num_experts="
+                         f"{cfg.num_experts}: route to at most every expert.")
+    positive(cfg, "moe_ffn_hidden_size")
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        positive(cfg, "moe_shared_expert_intermediate_size")
+    scale = cfg.moe_router_topk_scaling_factor
+    if scale is not None and not scale > 0:
+        raise ValueError(f"moe_router_topk_scaling_factor={scale} must be > 0 (or None: 1).")
+    choice(cfg, "moe_router_score_function", ("softmax", "sigmoid"))
+    choice(cfg, "moe_router_load_balancing_type", ("aux_loss", "none"))
+    choice(cfg, "moe_token_drop_policy", ("probs", "position"))
+    if not 0 <= cfg.moe_first_k_dense_layers <= cfg.num_layers:
+        raise ValueError(f"moe_first_k_dense_layers={cfg.moe_first_k_dense_layers} must be "
+                         f"between 0 and num_layers={cfg.num_layers}.")
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        raise ValueError(f"moe_expert_capacity_factor={factor} must be > 0 (or None: "
+                         "dropless routing).")
+    if cfg.moe_pad_expert_input_to_capacity and factor is None:
+        raise ValueError("moe_pad_expert_input_to_capacity needs a "
+                         "moe_expert_capacity_factor (dropless routing has no capacity).")
+    if cfg.moe_aux_loss_coeff < 0 or (cfg.moe_z_loss_coeff or 0.0) < 0:
+        raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0.")
+
+
+def check_rope(cfg: TransformerConfig) -> None:
+    """RoPE's fields (the base and fraction whatever the position embedding)."""
+    if not 0.0 < cfg.rotary_percent <= 1.0:
+        raise ValueError(f"rotary_percent={cfg.rotary_percent} must be in (0, 1].")
+    if cfg.position_embedding_type == "rope":
+        rot = int(cfg.kv_channels * cfg.rotary_percent)
+        if rot < 2 or rot % 2:
+            raise ValueError(
+                f"RoPE rotates int(kv_channels * rotary_percent) = {rot} channels per head; "
+                "it must be even and >= 2: change rotary_percent or kv_channels.")
+    if not (isinstance(cfg.rotary_base, int | float) and math.isfinite(cfg.rotary_base)
+            and cfg.rotary_base > 1):
+        raise ValueError(f"rotary_base={cfg.rotary_base!r} must be a finite number > 1.")
+    if cfg.rope_scaling_type is not None:
+        check_rope_scaling(cfg)
+    if (cfg.rotary_seq_len_interpolation_factor is not None
+            and cfg.rotary_seq_len_interpolation_factor <= 0):
+        raise ValueError(
+            "rotary_seq_len_interpolation_factor="
+            f"{cfg.rotary_seq_len_interpolation_factor} must be > 0 (or None).")
+
+
+def check_rope_scaling(cfg: TransformerConfig) -> None:
+    """Llama 3.1's RoPE frequency scaling."""
+    choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
+    if not (cfg.rope_scaling_factor > 0
+            and 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor
+            and cfg.rope_original_max_position_embeddings > 0):
+        raise ValueError(
+            "llama3 RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor "
+            "< rope_high_freq_factor and rope_original_max_position_embeddings > 0; got "
+            f"{cfg.rope_scaling_factor}, {cfg.rope_low_freq_factor}, "
+            f"{cfg.rope_high_freq_factor}, {cfg.rope_original_max_position_embeddings}.")
+
+
+def check_positions_and_norms(cfg: TransformerConfig) -> None:
+    if (cfg.position_embedding_type == "learned_absolute"
+            and cfg.seq_length > cfg.max_position_embeddings):
+        raise ValueError(
+            f"seq_length={cfg.seq_length} is longer than max_position_embeddings="
+            f"{cfg.max_position_embeddings}: the learned position table has no rows for the "
+            "extra positions; raise max_position_embeddings or shorten seq_length.")
+    if cfg.qk_layernorm_full_width and not (cfg.qk_layernorm
+                                            and cfg.normalization == "RMSNorm"):
+        raise ValueError(
+            "qk_layernorm_full_width=True normalises the queries and keys over their whole "
+            f"width with RMSNorm; it needs qk_layernorm=True and normalization='RMSNorm' "
+            f"(got qk_layernorm={cfg.qk_layernorm}, normalization={cfg.normalization!r}).")
+    if cfg.layernorm_epsilon <= 0:
+        raise ValueError(f"layernorm_epsilon={cfg.layernorm_epsilon} must be > 0.")
+
+
+def check_init(cfg: TransformerConfig) -> None:
+    if cfg.init_method_std <= 0:
+        raise ValueError(f"init_method_std={cfg.init_method_std} must be > 0.")
+    if not isinstance(cfg.params_dtype, torch.dtype) or not cfg.params_dtype.is_floating_point:
+        raise ValueError(f"params_dtype={cfg.params_dtype} must be a floating torch.dtype.")
+
+
+def positive(cfg: TransformerConfig, *names: str) -> None:
+    """Each named field is an int >= 1 (not a bool)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def choice(cfg: TransformerConfig, name: str, choices: tuple[str, ...]) -> None:
+    """Field ``name`` is one of ``choices``."""
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}.")
