@@ -56,7 +56,7 @@ def test_garbage_bpe_files_are_named(tmp_path: Path, data: str, capfd) -> None:
     run = tmp_path / "run"
     line = _refused(capfd, ["train", *_small(data), "--tokenizer-type", "bpe", "--vocab-file",
                             str(bad), "--merge-file", str(merges), "--save", str(run)])
-    assert f"vocab_file {bad} is not JSON" in line and "GPT-2 style vocab.json" in line
+    assert f"--vocab-file {bad} is not JSON" in line and "GPT-2 style vocab.json" in line
     assert not run.exists()  # the refused run left no folder
     corpus = tmp_path / "in.jsonl"
     corpus.write_text('{"text": "hello"}\n')

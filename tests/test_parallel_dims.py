@@ -124,8 +124,9 @@ def test_the_runtime_flags_are_runtime_config_fields() -> None:
     ("sequence_parallel=True at tp 2; compile=False; layernorm_epsilon=0.0",
      "--sequence-parallel at tp 2; --no-compile; --norm-epsilon 0.0"),
     # not config names, a flag already, a dotted name, a path: left alone
-    ("vocab_file x.json; --seq-length=3; TransformerConfig.decoder_num_layers; /d/seq_length/a",
-     "vocab_file x.json; --seq-length=3; TransformerConfig.decoder_num_layers; /d/seq_length/a"),
+    ("token_ids x.json; --seq-length=3; TransformerConfig.decoder_num_layers; /d/seq_length/a",
+     "token_ids x.json; --seq-length=3; TransformerConfig.decoder_num_layers; /d/seq_length/a"),
+    ("vocab_file x.json, merges_file y.txt", "--vocab-file x.json, --merge-file y.txt"),
 ])
 def test_library_errors_are_shown_with_the_flags(library: str, shown: str) -> None:
     assert as_flags(library, train_flags()) == shown

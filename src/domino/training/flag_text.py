@@ -74,6 +74,7 @@ def train_flags() -> dict[str, str]:
     for name, renamed in model_flags.RENAMED.items():
         if len(renamed.flags) == 1 and renamed.flags[0].kind is not bool:
             out[name] = _dashed(renamed.flags[0].name)
+    out["merges_file"] = "--merge-file"  # the BPE tokenizer's keyword for that file
     return out
 
 
