@@ -85,3 +85,15 @@ def test_the_tier_table_matches_the_architecture_test() -> None:
     top = {m for m in modules if m.count(".") == 1}
     absent = sorted(top - set(shown))
     assert not absent, f"top-level modules and packages the tier table leaves out: {absent}"
+
+
+def test_every_file_the_extending_recipes_name_exists() -> None:
+    """docs/extending.md's recipes name every file an addition touches: each must exist (a
+    placeholder such as ``<name>.py`` is not a path and is skipped)."""
+    text = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    paths = sorted(set(PATH.findall(text)))
+    assert len(paths) > 20, f"only {len(paths)} paths found: the extraction broke"
+    files = [p.relative_to(ROOT).as_posix() for p in (ROOT / "src" / "domino").rglob("*.py")]
+    missing = [p for p in paths
+               if not ((ROOT / p).is_file() or any(f.endswith("/" + p) for f in files))]
+    assert not missing, f"docs/extending.md names files that do not exist: {missing}"

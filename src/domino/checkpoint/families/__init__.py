@@ -3,41 +3,24 @@
 Import asks the family of the ``config.json``'s ``model_type`` to read it (each refuses, in the
 file's keys, what it cannot express); export writes a model as the first family in the list
 that can express it, and a model none can is refused with each family's obstacles. A family
-that needs no new math is one module (its :class:`~.family.Family`) plus its import and its
-entry here.
+that needs no new math is one module (its :class:`~.family.Family`, named ``FAMILY``) plus its
+name in :data:`MODULES`.
 """
 
 from __future__ import annotations
 
-from domino.checkpoint.families import (
-    gemma,
-    gpt2,
-    llama,
-    mistral,
-    mixtral,
-    olmoe,
-    qwen2,
-    qwen3,
-    qwen3_moe,
-    starcoder2,
-)
+import importlib
+
 from domino.checkpoint.families.family import Family, Group
 from domino.config import TransformerConfig
 
-# Export writes a model as the first family here that expresses it: where two express the same
-# model (a Mistral without a window is a Llama) the earlier one is chosen.
-FAMILIES: list[Family] = [
-    gpt2.FAMILY,
-    llama.FAMILY,
-    qwen2.FAMILY,
-    qwen3.FAMILY,
-    mistral.FAMILY,
-    mixtral.FAMILY,
-    qwen3_moe.FAMILY,
-    olmoe.FAMILY,
-    starcoder2.FAMILY,
-    gemma.FAMILY,
-]
+# The families' modules, one name each. Export writes a model as the first family here that
+# expresses it: where two express the same model (a Mistral without a window is a Llama) the
+# earlier one is chosen.
+MODULES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe",
+           "starcoder2", "gemma")
+FAMILIES: list[Family] = [importlib.import_module(f"{__name__}.{name}").FAMILY
+                          for name in MODULES]
 
 
 def readable(families: list[Family] = FAMILIES) -> tuple[str, ...]:
