@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What gloo and the shared-memory transport say when a peer never joins a collective.
-_TIMEOUT_TEXTS = ("Timed out waiting", "did not join a collective within")
+# gloo's words for a collective whose peer did not join in time: a wait that ran out, or (when
+# the timeout fires inside a transfer) the pair closed for it; ours from the shm transport.
+_TIMEOUT_TEXTS = ("Timed out waiting", "Application timeout caused pair closure",
+                  "did not join a collective within")
 
 
 @dataclass
