@@ -11,19 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from domino.checkpoint.families import family_named, readable
+from domino.checkpoint.families import family_named, readable, unknown
 from domino.checkpoint.hf_keys import HFKeys
 from domino.config import TransformerConfig
 
 ARCHITECTURES = readable()
 
 
-def hf_config(config: TransformerConfig, arch: str, eod: int) -> dict[str, Any]:
-    """The ``config.json`` of the model exported as ``arch`` (a model_type)."""
+def hf_config(config: TransformerConfig, arch: str, tokens: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of the model exported as ``arch`` (a model_type), with ``tokens``:
+    its token keys (``bos_token_id``, ``eos_token_id`` (an id or a list), ``pad_token_id``)."""
     family = family_named(arch)
     if family is None or family.write is None:
         raise ValueError(f"{arch!r} is not a family domino writes ({', '.join(ARCHITECTURES)})")
-    return family.write(config, eod)
+    return {**family.write(config), **tokens}
 
 
 def config_from_hf(raw: dict[str, Any], path: str | Path = "config.json",
@@ -38,11 +39,6 @@ def config_from_hf(raw: dict[str, Any], path: str | Path = "config.json",
     if eod is not None and (not isinstance(eod, int) or isinstance(eod, bool) or eod < 0):
         keys.wrong("eos_token_id", eos, "a token id (an integer >= 0), a list of them, or null")
     family = family_named(arch)
-    reads = f"`domino import` reads {', '.join(ARCHITECTURES)} models"
-    if family is None:
-        keys.refuse(f"model_type {arch!r} is not supported; {reads}")
-    if family.read is None:
-        lacks = family.lacks(arch) if family.lacks is not None else ()
-        keys.refuse(f"model_type {arch!r} is not supported: this model cannot express "
-                    f"{'; '.join(lacks)}. {reads}")
+    if family is None or family.read is None:  # (named: what is missing, or the family it is)
+        unknown.refuse(keys, arch, family.lacks(arch) if family and family.lacks else ())
     return arch, family.read(keys), eod

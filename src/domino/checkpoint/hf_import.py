@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import domino
-from domino.checkpoint import layout
+from domino.checkpoint import hf_tokens, layout
 from domino.checkpoint.hf import expected_hf_shapes, family_of, from_hf
 from domino.checkpoint.hf_config import config_from_hf
 from domino.checkpoint.layout import Meta
@@ -21,7 +21,7 @@ from domino.checkpoint.reshard import reshard
 from domino.checkpoint.shards import describe
 from domino.checkpoint.store import save_tokenizer
 from domino.config import TransformerConfig
-from domino.data.tokenizer import EOD_TOKEN, BPETokenizer, HFTokenizer
+from domino.data.tokenizer import HFTokenizer
 
 _HF_FIX = ("a model folder holds its files itself; re-download the model or re-save it with "
            "save_pretrained(dir, safe_serialization=True)")
@@ -128,32 +128,22 @@ def _check_shape(path: Path, key: str, shape: tuple[int, ...],
                          "different models: use the config.json saved with these weights")
 
 
-def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None) -> HFTokenizer:
-    """The folder's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt)."""
-    from tokenizers import Tokenizer as RustTokenizer
+def read_hf_tokenizer(folder: Path, config: TransformerConfig, eod: int | None,
+                      raw: dict | None = None) -> HFTokenizer:
+    """The folder's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), with its BOS
+    and EOS ids and token metadata (:mod:`~domino.checkpoint.hf_tokens`; ``raw``: the
+    folder's config.json)."""
+    paths = {name: hf_file(folder, name) for name in hf_tokens.NAMES}
+    return hf_tokens.read_tokenizer(folder, paths, config, eod, raw)
 
-    tokenizer_json, vocab, merges = (hf_file(folder, name) for name in (
-        "tokenizer.json", "vocab.json", "merges.txt"))
-    if tokenizer_json.is_file():
-        try:
-            rust = RustTokenizer.from_file(str(tokenizer_json))
-        except Exception as err:
-            raise ValueError(f"{tokenizer_json}: not a tokenizers file ({err})") from None
-    elif vocab.is_file() and merges.is_file():
-        rust = BPETokenizer.from_files(vocab, merges)._tok
-    else:
-        raise ValueError(f"{folder} has no tokenizer (tokenizer.json, or vocab.json + "
-                         "merges.txt); generate, eval and training need one")
-    if eod is None:
-        eod = rust.token_to_id(EOD_TOKEN)
-    if eod is None:
-        raise ValueError(f"{folder}/config.json sets no eos_token_id and the tokenizer has no "
-                         f"{EOD_TOKEN}; add eos_token_id to config.json")
-    size = rust.get_vocab_size(with_added_tokens=True)
-    if size > config.vocab_size:
-        raise ValueError(f"{folder}: the tokenizer has {size} tokens but the model's vocabulary "
-                         f"is {config.vocab_size}")
-    return HFTokenizer(rust, eod, config.vocab_size)
+
+def hf_folder_tokenizer(folder: Path) -> HFTokenizer:
+    """The tokenizer ``domino import`` would take from model folder ``folder`` (the same ids,
+    end of text and vocabulary, so data tokenized with either matches)."""
+    path = hf_file(folder, "config.json")
+    raw = layout.read_json(path, "model config", follow=True)
+    _, config, eod = config_from_hf(raw, path)
+    return read_hf_tokenizer(folder, config, eod, raw)
 
 
 def _check_tp(path: Path, config: TransformerConfig, arch: str, tp: int) -> None:
@@ -171,15 +161,29 @@ def _check_tp(path: Path, config: TransformerConfig, arch: str, tp: int) -> None
     config.validate_parallel(tp)  # (and whatever else it asks)
 
 
+def weights_dtype(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{"dtype": D}``: the floating dtype holding most of the folder's weights (the
+    checkpoint keeps them in fp32, exactly; export writes them in ``D`` again by default);
+    empty when that is none ``domino export`` writes."""
+    count: dict[str, int] = {}
+    for t in weights.values():
+        if t.is_floating_point():
+            name = str(t.dtype).removeprefix("torch.")
+            count[name] = count.get(name, 0) + t.numel()
+    top = max(count, key=count.__getitem__, default=None)
+    return {"dtype": top} if top in ("float32", "bfloat16", "float16") else {}
+
+
 def import_hf(folder: Path, out: Path, tp: int) -> Path:
     """Write ``folder``'s model into run folder ``out`` at TP=``tp``; returns the step folder."""
     from domino.models.gpt import GPTModel
     from domino.parallel_state import ParallelState
 
     path = hf_file(folder, "config.json")
-    arch, config, eod = config_from_hf(layout.read_json(path, "model config", follow=True), path)
+    raw = layout.read_json(path, "model config", follow=True)
+    arch, config, eod = config_from_hf(raw, path)
     _check_tp(path, config, arch, tp)
-    tokenizer = read_hf_tokenizer(folder, config, eod)
+    tokenizer = read_hf_tokenizer(folder, config, eod, raw)
     padded = config.padded_vocab_size(1)
     family = family_of(arch)
     expected = expected_hf_shapes(config, arch)
@@ -217,6 +221,7 @@ def import_hf(folder: Path, out: Path, tp: int) -> Path:
                     layout={"tp": 1, "pp": 1, "dp": 1}, tensors=specs, files=files,
                     tokenizer=record,
                     has_optimizer=False, library_version=domino.__version__,
-                    extra={"imported_from": str(folder.resolve()), "architecture": arch})
+                    extra={"imported_from": str(folder.resolve()), "architecture": arch,
+                           **weights_dtype(weights)})
         layout.write_json_atomic(step_dir / layout.META, meta.to_json())
         return reshard(step_dir, meta, out, tp)

@@ -37,6 +37,7 @@ class HFKeys:
 
     def __init__(self, raw: dict[str, Any], path: str | Path) -> None:
         self.raw, self.path = raw, path
+        self.seen: set[str] = set()  # the top-level keys looked up (read or tried)
 
     def refuse(self, message: str) -> NoReturn:
         raise ValueError(f"{self.path}: {message}")
@@ -47,6 +48,7 @@ class HFKeys:
     def _lookup(self, key: str) -> Any:
         value: Any = self.raw
         parts = key.split(".")
+        self.seen.add(parts[0])
         for i, part in enumerate(parts):
             if value is None or value is _ABSENT:
                 return _ABSENT

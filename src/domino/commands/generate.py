@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from domino.inference.session import add_launch_arguments, launch
+from domino.inference.tasks import check_positions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,11 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "probability")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     parser.add_argument("--no-stop-at-eod", dest="stop_at_eod", action="store_false",
-                        help="keep going after the end-of-text token")
+                        help="keep going after the end-of-text token (an imported model: after "
+                        "any of its eos_token_id ids)")
     parser.add_argument("--no-cache", dest="use_cache", action="store_false",
                         help="recompute the whole context every token (a check of the cache)")
     parser.add_argument("--ids", action="store_true",
                         help="print the generated token ids (one line) instead of text")
+    parser.add_argument("--slide-context", action="store_true",
+                        help="let the prompt + --max-new-tokens run past the model's positions "
+                        "(max_position_embeddings): when they fill up, go on from the last half "
+                        "of the text (the output then differs from transformers'); without it "
+                        "such a request is refused")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -40,5 +47,5 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"--top-p={ns.top_p} must be in (0, 1]")
     spec = {k: getattr(ns, k) for k in ("prompt", "max_new_tokens", "greedy", "temperature",
                                          "top_k", "top_p", "seed", "stop_at_eod", "use_cache",
-                                         "ids")}
-    return launch("generate", ns, spec)
+                                         "ids", "slide_context")}
+    return launch("generate", ns, spec, check=check_positions)

@@ -30,10 +30,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing OUT/checkpoints")
 
 
+# Fine-tuning, not pre-training from scratch (TrainArgs' defaults): a learning rate about a
+# hundredth of theirs, a short warm-up and run, no weight decay pulling the weights towards
+# zero, and a short sample at the end.
+FINE_TUNE: dict[str, Any] = {"lr": 2e-5, "min_lr": 2e-6, "lr_warmup_iters": 10,
+                             "train_iters": 100, "weight_decay": 0.0, "sample_tokens": 32}
+
+
 def train_settings(config: TransformerConfig, tokenizer_dir: Path, tp: int) -> dict[str, Any]:
-    """`domino train` settings that build this model with this tokenizer."""
-    return {**model_flags.train_settings(config), "tokenizer_type": "hf",
-            "tokenizer_dir": str(tokenizer_dir.resolve()), "tensor_model_parallel_size": tp}
+    """`domino train` settings that fine-tune this model with this tokenizer at TP=``tp``
+    (with sequence parallelism where MoE layers need it at TP > 1)."""
+    return {**model_flags.train_settings(config), **FINE_TUNE, "tokenizer_type": "hf",
+            "tokenizer_dir": str(tokenizer_dir.resolve()), "tensor_model_parallel_size": tp,
+            "sequence_parallel": config.num_experts is not None and tp > 1}
+
+
+def _fine_tune_line() -> str:
+    s = FINE_TUNE
+    return (f"lr {s['lr']:g} (cosine to {s['min_lr']:g}), {s['lr_warmup_iters']} warm-up steps "
+            f"of {s['train_iters']}, weight decay {s['weight_decay']:g}, a "
+            f"{s['sample_tokens']}-token sample at the end")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -58,7 +74,12 @@ def run(ns: argparse.Namespace) -> int:
         settings = train_settings(TransformerConfig.from_dict(meta.config),
                                   new / layout.TOKENIZER_DIR, tp)
         write_run_config(out, settings, meta, tp, new)
-    arch = json.loads((new / layout.META).read_text())["extra"]["architecture"]
-    print(f"domino import: {folder} ({arch}) -> {new} (TP={tp}, weights only); fine-tune with "
-          f"`domino train --config {out}/config.toml --load {out} --data-path ...`")
+    extra = json.loads((new / layout.META).read_text())["extra"]
+    print(f"domino import: {folder} ({extra['architecture']}, {extra.get('dtype', 'float32')}) "
+          f"-> {new} (TP={tp}, weights only)")
+    print(f"tokenizer: {new / layout.TOKENIZER_DIR} (--tokenizer-dir takes it, {out} or "
+          f"{folder}); tokenize fine-tuning data with `domino preprocess --tokenizer-type hf "
+          f"--tokenizer-dir {out} ...`")
+    print(f"fine-tune with `domino train --config {out}/config.toml --load {out} --data-path "
+          f"...`; its settings for fine-tuning: {_fine_tune_line()} (flags override them)")
     return 0

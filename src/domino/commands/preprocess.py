@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from domino.checkpoint.tokenizer_dir import find_tokenizer
 from domino.data.preprocess import (
     DEFAULT_PATTERNS,
     PreprocessStats,
@@ -68,13 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="The most one JSON line or text file may hold (K, M, G: KiB, MiB, "
                         f"GiB); longer ones are refused. [default: {MAX_RECORD_BYTES >> 20}M]")
     parser.add_argument("--tokenizer-type", default="byte", choices=("byte", "bpe", "hf"),
-                        help="byte: UTF-8 bytes + EOD (no files); bpe: byte-level BPE; hf: the "
-                        "tokenizer.json of an imported model (--tokenizer-dir). [default: byte]")
+                        help="byte: UTF-8 bytes + EOD (no files); bpe: byte-level BPE; hf: an "
+                        "imported model's tokenizer (--tokenizer-dir). [default: byte]")
     parser.add_argument("--vocab-file", metavar="FILE", help="BPE vocab.json (GPT-2 style).")
     parser.add_argument("--merge-file", metavar="FILE", help="BPE merges.txt (GPT-2 style).")
     parser.add_argument("--tokenizer-dir", metavar="DIR",
-                        help="Folder with vocab.json + merges.txt (with --train-bpe-vocab-size: "
-                        "where the trained tokenizer is saved; default PREFIX_tokenizer).")
+                        help="Where the tokenizer is: bpe: a folder with vocab.json + "
+                        "merges.txt; hf: one with tokenizer.json + domino.json (a checkpoint's "
+                        "tokenizer/), or the transformers model folder itself; either: a run or "
+                        "checkpoint folder (its latest checkpoint's tokenizer/, e.g. `domino "
+                        "import`'s OUT). With --train-bpe-vocab-size: where the trained "
+                        "tokenizer is saved; default PREFIX_tokenizer.")
     parser.add_argument("--train-bpe-vocab-size", type=int, metavar="N",
                         help="Train a byte-level BPE of N tokens on the inputs first.")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
@@ -138,7 +143,7 @@ def _tokenizer(args: argparse.Namespace, files: list[str], limit: int,
     if args.tokenizer_type == "byte":
         return build_tokenizer("byte"), ["--tokenizer-type", "byte"]
     if args.tokenizer_type == "hf":
-        tok = build_tokenizer("hf", tokenizer_dir=args.tokenizer_dir)
+        tok = find_tokenizer("hf", args.tokenizer_dir)
         return tok, ["--tokenizer-type", "hf", "--tokenizer-dir", args.tokenizer_dir]
     if args.train_bpe_vocab_size is not None:
         assert tok_stage is not None
@@ -150,8 +155,9 @@ def _tokenizer(args: argparse.Namespace, files: list[str], limit: int,
         tok.save(tok_stage)
         print(f"trained the tokenizer in {time.perf_counter() - t0:.1f} s")
         return tok, ["--tokenizer-type", "bpe", "--tokenizer-dir", str(out)]
-    tok = build_tokenizer("bpe", vocab_file=args.vocab_file, merges_file=args.merge_file,
-                          tokenizer_dir=args.tokenizer_dir)
+    tok = (find_tokenizer("bpe", args.tokenizer_dir) if args.tokenizer_dir and not args.vocab_file
+           else build_tokenizer("bpe", vocab_file=args.vocab_file,
+                                merges_file=args.merge_file))
     flags = ["--tokenizer-type", "bpe"]
     if args.tokenizer_dir and not args.vocab_file:
         flags += ["--tokenizer-dir", args.tokenizer_dir]

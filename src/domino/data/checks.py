@@ -45,6 +45,11 @@ def check_tokenizer(ds: IndexedDataset, tokenizer: Tokenizer, flag: str = "--dat
                 f"uses a {mine['kind']} tokenizer of {mine['vocab_size']} tokens (hash "
                 f"{mine['vocab_hash']}); pass the matching --tokenizer-type/--vocab-file/"
                 "--merge-file or re-run `domino preprocess`")
+        if mine.get("bos") and info.get("bos") != mine["bos"]:
+            raise ValueError(
+                f"{flag} {ds.prefix} was made without the BOS id(s) {mine['bos']} this tokenizer "
+                "puts before every document (by a domino older than that rule), so it is not the "
+                "text the model reads; re-run `domino preprocess` with this tokenizer")
         return
     # No sidecar (e.g. a dataset made by Megatron): the ids must at least fit the vocabulary.
     # Big files are spot-checked in 16 evenly spaced 1M-token chunks, not scanned whole.

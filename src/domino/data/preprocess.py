@@ -240,6 +240,8 @@ def write_dataset(
         total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
     )
     pool = None
+    # EOD after each document, unless the tokenizer's own encoding ends with it already.
+    tail = [tokenizer.eod] if append_eod and not tokenizer.appends_eod else []
     with IndexedDatasetBuilder(prefix, best_dtype(tokenizer.vocab_size), exclusive=True) as out:
         try:
             batches = _batches(iter_documents(files, json_key, max_record_bytes))
@@ -251,8 +253,7 @@ def write_dataset(
                 encoded = ((tokenizer.encode_batch(t), b, e) for t, b, e in batches)
             for ids_list, size, n_empty in encoded:
                 for ids in ids_list:
-                    if append_eod:
-                        ids = [*ids, tokenizer.eod]
+                    ids = [*ids, *tail]
                     if not ids:
                         n_empty += 1
                         continue

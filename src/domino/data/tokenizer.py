@@ -32,9 +32,21 @@ class Tokenizer(ABC):
     def eod(self) -> int:
         """End-of-document token id."""
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: EOD (an imported model: each of its EOS ids)."""
+        return (self.eod,)
+
+    @property
+    def appends_eod(self) -> bool:
+        """Whether ``encode`` itself ends a text with EOD (a post-processor adding EOS = EOD),
+        so that ``domino preprocess`` does not append a second one."""
+        return False
+
     @abstractmethod
     def encode(self, text: str) -> list[int]:
-        """Text to token ids (no EOD appended)."""
+        """Text to token ids as the tokenizer encodes a text (a Hugging Face tokenizer's BOS/EOS
+        included, as ``transformers`` adds them; no EOD appended)."""
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
@@ -83,15 +95,17 @@ class ByteTokenizer(Tokenizer):
 
 
 class _RustBacked(Tokenizer):
-    """Encoding and decoding through a HF `tokenizers` object in ``self._tok``."""
+    """Encoding and decoding through a HF `tokenizers` object in ``self._tok`` (with the special
+    tokens its post-processor adds when ``specials``)."""
 
     _tok: Any
+    specials = False
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._tok.encode(text, add_special_tokens=self.specials).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=self.specials)
         return [list(e.ids) for e in encs]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -229,15 +243,24 @@ class BPETokenizer(_RustBacked):
 class HFTokenizer(_RustBacked):
     """Any Hugging Face ``tokenizer.json`` (e.g. an imported Llama's), via HF `tokenizers`.
 
-    ``vocab_size`` is the model's vocabulary (its embedding rows), which may exceed the
-    tokenizer's own; ``eod`` is the model's end-of-text id. Both are kept in ``domino.json``
+    A text is encoded as ``transformers`` encodes it: with the BOS/EOS the tokenizer's
+    post-processor adds. ``vocab_size`` is the model's vocabulary (its embedding rows), which
+    may exceed the tokenizer's own; ``eod`` is the model's end-of-text id (it ends documents);
+    ``eos`` every id that ends generation (``generation_config.json``'s ``eos_token_id``, which
+    may be a list); ``hf`` the model folder's token metadata, which export writes back (see
+    :mod:`domino.checkpoint.hf_tokens`). All but the tokenizer are kept in ``domino.json``
     next to ``tokenizer.json``.
     """
 
     name = "hf"
+    specials = True
 
-    def __init__(self, tokenizer: Any, eod: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, eod: int, vocab_size: int, eos: Sequence[int] = (),
+                 hf: dict[str, Any] | None = None) -> None:
         self._tok, self._eod, self._vocab_size = tokenizer, int(eod), int(vocab_size)
+        self._eos = tuple(int(i) for i in eos) or (self._eod,)
+        self.hf: dict[str, Any] = dict(hf or {})
+        self._added = self._around()
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> HFTokenizer:
@@ -251,7 +274,8 @@ class HFTokenizer(_RustBacked):
         try:
             info = json.loads((d / HF_SIDECAR).read_text(encoding="utf-8"))
             tok = RustTokenizer.from_file(str(d / HF_TOKENIZER_FILE))
-            return cls(tok, int(info["eod"]), int(info["vocab_size"]))
+            return cls(tok, int(info["eod"]), int(info["vocab_size"]), info.get("eos", ()),
+                       info.get("hf"))
         except (ValueError, KeyError, TypeError, Exception) as err:
             raise ValueError(f"tokenizer kind 'hf': cannot read {d}: {err}") from None
 
@@ -259,9 +283,38 @@ class HFTokenizer(_RustBacked):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(d / HF_TOKENIZER_FILE))
-        (d / HF_SIDECAR).write_text(json.dumps({"eod": self._eod,
-                                                "vocab_size": self._vocab_size}) + "\n")
+        sidecar = {"eod": self._eod, "vocab_size": self._vocab_size, "eos": list(self._eos),
+                   **({"hf": self.hf} if self.hf else {})}
+        (d / HF_SIDECAR).write_text(json.dumps(sidecar) + "\n")
         return [str(d / HF_TOKENIZER_FILE), str(d / HF_SIDECAR)]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def appends_eod(self) -> bool:
+        return self._added[1][-1:] == [self._eod]
+
+    def added(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a text (e.g. ([BOS], []))."""
+        return list(self._added[0]), list(self._added[1])
+
+    def _around(self) -> tuple[list[int], list[int]]:
+        try:
+            plain = self._tok.encode("a", add_special_tokens=False).ids
+            full = self._tok.encode("a").ids
+        except Exception:  # a vocabulary that cannot spell "a" (the library's own error type)
+            return [], []
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return full[:i], full[i + len(plain):]
+        return [], []
+
+    def describe(self) -> dict[str, Any]:
+        """The base record, with the ids that start every encoded text (``bos``) and every id
+        that ends generation (``eos``)."""
+        return {**super().describe(), "bos": self.added()[0], "eos": list(self._eos)}
 
     @property
     def vocab_size(self) -> int:

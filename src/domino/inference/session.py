@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,11 @@ def _run_here(spec: dict[str, Any]) -> int:
         torch.set_num_threads(threads)
 
 
-def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
-    """Check the checkpoint, then run ``domino.inference.worker`` on every rank (here, under
-    torchrun or for one local rank; else as ``--nproc`` local processes)."""
+def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any],
+           check: Callable[[Path, Any, dict[str, Any]], None] | None = None) -> int:
+    """Check the checkpoint (and ``check(step_dir, meta, spec)`` the request against it), then
+    run ``domino.inference.worker`` on every rank (here, under torchrun or for one local rank;
+    else as ``--nproc`` local processes)."""
     tp = ns.tensor_model_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size={tp} must be >= 1")
@@ -83,6 +86,8 @@ def launch(command: str, ns: argparse.Namespace, spec: dict[str, Any]) -> int:
         how = "" if ns.precision else " (the run trained in fp16)"
         raise ValueError(f"--precision fp16{how} needs a CUDA device; on a CPU pass "
                          "--precision bf16 or --precision fp32.")
+    if check is not None:
+        check(step_dir, meta, spec)
     spec = {**spec, "command": command, "step_dir": str(step_dir.resolve()), "tp": tp,
             "device": device, "precision": precision}
     if _under_torchrun():

@@ -11,7 +11,7 @@ import torch
 
 from domino.data.checks import check_tokenizer, eod_of, open_dataset
 from domino.inference.loading import load_saved_model
-from domino.inference.sampling import generate
+from domino.inference.sampling import generate, position_limit, position_problem
 from domino.precision import PRECISIONS
 
 
@@ -20,17 +20,38 @@ def _load(spec: dict[str, Any], state):
     return load_saved_model(Path(spec["step_dir"]), state, compute_dtype=dtype)
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The ids `domino generate` feeds for ``text`` (an empty one: EOD alone)."""
+    return tokenizer.encode(text) or [tokenizer.eod]
+
+
+def check_positions(step_dir: Path, meta, spec: dict[str, Any]) -> None:
+    """Before any rank starts: the prompt and ``max_new_tokens`` fit in the model's positions
+    (:func:`~domino.inference.sampling.position_limit`), unless ``slide_context``; ValueError
+    with the rule and the fix."""
+    from domino.checkpoint.store import load_tokenizer
+    from domino.config import TransformerConfig
+
+    if spec.get("slide_context"):
+        return
+    config = TransformerConfig.from_dict(meta.config)
+    limit = position_limit(config)
+    what = "max_position_embeddings" if limit == config.max_position_embeddings else "seq_length"
+    prompt = prompt_ids(load_tokenizer(step_dir, meta), spec["prompt"])
+    problem = position_problem(len(prompt), spec["max_new_tokens"], limit, what)
+    if problem:
+        raise ValueError(problem)
+
+
 def generate_rank(spec: dict[str, Any], state) -> None:
     model, config, tokenizer, _ = _load(spec, state)
-    prompt = tokenizer.encode(spec["prompt"]) or [tokenizer.eod]
-    learned = config.position_embedding_type == "learned_absolute"
-    context = config.max_position_embeddings if learned else max(config.max_position_embeddings,
-                                                                 config.seq_length)
+    prompt = prompt_ids(tokenizer, spec["prompt"])
+    context = position_limit(config)
     ids = generate(model, state, prompt, spec["max_new_tokens"], config.vocab_size, context,
                    top_k=1 if spec["greedy"] else spec["top_k"],
                    temperature=spec["temperature"], seed=spec["seed"], top_p=spec["top_p"],
-                   stop=(tokenizer.eod,) if spec["stop_at_eod"] else (),
-                   use_cache=spec["use_cache"])
+                   stop=tokenizer.stop_ids if spec["stop_at_eod"] else (),
+                   use_cache=spec["use_cache"], slide=bool(spec.get("slide_context")))
     if state.world.rank == 0:
         if spec["ids"]:
             print(" ".join(map(str, ids)))

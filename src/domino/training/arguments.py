@@ -168,11 +168,15 @@ class TrainArgs(RuntimeArgs):
         "folder (not cached when that is not writable).", "data")
     tokenizer_type: str | None = _f(
         None, "Tokenizer the data was made with; default byte with --data-path, and a BPE "
-        "trained on the built-in corpus without it; hf: an imported model's tokenizer.json "
+        "trained on the built-in corpus without it; hf: an imported model's tokenizer "
         "(--tokenizer-dir).", "data", ("byte", "bpe", "hf"))
     vocab_file: str | None = _f(None, "BPE vocab.json (GPT-2 style).", "data")
     merge_file: str | None = _f(None, "BPE merges.txt (GPT-2 style).", "data")
-    tokenizer_dir: str | None = _f(None, "Folder holding vocab.json + merges.txt.", "data")
+    tokenizer_dir: str | None = _f(
+        None, "Where the tokenizer is: bpe: a folder with vocab.json + merges.txt; hf: one with "
+        "tokenizer.json + domino.json (a checkpoint's tokenizer/), or the transformers model "
+        "folder itself; either: a run or checkpoint folder (its latest checkpoint's tokenizer/, "
+        "e.g. `domino import`'s OUT).", "data")
     reset_position_ids: bool = _f(False, "Restart position ids after each EOD.", "data")
     reset_attention_mask: bool = _f(False, "Do not attend across EOD boundaries.", "data")
     eod_mask_loss: bool = _f(False, "No loss on EOD input tokens.", "data")

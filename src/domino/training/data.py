@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from domino.checkpoint.tokenizer_dir import FILES, find_tokenizer
 from domino.context_parallel import SequenceMask, shard_sequence
 from domino.data.blend import (
     Blend,
@@ -127,8 +128,10 @@ def make_tokenizer(args: TrainArgs) -> Tokenizer:
         raise ValueError("--tokenizer-type bpe needs --vocab-file and --merge-file (or "
                          "--tokenizer-dir) with the vocabulary the data was made with")
     if args.tokenizer_type == "hf" and not args.tokenizer_dir:
-        raise ValueError("--tokenizer-type hf needs --tokenizer-dir (a folder with "
-                         "tokenizer.json, e.g. the tokenizer/ of an imported checkpoint)")
+        raise ValueError("--tokenizer-type hf needs --tokenizer-dir (an imported run folder, "
+                         "its checkpoint's tokenizer/ or the transformers model folder)")
+    if args.tokenizer_type in FILES and args.tokenizer_dir and not args.vocab_file:
+        return find_tokenizer(args.tokenizer_type, args.tokenizer_dir)
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                            merges_file=args.merge_file, tokenizer_dir=args.tokenizer_dir)
 

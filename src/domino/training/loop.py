@@ -342,11 +342,14 @@ class Trainer:
             return False
         t0 = time.perf_counter()
         self.progress.at(step, "saving a checkpoint")
+        # An imported model's dtype stays its own through fine-tuning (`domino export` default).
+        kept = {k: v for k, v in self.run.resume.meta.extra.items()
+                if k == "dtype"} if self.run.resume is not None else {}
         meta = Meta(step=step, consumed_samples=self.consumed, config=self.run.config.to_dict(),
                     layout={}, tensors={}, files={}, plan=str(self.plan),
                     args=self.args.to_dict(),
                     scaler=self.scaler.state_dict() if self.scaler is not None else None,
-                    library_version=domino.__version__)
+                    library_version=domino.__version__, extra=kept)
         folder = save(self.run_dir, step, self.state, self.model, self.optimizer, meta,
                       keep=self.args.keep_checkpoints, tokenizer=self.run.tokenizer)
         self.last_saved, self.last_save_t = step, time.monotonic()

@@ -132,7 +132,7 @@ def sample(model, state: ParallelState, run: Run, log: RunLogger, run_dir: Path)
     learned = config.position_embedding_type == "learned_absolute"
     max_context = config.max_position_embeddings if learned else config.seq_length
     ids = generate(model, state, prompt, args.sample_tokens, tokenizer.vocab_size, max_context,
-                   args.top_k, args.temperature, args.seed, banned=(tokenizer.eod,))
+                   args.top_k, args.temperature, args.seed, banned=tokenizer.stop_ids)
     text = args.sample_prompt + tokenizer.decode(ids)
     if log.active:
         kind = "greedy" if args.top_k == 1 else f"top-k {args.top_k}, T={args.temperature}"

@@ -36,16 +36,16 @@ class Group:
 class Family:
     """One Hugging Face family. ``read`` builds our config from its ``config.json`` (refusing,
     in the file's keys, what it cannot express); ``write`` gives the ``config.json`` of a model
-    it expresses (with the end-of-text id), ``weights`` its weight-name map; a model is
-    expressed when neither its group's obstacles nor its ``own`` name anything. A family read
-    only to be refused has no ``read`` and says what it ``lacks``."""
+    it expresses (less the token ids, which ``hf_config`` adds), ``weights`` its weight-name
+    map; a model is expressed when neither its group's obstacles nor its ``own`` name anything.
+    A family read only to be refused has no ``read`` and says what it ``lacks``."""
 
     model_type: str
     name: str
     classes: tuple[str, ...] = ()
     group: Group | None = None
     read: Callable[[HFKeys], TransformerConfig] | None = None
-    write: Callable[[TransformerConfig, int], dict[str, Any]] | None = None
+    write: Callable[[TransformerConfig], dict[str, Any]] | None = None
     weights: Callable[[TransformerConfig], list[Link]] | None = None
     own: Obstacles = nothing
     # Our config's settings every model of the family has, beyond its group's (set on import).

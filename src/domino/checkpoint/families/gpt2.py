@@ -68,7 +68,7 @@ def _attention(config: TransformerConfig) -> list[str]:
 GROUP = Group("GPT-2", "GPT-2", _obstacles)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
+def _write(config: TransformerConfig) -> dict[str, Any]:
     return {
         "model_type": "gpt2", "architectures": list(FAMILY.classes),
         "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
@@ -81,7 +81,7 @@ def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
         "initializer_range": config.init_method_std, "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        "bos_token_id": eod, "eos_token_id": eod, "torch_dtype": "float32",
+        "torch_dtype": "float32",
     }
 
 

@@ -32,8 +32,8 @@ def _read(keys: HFKeys) -> TransformerConfig:
     return llama_like.read_config(keys, FAMILY, window=llama_like.no_window, bias=_bias)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
-    return llama_like.config_json(config, FAMILY, eod)
+def _write(config: TransformerConfig) -> dict[str, Any]:
+    return llama_like.config_json(config, FAMILY)
 
 
 FAMILY = Family(

@@ -118,7 +118,7 @@ def rope_json(config: TransformerConfig) -> dict[str, Any]:
             "rope_scaling": None if rope["rope_type"] == "default" else legacy}
 
 
-def config_json(config: TransformerConfig, family: Family, eod: int) -> dict[str, Any]:
+def config_json(config: TransformerConfig, family: Family) -> dict[str, Any]:
     """Llama's ``config.json`` keys for ``family`` (each member drops and adds its own)."""
     return {
         "model_type": family.model_type, "architectures": list(family.classes),
@@ -131,7 +131,7 @@ def config_json(config: TransformerConfig, family: Family, eod: int) -> dict[str
         "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
         "attention_dropout": config.attention_dropout,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        **rope_json(config), "bos_token_id": eod, "eos_token_id": eod, "pretraining_tp": 1,
+        **rope_json(config), "pretraining_tp": 1,
         "torch_dtype": "float32",
     }
 

@@ -23,8 +23,8 @@ def _read(keys: HFKeys) -> TransformerConfig:
     return llama_like.read_config(keys, FAMILY, window=llama_like.every_layer_window)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
-    out = llama_like.without(llama_like.config_json(config, FAMILY, eod), "attention_bias",
+def _write(config: TransformerConfig) -> dict[str, Any]:
+    out = llama_like.without(llama_like.config_json(config, FAMILY), "attention_bias",
                              "mlp_bias", "pretraining_tp")
     return {**out, "sliding_window": config.window_size}
 

@@ -31,8 +31,8 @@ def _read(keys: HFKeys) -> TransformerConfig:
                                   experts=_experts)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
-    out = llama_like.without(llama_like.config_json(config, FAMILY, eod), "attention_bias",
+def _write(config: TransformerConfig) -> dict[str, Any]:
+    out = llama_like.without(llama_like.config_json(config, FAMILY), "attention_bias",
                              "mlp_bias", "pretraining_tp")
     return {**out, "sliding_window": config.window_size, "num_local_experts": config.num_experts,
             "num_experts_per_tok": config.moe_router_topk,

@@ -34,9 +34,9 @@ def _read(keys: HFKeys) -> TransformerConfig:
                                   bias=llama_like.refuse_bias, experts=_experts)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
+def _write(config: TransformerConfig) -> dict[str, Any]:
     """No head_dim key: OLMoE's query norm spans hidden_size."""
-    out = llama_like.without(llama_like.config_json(config, FAMILY, eod), "mlp_bias",
+    out = llama_like.without(llama_like.config_json(config, FAMILY), "mlp_bias",
                              "pretraining_tp", "head_dim")
     return {**out, "num_experts": config.num_experts,
             "num_experts_per_tok": config.moe_router_topk,

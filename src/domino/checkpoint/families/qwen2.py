@@ -24,8 +24,8 @@ def _read(keys: HFKeys) -> TransformerConfig:
     return llama_like.read_config(keys, FAMILY, window=llama_like.qwen_window)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
-    out = llama_like.config_json(config, FAMILY, eod)
+def _write(config: TransformerConfig) -> dict[str, Any]:
+    out = llama_like.config_json(config, FAMILY)
     out = llama_like.without(out, "mlp_bias", "pretraining_tp", "attention_bias")
     return {**out, **llama_like.qwen_window_json(config)}
 

@@ -25,8 +25,8 @@ def _read(keys: HFKeys) -> TransformerConfig:
                                   bias=llama_like.refuse_bias)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
-    out = llama_like.without(llama_like.config_json(config, FAMILY, eod), "mlp_bias",
+def _write(config: TransformerConfig) -> dict[str, Any]:
+    out = llama_like.without(llama_like.config_json(config, FAMILY), "mlp_bias",
                              "pretraining_tp")
     return {**out, **llama_like.qwen_window_json(config)}
 

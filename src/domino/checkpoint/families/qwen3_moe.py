@@ -47,8 +47,8 @@ def _read(keys: HFKeys) -> TransformerConfig:
         experts=_experts, alternatives={"num_experts": ("num_experts", "num_local_experts")})
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
-    out = llama_like.without(llama_like.config_json(config, FAMILY, eod), "mlp_bias",
+def _write(config: TransformerConfig) -> dict[str, Any]:
+    out = llama_like.without(llama_like.config_json(config, FAMILY), "mlp_bias",
                              "pretraining_tp")
     return {**out, **llama_like.qwen_window_json(config), "num_experts": config.num_experts,
             "num_experts_per_tok": config.moe_router_topk,

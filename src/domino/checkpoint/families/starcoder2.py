@@ -57,7 +57,7 @@ def _read(keys: HFKeys) -> TransformerConfig:
         **extra)
 
 
-def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
+def _write(config: TransformerConfig) -> dict[str, Any]:
     return {
         "model_type": "starcoder2", "architectures": list(FAMILY.classes),
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -71,8 +71,7 @@ def _write(config: TransformerConfig, eod: int) -> dict[str, Any]:
         "attention_dropout": config.attention_dropout,
         "residual_dropout": config.hidden_dropout, "embedding_dropout": config.hidden_dropout,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        **llama_like.rope_json(config), "bos_token_id": eod, "eos_token_id": eod,
-        "torch_dtype": "float32",
+        **llama_like.rope_json(config), "torch_dtype": "float32",
     }
 
 
