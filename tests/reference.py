@@ -10,10 +10,14 @@ Weight layouts it assumes (the documented contract):
   rows; query head i belongs to group ``i // (heads / groups)``;
 * SwiGLU's fc1 rows are ``[gate; up]``; GELU is the exact (erf) one;
 * RoPE rotates the first ``int(kv_channels * rotary_percent)`` channels of each head in two
-  halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos / factor * base^(-2i/rot);
+  halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos / factor * base^(-2i/rot),
+  on every layer but ``nope_layers`` (0-based);
 * pre-norm layers; ``apply_residual_connection_post_layernorm`` takes the residual from the norm
   output; MoE layers route dropless (see ``_moe``); the loss is
-  ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary.
+  ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary;
+* Granite's scalars: the word embeddings times ``embedding_multiplier``, each branch's output
+  times ``residual_multiplier`` before its residual add, the scores times ``softmax_scale``
+  (when set) instead of 1/sqrt(d), the logits divided by ``logits_scaling``.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, cfg: TransformerConfig) -> torch.T
 
 
 def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
-               pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+               pos: torch.Tensor, mask: torch.Tensor | None, rope: bool = True) -> torch.Tensor:
+    """``rope``: False on a NoPE layer (one of ``cfg.nope_layers``)."""
     b, s, _ = x.shape
     heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     per = heads // groups
@@ -76,12 +81,13 @@ def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
         k = _norm(k.reshape(b, s, groups * d), w, name + ".k_layernorm", cfg).view(b, s, groups, d)
     elif cfg.qk_layernorm:  # each head's queries and keys, over the head size
         q, k = _norm(q, w, name + ".q_layernorm", cfg), _norm(k, w, name + ".k_layernorm", cfg)
-    if cfg.position_embedding_type == "rope":
+    if cfg.position_embedding_type == "rope" and rope:
         q, k = _rope(q, pos, cfg), _rope(k, pos, cfg)
     ctx = []
     for h in range(heads):  # head by head, straight from the definition
         g = h // per
-        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(d)  # [b, s, s]
+        scale = 1 / math.sqrt(d) if cfg.softmax_scale is None else cfg.softmax_scale
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale  # [b, s, s]
         causal = torch.ones(s, s, dtype=torch.bool).triu(1)
         if cfg.window_size is not None:  # key j is seen by query i iff i - window < j <= i
             causal = causal | torch.ones(s, s, dtype=torch.bool).tril(-cfg.window_size)
@@ -141,7 +147,7 @@ def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
     """Final hidden states [b, s, h]; ``mask`` [b, 1, s, s] bool (True = masked) adds to causal."""
     b, s = ids.shape
     pos = position_ids if position_ids is not None else torch.arange(s).expand(b, s)
-    x = w[PREFIX + "embedding.word_embeddings.weight"][ids]
+    x = w[PREFIX + "embedding.word_embeddings.weight"][ids] * cfg.embedding_multiplier
     if cfg.position_embedding_type == "learned_absolute":
         x = x + w[PREFIX + "embedding.position_embeddings.weight"][pos]
     for i in range(cfg.num_layers):
@@ -150,12 +156,13 @@ def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
             ln = _norm(x, w, f"{layer}.{norm}", cfg)
             res = ln if cfg.apply_residual_connection_post_layernorm else x
             if branch == "attn":
-                out = _attention(ln, w, f"{layer}.self_attention", cfg, pos, mask)
+                out = _attention(ln, w, f"{layer}.self_attention", cfg, pos, mask,
+                                 rope=i not in cfg.nope_layers)
             elif cfg.num_experts and cfg.is_moe_layer(i):
                 out = _moe(ln, w, f"{layer}.mlp.moe", cfg)
             else:
                 out = _mlp(ln, w, f"{layer}.mlp", cfg)
-            x = res + out
+            x = res + out * cfg.residual_multiplier
     if cfg.final_layernorm:
         x = _norm(x, w, PREFIX + "encoder.final_layernorm", cfg)
     return x
@@ -167,7 +174,8 @@ def reference_logits(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
     """Logits [b, s, vocab] over the real vocabulary."""
     out_w = (w[PREFIX + "output_layer.weight"] if cfg.untie_embeddings_and_output_weights
              else w[PREFIX + "embedding.word_embeddings.weight"])
-    return reference_hidden(w, cfg, ids, position_ids, mask) @ out_w[:cfg.vocab_size].t()
+    logits = reference_hidden(w, cfg, ids, position_ids, mask) @ out_w[:cfg.vocab_size].t()
+    return logits / cfg.logits_scaling
 
 
 def reference_loss(w: dict, cfg: TransformerConfig, ids: torch.Tensor, labels: torch.Tensor,

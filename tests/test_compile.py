@@ -99,6 +99,19 @@ def test_compiled_equals_eager_and_compiles_once(recompute) -> None:
         assert _take_report(log, reported) is None  # reported once
 
 
+def test_compiled_granite_scalars_equal_eager() -> None:
+    """Granite's residual multiplier (in the local piece) and softmax scale (in the attention,
+    with its dropout: the explicit softmax) compile with the rest: the compiled model's loss
+    and gradients equal eager's."""
+    over = dict(embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.2,
+                logits_scaling=4.0)
+    with one_thread():
+        eager, compiled = (_model(c, 11, **over) for c in (False, True))
+        (l0, g0), (l1, g1) = _step(eager, 5, 0), _step(compiled, 5, 0)
+    assert rel_err(l1, l0) < 1e-6
+    assert max(rel_err(a, b) for a, b in zip(g1, g0, strict=True)) < 1e-6
+
+
 def test_generation_with_a_kv_cache_runs_eager() -> None:
     """A compiled model generates with its KV cache through the eager kernels (the key length
     grows every token: static shapes would compile a graph per token, 64 at most): 80 greedy

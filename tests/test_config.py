@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,6 +38,15 @@ def make(**overrides) -> TransformerConfig:
     (dict(qk_layernorm=True, qk_layernorm_full_width=True),
      ["qk_layernorm_full_width", "normalization='LayerNorm'"]),
     (dict(window_size=True), ["window_size=True"]),
+    (dict(nope_layers=(0,)), ["nope_layers=[0]", "position_embedding_type='rope'"]),
+    (dict(position_embedding_type="rope", nope_layers=(0, 9)), ["nope_layers=(0, 9)",
+                                                                "num_layers="]),
+    (dict(position_embedding_type="rope", nope_layers=(0, 0)), ["nope_layers=(0, 0)"]),
+    (dict(position_embedding_type="rope", nope_layers="1"), ["nope_layers='1'"]),
+    (dict(embedding_multiplier=0.0), ["embedding_multiplier=0.0", "> 0"]),
+    (dict(residual_multiplier=float("inf")), ["residual_multiplier=inf", "finite"]),
+    (dict(softmax_scale=-1.0), ["softmax_scale=-1.0", "None: 1/sqrt(kv_channels)"]),
+    (dict(logits_scaling=True), ["logits_scaling=True"]),
     (dict(rotary_percent=1.5), ["rotary_percent"]),
     (dict(rotary_seq_len_interpolation_factor=0.0), ["rotary_seq_len_interpolation_factor"]),
     (dict(seq_length=2048, max_position_embeddings=1024),
@@ -117,6 +128,28 @@ def test_derived_defaults() -> None:
     cfg = make(ffn_hidden_size=100, kv_channels=16, num_query_groups=2, decoder_num_layers=3)
     assert (cfg.ffn_hidden_size, cfg.kv_channels, cfg.num_query_groups,
             cfg.decoder_num_layers) == (100, 16, 2, 3)
+
+
+def test_granite_scalars_are_architecture_only_when_set() -> None:
+    """At their neutral values they are left out of architecture(), so records written
+    before them match; set, they decide the math."""
+    names = ("embedding_multiplier", "residual_multiplier", "softmax_scale", "logits_scaling")
+    assert not set(names) & set(make().architecture())
+    cfg = make(embedding_multiplier=12.0, residual_multiplier=0.22, softmax_scale=0.125,
+               logits_scaling=8.0)
+    assert {n: cfg.architecture()[n] for n in names} == dict(zip(names, (12.0, 0.22, 0.125,
+                                                                          8.0), strict=True))
+    assert TransformerConfig.from_dict(cfg.to_dict()).architecture() == cfg.architecture()
+
+
+def test_nope_layers_read_back_and_are_architecture_only_when_set() -> None:
+    """A saved config's list reads back equal (a sorted tuple); empty, it is left out of
+    architecture() (records written before it match)."""
+    assert "nope_layers" not in make().architecture()
+    cfg = make(position_embedding_type="rope", nope_layers=[1, 0])
+    assert cfg.nope_layers == (0, 1) and cfg.architecture()["nope_layers"] == (0, 1)
+    back = TransformerConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back.to_dict() == cfg.to_dict() and back.architecture() == cfg.architecture()
 
 
 def test_default_init_methods_use_std() -> None:

@@ -48,7 +48,11 @@ MODELS = {
     "learned_gelu": dict(),
     "rope_swiglu_gqa_window": dict(normalization="RMSNorm", activation="swiglu",
                                    position_embedding_type="rope", num_query_groups=4,
-                                   add_bias_linear=False, window_size=5),
+                                   add_bias_linear=False, window_size=5,
+                                   # Granite's scalars: the ring's softmax scale among them
+                                   embedding_multiplier=2.0, residual_multiplier=0.5,
+                                   softmax_scale=0.3, logits_scaling=2.0,
+                                   nope_layers=(1,)),  # (SmolLM3's: no RoPE on layer 1)
 }
 # name -> (plan, sequence parallelism: on at TP=2 only)
 PLANS = {"sync": (Plan(1, "none", 1), False), "m2_cross": (Plan(2, "cross_layer", 1), False),

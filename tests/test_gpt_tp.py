@@ -60,6 +60,18 @@ VARIANTS = {
              num_query_groups=4, add_bias_linear=False, qk_layernorm=True,
              qk_layernorm_full_width=True, vocab_size=1000),
         0.0, (2, "cross_layer", 2), "adam"),
+    # Granite's four scalars: embeddings, each branch's output, attention scores, logits.
+    "granite_multipliers": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, embedding_multiplier=3.0,
+             residual_multiplier=0.5, softmax_scale=0.2, logits_scaling=4.0, vocab_size=1000),
+        0.0, (2, "cross_layer", 2), "adam"),
+    # SmolLM3's NoPE layers: no RoPE on layer 1 of 3 (layers 0 and 2 rotate).
+    "nope_layer1_of3": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, nope_layers=(1,), num_layers=3,
+             vocab_size=1000),
+        0.0, (2, "cross_layer", 2), "adam"),
     "vocab_1000_pad_1_untied": (
         dict(vocab_size=1001, make_vocab_size_divisible_by=1,
              untie_embeddings_and_output_weights=True, num_layers=1),
@@ -180,7 +192,8 @@ def test_gpt_tp_matches_single_process(tp, variant) -> None:
 # ---- TP=1 vs the independent reference ---------------------------------------------------------
 
 REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied_smooth",
-                "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3", "qk_norm_full_width"]
+                "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3", "qk_norm_full_width",
+                "nope_layer1_of3", "granite_multipliers"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)

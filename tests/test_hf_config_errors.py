@@ -47,6 +47,9 @@ def configs() -> dict[str, dict[str, Any]]:
         "gpt2": t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32,
                              bos_token_id=1, eos_token_id=2),
         "starcoder2": t.Starcoder2Config(**SMALL, sliding_window=16),
+        "smollm3": t.SmolLM3Config(**SMALL, no_rope_layer_interval=2),  # [1, 0]: no RoPE on 1
+        "phi3": t.Phi3Config(**SMALL, partial_rotary_factor=0.75, sliding_window=16,
+                             pad_token_id=0),
     }
     return {name: json.loads(cfg.to_json_string()) for name, cfg in built.items()}
 
@@ -119,6 +122,16 @@ CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
     "starcoder2-relu": ("starcoder2", _set(hidden_act="relu"),
                         ("StarCoder2 hidden_act='relu' is not supported", "gelu_pytorch_tanh")),
     "starcoder2-odd-head_dim": ("starcoder2", _set(head_dim=7), ('"head_dim" (7)', "even")),
+    "phi3-string-resid_pdrop": ("phi3", _set(resid_pdrop="x"), ('"resid_pdrop"', NUMBER, FIX)),
+    "phi3-gelu": ("phi3", _set(hidden_act="gelu"),
+                  ("Phi-3 hidden_act='gelu' is not supported", "silu")),
+    "phi3-odd-rotation": ("phi3", _rope(partial_rotary_factor=0.625),
+                          ("int(head_dim * rope_parameters.partial_rotary_factor) = 5",
+                           "must be even")),
+    "phi3-longrope": ("phi3", _rope(rope_type="longrope", short_factor=[1.0] * 3,
+                                    long_factor=[1.0] * 3),
+                      ('Phi-3 rope_parameters.rope_type="longrope" (LongRoPE) is not supported',
+                       "short_factor")),
     "no-model_type": ("llama", _pop("model_type"), ('"model_type"', MISSING, "llama, qwen2")),
     "bad-eos": ("llama", _set(eos_token_id="</s>"), ('"eos_token_id"', "a token id")),
     # Rules between keys, in the keys' own names.
@@ -135,6 +148,21 @@ CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
                              ('"rope_parameters.low_freq_factor" (8.0)', "high_freq_factor")),
     "dense-over-layers": ("qwen3_moe", _set(mlp_only_layers=[0, 1, 2]),
                           ('"mlp_only_layers"', '"num_hidden_layers" (2)')),
+    # SmolLM3's NoPE flags and its window (on every layer or none here).
+    "smollm3-short-no_rope": ("smollm3", _set(no_rope_layers=[1]),
+                              ('"no_rope_layers"', "num_hidden_layers (2)", "1 (RoPE) or 0")),
+    "smollm3-no_rope-values": ("smollm3", _set(no_rope_layers=[1, 2]),
+                               ('"no_rope_layers"', "1 (RoPE) or 0 (no RoPE)")),
+    "smollm3-zero-interval": ("smollm3", _set(no_rope_layers=None, no_rope_layer_interval=0),
+                              ('"no_rope_layer_interval"', POSITIVE)),
+    "smollm3-bad-layer_types": ("smollm3", _set(layer_types=["full_attention", "chunked"]),
+                                ('"layer_types"', '"sliding_attention"')),
+    "smollm3-some-sliding": ("smollm3", _set(use_sliding_window=True, sliding_window=8,
+                                             layer_types=["full_attention",
+                                                          "sliding_attention"]),
+                             ("SmolLM3 with a sliding window on layers 1 only",)),
+    "smollm3-sliding-off": ("smollm3", _set(layer_types=["sliding_attention"] * 2),
+                            ('"use_sliding_window" false', "full_attention")),
 }
 
 
@@ -161,6 +189,14 @@ def test_the_saved_configs_import(configs: dict[str, dict[str, Any]]) -> None:
     arch, config, eod = config_from_hf(least)
     assert (arch, config.num_query_groups, config.kv_channels, eod) == ("llama", 4, 8, None)
     assert config.rotary_base == 10000.0 and config.rope_scaling_type is None
+    # SmolLM3's defaults: tied, theta 2e6, no RoPE on every 4th layer, the window on its NoPE
+    # layers (here 3 and 7 of 8, so some layers slide and others not: refused).
+    config = config_from_hf({**least, "model_type": "smollm3", "num_hidden_layers": 8})[1]
+    assert not config.untie_embeddings_and_output_weights and config.rotary_base == 2e6
+    assert config.nope_layers == (3, 7) and config.window_size is None
+    with pytest.raises(ValueError, match="sliding window on layers 3, 7 only"):
+        config_from_hf({**least, "model_type": "smollm3", "num_hidden_layers": 8,
+                        "use_sliding_window": True, "sliding_window": 4})
 
 
 @pytest.mark.parametrize("case", list(CASES))

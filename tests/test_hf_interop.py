@@ -122,9 +122,14 @@ CASES = {
         window_size=7, untie_embeddings_and_output_weights=False, rope_scaling_type=None),
     "starcoder2-exact-gelu-llama3-untied": lambda v: _llama_config(
         v, normalization="LayerNorm", activation="gelu", layernorm_epsilon=1e-5),
+    # No RoPE on the middle layer of three, a window of 7 on every layer, tied.
+    "smollm3-nope-window-tied": lambda v: _llama_config(
+        v, num_layers=3, nope_layers=(1,), window_size=7, rope_scaling_type=None,
+        rotary_base=2000000.0, untie_embeddings_and_output_weights=False),
 }
 ARCH_OF = {"gpt2": "gpt2", "llama3": "llama", "llama": "llama", "qwen2": "qwen2",
-           "qwen3": "qwen3", "mistral": "mistral", "starcoder2": "starcoder2"}
+           "qwen3": "qwen3", "mistral": "mistral", "starcoder2": "starcoder2",
+           "smollm3": "smollm3"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -155,13 +160,14 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
     plain = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,),
                      use_cache=False)
     assert cached == plain == hf_ids and len(hf_ids) >= 1
-    if config.window_size is not None:  # the window changed the logits: it was applied
-        full = dataclasses.replace(config, window_size=None)
-        wide = GPTModel(full, parallel_state=state)
-        wide.load_state_dict(ours.state_dict())
-        with torch.no_grad():
-            assert not torch.allclose(wide.eval()(ids, None, None)[..., :config.vocab_size],
-                                      mine, atol=1e-3)
+    # The window and the NoPE layers changed the logits: they were applied.
+    for field, off in (("window_size", None), ("nope_layers", ())):
+        if getattr(config, field):
+            other = GPTModel(dataclasses.replace(config, **{field: off}), parallel_state=state)
+            other.load_state_dict(ours.state_dict())
+            with torch.no_grad():
+                assert not torch.allclose(other.eval()(ids, None, None)[..., :config.vocab_size],
+                                          mine, atol=1e-3), field
 
 
 def _arch(config: TransformerConfig) -> str:
@@ -271,6 +277,13 @@ def _hf_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.
             rope_parameters={"rope_type": "default", "rope_theta": 999999.4420358813},
             bos_token_id=eod, eos_token_id=eod)
         model = _hf().Starcoder2ForCausalLM(cfg)
+    elif arch == "smollm3":  # no RoPE on layer 1 of 3 (one in 2), tied, theta 2e6
+        cfg = _hf().SmolLM3Config(
+            vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, no_rope_layer_interval=2, bos_token_id=eod,
+            eos_token_id=eod, pad_token_id=None)
+        model = _hf().SmolLM3ForCausalLM(cfg)
     elif arch == "mistral":  # a sliding window shorter than the 30-token sequence
         cfg = _hf().MistralConfig(
             vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64,
@@ -304,7 +317,8 @@ def _imported_logits(rank: int, world: int, run: str, ids: torch.Tensor) -> torc
     return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "starcoder2"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "starcoder2",
+                                  "smollm3"])
 def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
                                      capfd) -> None:
     folder, original = _hf_folder(tmp_path, bpe, arch)

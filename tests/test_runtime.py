@@ -162,7 +162,8 @@ def test_every_config_field_has_a_flag_or_a_reason() -> None:
 @pytest.mark.parametrize("over", [
     {}, dict(activation="swiglu", add_bias_linear=False, normalization="RMSNorm",
              position_embedding_type="rope", layernorm_epsilon=1e-6, num_query_groups=2,
-             rope_scaling_type="llama3", untie_embeddings_and_output_weights=True),
+             rope_scaling_type="llama3", untie_embeddings_and_output_weights=True,
+             nope_layers=(1,)),
     dict(activation="gelu_tanh", ffn_hidden_size=48, kv_channels=16),
 ])
 def test_train_settings_and_model_config_are_inverse(over) -> None:

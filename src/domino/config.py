@@ -73,6 +73,10 @@ class TransformerConfig:
     rope_original_max_position_embeddings: int = field(
         default=8192,
         metadata={"help": "llama3 RoPE scaling: the context length before scaling."})
+    nope_layers: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "With RoPE: the layers (0-based) whose attention has no RoPE (NoPE "
+                          "layers, SmolLM3's no_rope_layers 0s); empty: RoPE on every layer."})
     normalization: str = field(
         default="LayerNorm", metadata={"help": "LayerNorm or RMSNorm.", "choices": NORMALIZATIONS})
     activation: str = field(
@@ -98,6 +102,18 @@ class TransformerConfig:
         metadata={"help": "Sliding-window attention: each query sees itself and the "
                           "window_size - 1 keys before it (Mistral's sliding_window; Megatron's "
                           "(window_size - 1, 0)); None: every earlier key."})
+    embedding_multiplier: float = field(
+        default=1.0, metadata={"help": "Multiply the embeddings by this (Granite's)."})
+    residual_multiplier: float = field(
+        default=1.0,
+        metadata={"help": "Multiply each sublayer's output by this before the residual add "
+                          "(Granite's)."})
+    softmax_scale: float | None = field(
+        default=None,
+        metadata={"help": "Scale of the attention scores before the softmax (Granite's "
+                          "attention_multiplier); None: 1/sqrt(kv_channels)."})
+    logits_scaling: float = field(
+        default=1.0, metadata={"help": "Divide the output logits by this (Granite's)."})
     hidden_dropout: float = field(default=0.1, metadata={"help": "Dropout after attention/MLP."})
     attention_dropout: float = field(default=0.1, metadata={"help": "Dropout on attention probs."})
     layernorm_epsilon: float = field(default=1e-5, metadata={"help": "Norm epsilon."})
@@ -193,6 +209,7 @@ class TransformerConfig:
         rules.check_rope(self)
         self.rotary_base = float(self.rotary_base)
         rules.check_positions_and_norms(self)
+        rules.check_multipliers(self)
         rules.check_init(self)
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
@@ -281,6 +298,9 @@ class TransformerConfig:
         if self.num_experts is None:
             for name in [n for n in out if n.startswith("moe_")]:
                 del out[name]
+        for name, unset in _NEUTRAL.items():  # (records written before them match)
+            if out[name] == unset:
+                del out[name]
         return out
 
     def padded_vocab_size(self, tp_size: int) -> int:
@@ -309,6 +329,9 @@ for _name in SEED_SPELLING:
     setattr(TransformerConfig, _name, _seed_alias(_name))
 
 _NOT_SAVED = {"init_method", "output_layer_init_method"}
+# Architecture fields left out of architecture() at the value that changes nothing.
+_NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "softmax_scale": None,
+            "logits_scaling": 1.0, "nope_layers": ()}
 
 # What a set of weights is: shapes and math (not dropout, init, sequence length or the schedule).
 ARCHITECTURE_FIELDS = (
@@ -317,8 +340,10 @@ ARCHITECTURE_FIELDS = (
     "position_embedding_type", "rotary_percent", "rotary_base",
     "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
+    "nope_layers",
     "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "qk_layernorm_full_width", "window_size", "num_experts", "moe_router_topk",
+    "qk_layernorm_full_width", "window_size", "embedding_multiplier", "residual_multiplier",
+    "softmax_scale", "logits_scaling", "num_experts", "moe_router_topk",
     "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_first_k_dense_layers", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",

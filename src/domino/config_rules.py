@@ -105,11 +105,29 @@ def check_rope(cfg: TransformerConfig) -> None:
         raise ValueError(f"rotary_base={cfg.rotary_base!r} must be a finite number > 1.")
     if cfg.rope_scaling_type is not None:
         check_rope_scaling(cfg)
+    check_nope_layers(cfg)
     if (cfg.rotary_seq_len_interpolation_factor is not None
             and cfg.rotary_seq_len_interpolation_factor <= 0):
         raise ValueError(
             "rotary_seq_len_interpolation_factor="
             f"{cfg.rotary_seq_len_interpolation_factor} must be > 0 (or None).")
+
+
+def check_nope_layers(cfg: TransformerConfig) -> None:
+    """The layers without RoPE: distinct layer numbers (0-based), only with RoPE; kept as a
+    sorted tuple (a saved config's list reads back equal)."""
+    layers = cfg.nope_layers
+    if not isinstance(layers, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.num_layers
+            for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"nope_layers={layers!r} must be distinct layer numbers in [0, "
+                         f"num_layers={cfg.num_layers}) (the layers without RoPE; empty: RoPE "
+                         "on every layer).")
+    if layers and cfg.position_embedding_type != "rope":
+        raise ValueError(f"nope_layers={list(layers)} turns RoPE off on some layers; it needs "
+                         "position_embedding_type='rope' (got "
+                         f"{cfg.position_embedding_type!r}): set it, or leave nope_layers empty.")
+    cfg.nope_layers = tuple(sorted(layers))
 
 
 def check_rope_scaling(cfg: TransformerConfig) -> None:
@@ -140,6 +158,20 @@ def check_positions_and_norms(cfg: TransformerConfig) -> None:
             f"(got qk_layernorm={cfg.qk_layernorm}, normalization={cfg.normalization!r}).")
     if cfg.layernorm_epsilon <= 0:
         raise ValueError(f"layernorm_epsilon={cfg.layernorm_epsilon} must be > 0.")
+
+
+def check_multipliers(cfg: TransformerConfig) -> None:
+    """Granite's scalars: finite numbers > 0 (softmax_scale may be None: 1/sqrt(d))."""
+    for name in ("embedding_multiplier", "residual_multiplier", "softmax_scale",
+                 "logits_scaling"):
+        value = getattr(cfg, name)
+        if value is None and name == "softmax_scale":
+            continue
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name}={value!r} must be a finite number > 0 (1 changes "
+                             "nothing" + ("; None: 1/sqrt(kv_channels))." if name ==
+                                          "softmax_scale" else ")."))
 
 
 def check_init(cfg: TransformerConfig) -> None:

@@ -122,6 +122,8 @@ class GPTModel(nn.Module):
             hidden, self.output_weight(), True, parallel_state=self.state, late=context.late,
             sequence_parallel=self.language_model.sequence_parallel_active(inference_params)
         )  # [s, b, v/tp]
+        if self.config.logits_scaling != 1.0:  # (Granite's)
+            logits = logits / self.config.logits_scaling
         logits = mask_padded_logits(logits, self.config.vocab_size, tp)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()  # [b, s, v/tp]

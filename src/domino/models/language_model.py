@@ -208,7 +208,7 @@ class EmbeddingPrologue:
             rank, size = seq_shard
             cols = slice(rank * s // size, (rank + 1) * s // size)
             reduced = reduced.transpose(0, 1)  # [b_m, s/size, h], as the tables give
-        emb = reduced
+        emb = reduced if (m := self.emb.config.embedding_multiplier) == 1.0 else reduced * m
         if self.position_ids is not None:
             table = compute(self.emb.position_embeddings.weight)
             emb = emb + F.embedding(self._rows(self.position_ids, mb)[:, cols], table)

@@ -52,6 +52,15 @@ def _activation(args: Any) -> str:
     return "swiglu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu"
 
 
+def _nope_layers(args: Any) -> tuple[int, ...]:
+    text = args.nope_layers.strip()
+    try:
+        return tuple(int(x) for x in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--nope-layers={args.nope_layers!r} must be comma-separated layer "
+                         "numbers (0-based), e.g. 3,7,11, or empty") from None
+
+
 RENAMED: dict[str, Renamed] = {
     "activation": Renamed(
         (Flag("swiglu", bool, False, "Use the SwiGLU activation in the MLP instead of GeLU."),
@@ -70,6 +79,13 @@ RENAMED: dict[str, Renamed] = {
         lambda args: args.norm_epsilon,
         lambda v: {"norm_epsilon": v},
         "--norm-epsilon"),
+    "nope_layers": Renamed(
+        (Flag("nope_layers", str, "", "With RoPE: the layers (0-based, comma-separated) whose "
+              "attention has no RoPE, e.g. 3,7,11 (SmolLM3's NoPE layers); empty: every layer "
+              "has RoPE."),),
+        _nope_layers,
+        lambda v: {"nope_layers": ",".join(map(str, v))},
+        "--nope-layers"),
 }
 
 # Fields no flag sets: the run gives them (label), a GPT run keeps the config's default, or only

@@ -87,6 +87,7 @@ class _AttentionBase(nn.Module):
         self.q_per_group = divide(config.num_attention_heads, config.num_query_groups)
         self.dropout_p = config.attention_dropout
         self.softmax_fp32 = config.attention_softmax_in_fp32
+        self.softmax_scale = config.softmax_scale  # None: 1/sqrt(head_dim)
         self.recompute = recompute  # selective recomputation of the core attention
         self.cp = state.cp
         self.dense = RowParallelLinear(
@@ -112,7 +113,8 @@ class _AttentionBase(nn.Module):
             # The dropout mask is drawn here, eagerly, also when recomputed (see _recomputed).
             keep = attention_keep(q, k.shape[0], self.dropout_p, self.training, gen, v.dtype)
             return kernels.attention(q, k, v, mask, causal, keep, self.dropout_p,
-                                     self.softmax_fp32, self.q_per_group, window)
+                                     self.softmax_fp32, self.q_per_group, window,
+                                     self.softmax_scale)
 
         if self.recompute and torch.is_grad_enabled():
             return _recomputed(attend, gen, q, k, v)
@@ -141,6 +143,8 @@ class SelfAttention(_AttentionBase):
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
         self.window = config.window_size
+        # RoPE's angles, unless this layer is one of the model's NoPE layers (SmolLM3's).
+        self.rope = layer_number - 1 not in config.nope_layers
         self.qk_full_width = config.qk_layernorm_full_width  # (implies qk_layernorm)
         if self.qk_full_width:  # over all heads (OLMoE): sharded like the heads
             args = (config.layernorm_epsilon, config.params_dtype, device, state.tp)
@@ -187,10 +191,11 @@ class SelfAttention(_AttentionBase):
     def split(self, qkv: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         """q [s, b, heads, d], k, v [s, b, groups, d] from the GEMM's output (Q/K norms, RoPE)."""
         kernels = self.kernels.serving(mb.inference_params is not None)
+        rotary = mb.rotary if self.rope else None
         if self.qk_full_width:
-            return kernels.split_qkv(self._full_width_norms(qkv), mb.rotary, self.groups,
+            return kernels.split_qkv(self._full_width_norms(qkv), rotary, self.groups,
                                      self.q_per_group, self.head_dim)
-        return kernels.split_qkv(qkv, mb.rotary, self.groups, self.q_per_group, self.head_dim,
+        return kernels.split_qkv(qkv, rotary, self.groups, self.q_per_group, self.head_dim,
                                  *self._qk_norms())
 
     def _full_width_norms(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -216,7 +221,8 @@ class SelfAttention(_AttentionBase):
         return context_attention(q, k, v, group=self.cp, kind=self.cp_kind,
                                  causal=mb.causal, q_per_group=self.q_per_group,
                                  key_padding=mask.key_padding, document_ids=mask.document_ids,
-                                 window=self.window, overlap=self.cp_overlap, first=first,
+                                 window=self.window, softmax_scale=self.softmax_scale,
+                                 overlap=self.cp_overlap, first=first,
                                  poll=poll, tags={"mb": mb.index}, defer=defer)
 
     def _qk_norms(self) -> tuple:

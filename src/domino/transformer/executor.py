@@ -107,19 +107,20 @@ class Executor:
         of the piece before delivered. The element-wise work is one kernel
         (``kernels.local``); the dropout mask is drawn before it, eagerly."""
         out = bias = keep = None
-        scale = 1.0
+        scale, multiplier = 1.0, 1.0
         if j == 0 and prologue is not None:
             residual = prologue.finish(reduced, mb, self.seq_shard())
         elif j > 0:
             out, bias = reduced, self.exits[j - 1].bias()
             keep, scale = self.blocks[j - 1].dropout_keep(reduced, self.seq_shard())
+            multiplier = self.blocks[j - 1].residual_multiplier
         local = self.kernels.serving(mb.inference_params is not None).local
         if j == len(self.blocks):
             norm = self.final_norm() if self.final_norm is not None else None
-            return local(out, bias, keep, scale, residual, norm, False)[0]
+            return local(out, bias, keep, scale, residual, norm, False, multiplier)[0]
         block = self.blocks[j]
         return local(out, bias, keep, scale, residual, block.norm_args(),
-                     block.residual_post_norm)
+                     block.residual_post_norm, multiplier)
 
     def core(self, j: int) -> Callable:
         """Block j's op core in this run: the rest of it where the entry ran its start."""

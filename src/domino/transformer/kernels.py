@@ -50,15 +50,18 @@ def norm(x: torch.Tensor, args: NormArgs) -> torch.Tensor:
 
 def local(out: torch.Tensor | None, bias: torch.Tensor | None, keep: torch.Tensor | None,
           scale: float, residual: torch.Tensor, norm_args: NormArgs | None,
-          post_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A local piece: the previous block's exit (``out`` + ``bias``, dropout by ``keep`` x
-    ``scale``, + ``residual``; with ``out`` None, ``residual`` is the stream already) and the
-    next block's entry norm -> (norm output, the residual it carries: the norm output itself
-    when ``post_norm``). Without a norm both are the stream."""
+          post_norm: bool, multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A local piece: the previous block's exit (``out`` + ``bias``, times ``multiplier``
+    (Granite's residual_multiplier), dropout by ``keep`` x ``scale``, + ``residual``; with
+    ``out`` None, ``residual`` is the stream already) and the next block's entry norm ->
+    (norm output, the residual it carries: the norm output itself when ``post_norm``).
+    Without a norm both are the stream."""
     h = residual
     if out is not None:
         if bias is not None:
             out = out + bias
+        if multiplier != 1.0:
+            out = out * multiplier
         if keep is not None:
             out = out * keep * scale
         h = residual + out
@@ -110,10 +113,11 @@ def merge_masks(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool, keep: torch.Tensor | None, p: float,
               softmax_fp32: bool, q_per_group: int = 1,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, softmax_scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n / q_per_group, d]
     -> [sq, b, n*d]; ``keep`` [b, n, sq, sk] (with ``p``): the dropout mask of the
-    probabilities (see :func:`attention_keep`), None without dropout.
+    probabilities (see :func:`attention_keep`), None without dropout. ``softmax_scale``, when
+    given, replaces 1/sqrt(d) (Granite's attention_multiplier).
 
     ``mask`` is bool (True = masked out); ``causal`` adds the causal rule, and ``window`` (with
     ``causal``) masks keys ``window`` or more positions before the query. Masked scores take the
@@ -142,6 +146,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                 bias = torch.zeros(merged.shape, dtype=q.dtype, device=q.device)
                 bias = bias.masked_fill(merged, torch.finfo(q.dtype).min)
             kwargs = {"attn_mask": bias}
+        if softmax_scale is not None:
+            kwargs["scale"] = softmax_scale
         with sdpa_kernel(SDPBackend.MATH) if low_cpu else contextlib.nullcontext():
             ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
@@ -150,7 +156,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x.float(), y.float()) if low_cpu else torch.matmul(x, y)
 
-    scores = mm(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scores = mm(qh, kh.transpose(-1, -2)) * scale
     if softmax_fp32:
         scores = scores.float()
     merged = merge_masks(mask, causal, sq, sk, q.device, window)

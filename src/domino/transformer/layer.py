@@ -76,6 +76,7 @@ class Block:
     hidden_dropout: float
     residual_post_norm: bool
     rng: RNGTracker
+    residual_multiplier: float = 1.0  # the op's output is scaled by it before the add
 
     def parameters(self) -> list[nn.Parameter]:
         """The block's own parameters: its norm's and its op's."""
@@ -135,5 +136,6 @@ class TransformerLayer(nn.Module):
         cfg = self.config
         return [Block(self.layer_number, b.kind, getattr(self, b.norm_name),
                       getattr(self, b.op_name), cfg.hidden_dropout,
-                      cfg.apply_residual_connection_post_layernorm, self.rng)
+                      cfg.apply_residual_connection_post_layernorm, self.rng,
+                      cfg.residual_multiplier)
                 for b in self.spec.blocks]

@@ -18,7 +18,7 @@ from domino.config import TransformerConfig
 # expresses it: where two express the same model (a Mistral without a window is a Llama) the
 # earlier one is chosen.
 MODULES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe",
-           "starcoder2", "gemma")
+           "phi3", "granite", "starcoder2", "smollm3", "gemma")
 FAMILIES: list[Family] = [importlib.import_module(f"{__name__}.{name}").FAMILY
                           for name in MODULES]
 
@@ -66,5 +66,5 @@ def _reasons(group: Group, config: TransformerConfig, families: list[Family]) ->
     shared = group.obstacles(config)
     if shared:
         return [f"as {group.label} it has " + "; ".join(shared)]
-    return [f"as {f.name} it has " + "; ".join(f.own(config))
+    return [f"as {f.name} it has " + "; ".join(f.own_obstacles(config))
             for f in _members(group, config, families)]

@@ -22,6 +22,28 @@ def obstacles(config: TransformerConfig) -> list[str]:
     return out
 
 
+def scalars(config: TransformerConfig) -> list[str]:
+    """Granite's scalars, where they change something (only Granite has them)."""
+    out = []
+    if config.embedding_multiplier != 1.0:
+        out.append(f"the embeddings multiplied by {config.embedding_multiplier}")
+    if config.residual_multiplier != 1.0:
+        out.append(f"each sublayer's output multiplied by {config.residual_multiplier}")
+    if config.softmax_scale is not None:
+        out.append(f"attention scores scaled by {config.softmax_scale}, not 1/sqrt(head size)")
+    if config.logits_scaling != 1.0:
+        out.append(f"the logits divided by {config.logits_scaling}")
+    return [f"{what} (only Granite has it)" for what in out]
+
+
+def nope(config: TransformerConfig) -> list[str]:
+    """Layers without RoPE (only SmolLM3 has them)."""
+    if not config.nope_layers:
+        return []
+    layers = ", ".join(map(str, config.nope_layers))
+    return [f"no RoPE on layers {layers} (only SmolLM3 has layers without RoPE)"]
+
+
 def _moe_obstacles(config: TransformerConfig) -> list[str]:
     """What keeps an MoE model from Mixtral / Qwen3-MoE / OLMoE (empty for a dense model)."""
     if config.num_experts is None:

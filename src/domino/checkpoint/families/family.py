@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from domino.checkpoint.families.common import nope, scalars
 from domino.checkpoint.families.weights import Link
 from domino.checkpoint.hf_keys import HFKeys
 from domino.config import TransformerConfig
@@ -58,11 +59,19 @@ class Family:
     prefix: str = ""  # a prefix of every name but the head's, which some files leave off
     buffers: tuple[str, ...] = ()  # endings of non-weights some files hold next to weights
     lacks: Callable[[str], tuple[str, ...]] | None = None
+    scalars: bool = False  # it has Granite's embedding, residual, attention and logit scalars
+    nope: bool = False  # its models may leave RoPE out on some layers (SmolLM3's NoPE layers)
 
     def obstacles(self, config: TransformerConfig) -> list[str]:
         """What of ``config`` this family cannot express (empty: it expresses the model)."""
         shared = self.group.obstacles(config) if self.group is not None else []
-        return shared + self.own(config)
+        return shared + self.own_obstacles(config)
+
+    def own_obstacles(self, config: TransformerConfig) -> list[str]:
+        """What of ``config`` this family, but not every one of its group, cannot express:
+        :attr:`own`, Granite's scalars where it has none, and SmolLM3's NoPE layers."""
+        return (self.own(config) + ([] if self.scalars else scalars(config))
+                + ([] if self.nope else nope(config)))
 
     def key(self, name: str, rope: str = "rope_scaling") -> str:
         """The ``config.json`` key our config's field ``name`` comes from (``name`` itself when

@@ -201,18 +201,18 @@ COMPOSITE = ("text_config", "vision_config", "audio_config", "vq_config", "encod
              "depth_decoder_config", "text_encoder", "audio_encoder", "decoder")
 
 SETTINGS: dict[str, Setting] = {
-    # scales and multipliers
-    "embedding_multiplier": _lacking(_scaled("the embeddings multiplied by"), _unit),
+    # scales and multipliers (Granite's four are read)
+    "embedding_multiplier": _ours(_scaled("the embeddings multiplied by"), _unit),
     "embedding_scale": _lacking(_scaled("the embeddings multiplied by"), _unit),
     "scale_emb": _lacking(_scaled("the embeddings multiplied by"), _unit),
     "scale_embedding": _lacking("the embeddings multiplied by sqrt(hidden size)"),
-    "residual_multiplier": _lacking(_scaled("each sublayer's output multiplied by"), _unit),
+    "residual_multiplier": _ours(_scaled("each sublayer's output multiplied by"), _unit),
     "scale_depth": _lacking("each sublayer's output scaled by scale_depth / sqrt(layers)"),
-    "attention_multiplier": _lacking(lambda value, raw: f"attention scores scaled by {value}, "
-                                     "not 1/sqrt(head_dim)", _head_scale),
+    "attention_multiplier": _ours(lambda value, raw: f"attention scores scaled by {value}, "
+                                  "not 1/sqrt(head_dim)", _head_scale),
     "query_pre_attn_scalar": _lacking("attention scaled by 1/sqrt(query_pre_attn_scalar), "
                                       "not 1/sqrt(head_dim)", _query_scalar),
-    "logits_scaling": _lacking(_scaled("the logits divided by"), _unit),
+    "logits_scaling": _ours(_scaled("the logits divided by"), _unit),
     "logit_scale": _lacking(_scaled("the logits multiplied by"), _unit),
     "lm_head_multiplier": _lacking(_scaled("the logits multiplied by"), _unit),
     "dim_model_base": _lacking("the logits divided by hidden_size / dim_model_base", _same_width),
@@ -254,8 +254,8 @@ SETTINGS: dict[str, Setting] = {
     "rotary_pct": _lacking(_partial, _unit),
     "rotary_dim": _lacking("RoPE on the first rotary_dim channels of each head"),
     "rope_interleave": _lacking("RoPE on interleaved channel pairs"),
-    "no_rope_layers": _lacking(_no_rope, _no_rope_inert),
-    "no_rope_layer_interval": _lacking(
+    "no_rope_layers": _ours(_no_rope, _no_rope_inert),  # (SmolLM3's)
+    "no_rope_layer_interval": _ours(
         "no RoPE on every no_rope_layer_interval-th layer",
         lambda value, raw: "no_rope_layers" in raw or not value),
     "layer_types": Setting(_layer_types, lambda value, raw: _layer_kinds(value) in (

@@ -33,6 +33,8 @@ _NO_GATE = "an MLP without a gate (up_proj, down_proj)"
 _POST_NORMS = ("norms after attention and after the MLP instead of before them "
                "(post_attention_layernorm, post_feedforward_layernorm)")
 _FULL_QK = "RMSNorm over all heads' queries and keys (q_norm, k_norm) in a dense model"
+_GRANITE_MOE = ("Mixture-of-Experts layers with each layer's experts in two fused weights "
+                "(block_sparse_moe.input_linear, output_linear)")
 STRUCTURE: dict[str, tuple[str, ...]] = {
     "apertus": ("an MLP without a gate with the xIELU activation (learned alpha_p, alpha_n)",),
     "apertus1p5_text": ("an MLP without a gate with the xIELU activation",),
@@ -60,6 +62,8 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "gpt_oss": ("attention sinks (a learned logit per head)", "biases on the router and the "
                 "experts"),
     "gptj": (_INTERLEAVED, _PARALLEL),
+    "granitemoe": (_GRANITE_MOE,),
+    "granitemoeshared": (_GRANITE_MOE, "a shared MLP beside the experts (shared_mlp)"),
     "helium": (_INTERLEAVED,),
     "hunyuan_v1_dense": ("RMSNorm on each head's queries and keys after RoPE "
                          "(query_layernorm, key_layernorm)",),
@@ -78,7 +82,6 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "opt": ("learned positions offset by 2 (OPT's embed_positions)",),
     "persimmon": ("LayerNorm on each head's queries and keys", _NO_GATE),
     "phi": (_PARALLEL,),
-    "phi3": ("Q/K/V fused in one qkv_proj weight and the MLP's gate and up in one gate_up_proj",),
     "phimoe": ("LayerNorm (with bias) in Mixtral's layout", "SparseMixer routing"),
     "stablelm": ("LayerNorm (with bias) with a SwiGLU MLP",),
 }

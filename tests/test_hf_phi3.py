@@ -1,0 +1,207 @@
+"""Phi-3 / Phi-4 (``Phi3ForCausalLM``) against the real ``transformers`` (random weights from a
+config, nothing downloaded): fused ``qkv_proj`` and ``gate_up_proj``, grouped-query attention,
+RoPE on the whole head or on part of it (Phi-4-mini's ``partial_rotary_factor`` 0.75), a
+sliding window on every layer. Imported at TP=1 and TP=2 with the original's logits and greedy
+output; exported (our models with partial RoPE, and the import round trip) with the same
+logits and greedy output in ``transformers``. LongRoPE (the 128k models) is refused in one
+line, by its key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_distributed
+from test_hf_interop import TEXT, _hf_logits, _imported_logits, _ours, _perturb
+
+from domino.checkpoint.families import family_for
+from domino.checkpoint.hf_config import config_from_hf
+from domino.checkpoint.hf_export import export_hf
+from domino.checkpoint.hf_import import import_hf
+from domino.checkpoint.layout import open_checkpoint
+from domino.cli import main
+from domino.config import TransformerConfig
+from domino.data import BPETokenizer
+from domino.inference.loading import load_saved_model
+from domino.inference.sampling import generate
+from domino.models.gpt import GPTModel
+from domino.parallel_state import ParallelState
+
+# name: Phi3Config settings beyond the common ones (head size 16: 64 wide, 4 heads).
+MODELS = {
+    # as Phi-3-medium: GQA, RoPE on the whole head, untied
+    "gqa-full-rope-untied": dict(partial_rotary_factor=1.0, num_key_value_heads=2,
+                                 tie_word_embeddings=False),
+    # as Phi-4-mini (without its longrope): RoPE on 75% of each head, GQA, tied
+    "gqa-partial-0.75-tied": dict(partial_rotary_factor=0.75, num_key_value_heads=2,
+                                  tie_word_embeddings=True, rope_theta=250000.0),
+    # as Phi-3-mini-4k: a window on every layer (shorter than the text), one K/V per head
+    "mha-partial-0.5-window": dict(partial_rotary_factor=0.5, num_key_value_heads=4,
+                                   sliding_window=6, tie_word_embeddings=False),
+}
+
+
+def _hf():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    corpus = [TEXT * 3, "alpha beta gamma delta epsilon " * 20, "import torch\n" * 10] * 5
+    return BPETokenizer.train(corpus, vocab_size=300)
+
+
+def _phi3_config(bpe: BPETokenizer, **kw):
+    eod = bpe.eod
+    base = dict(vocab_size=bpe.vocab_size, hidden_size=64, intermediate_size=80,
+                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                rms_norm_eps=1e-5, bos_token_id=eod, eos_token_id=eod, pad_token_id=eod)
+    return _hf().Phi3Config(**{**base, **kw})
+
+
+def _phi3_folder(tmp: Path, bpe: BPETokenizer, name: str) -> tuple[Path, torch.nn.Module]:
+    """A transformers Phi-3 with random weights, saved the way the Hub holds models."""
+    model = _hf().Phi3ForCausalLM(_phi3_config(bpe, **MODELS[name]))
+    _perturb(model, 7)
+    folder = tmp / "hf-phi3"
+    model.save_pretrained(folder)
+    bpe._tok.save(str(folder / "tokenizer.json"))
+    return folder, model.eval()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_import_matches_transformers(tmp_path: Path, bpe: BPETokenizer, name: str,
+                                     capfd) -> None:
+    folder, original = _phi3_folder(tmp_path, bpe, name)
+    ids = torch.tensor([bpe.encode(TEXT)[:30]])
+    with torch.no_grad():
+        expected = original(ids).logits
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    import_hf(folder, one, 1)
+    assert main(["import", str(folder), str(two), "--tensor-model-parallel-size", "2"]) == 0
+    state = ParallelState.single()
+    model, config, _, _ = load_saved_model(open_checkpoint(one)[0], state)
+    settings = MODELS[name]
+    assert config.rotary_percent == settings["partial_rotary_factor"]
+    assert config.window_size == settings.get("sliding_window")
+    assert config.num_query_groups == settings["num_key_value_heads"]
+    with torch.no_grad():
+        got = model(ids, None, None)[..., :config.vocab_size]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert expected.abs().max() > 1.0
+    for logits in run_distributed(_imported_logits, 2, str(two), ids):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # Greedy: transformers.generate == ours at TP=1 (with and without the cache) == TP=2.
+    prompt = bpe.encode("def forward")
+    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    for cache in (True, False):
+        assert generate(model, state, prompt, 12, config.vocab_size, 64, stop=(bpe.eod,),
+                        use_cache=cache) == hf_ids
+    capfd.readouterr()
+    assert main(["generate", str(two), "--prompt", "def forward", "--greedy", "--ids",
+                 "--max-new-tokens", "12", "--tensor-model-parallel-size", "2"]) == 0
+    assert [int(x) for x in capfd.readouterr().out.split()] == hf_ids
+    # Round trip: exported again, transformers reads the original back (as Phi-3 with partial
+    # RoPE; rotating whole heads, the same model is a Llama, the first family that expresses it).
+    step_dir, meta, _ = open_checkpoint(two)
+    back = tmp_path / "back"
+    arch = "phi3" if config.rotary_percent < 1 else "llama"
+    assert export_hf(step_dir, meta, back) == arch
+    assert json.loads((back / "config.json").read_text())["model_type"] == arch
+    torch.testing.assert_close(_hf_logits(back, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def _partial_config(vocab: int, **kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                kv_channels=16, ffn_hidden_size=64, vocab_size=vocab, seq_length=64,
+                max_position_embeddings=64, position_embedding_type="rope",
+                rotary_percent=0.75, rotary_base=10000.0, normalization="RMSNorm",
+                activation="swiglu", add_bias_linear=False, layernorm_epsilon=1e-5,
+                untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                attention_dropout=0.0)
+    return TransformerConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("case", ["partial-gqa-untied", "partial-window-tied"])
+def test_export_of_partial_rope_is_phi3(tmp_path: Path, bpe: BPETokenizer, case: str) -> None:
+    """Our model with RoPE on 75% of each head (12 of 16 channels, GQA) exports as Phi-3:
+    transformers' logits and greedy output equal ours, with and without the KV cache."""
+    extra = {} if case.startswith("partial-gqa") else dict(
+        window_size=7, untie_embeddings_and_output_weights=False)
+    config = _partial_config(bpe.vocab_size, **extra)
+    ours, folder = _ours(tmp_path / "run", config, bpe)
+    out = tmp_path / "hf"
+    assert export_hf(folder, open_checkpoint(folder)[1], out) == "phi3"
+    ids = torch.tensor([bpe.encode(TEXT)[:30]])
+    with torch.no_grad():
+        mine = ours(ids, None, None)[..., :config.vocab_size]
+    torch.testing.assert_close(_hf_logits(out, ids), mine, rtol=1e-5, atol=1e-5)
+    hf_model = _hf().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompt = bpe.encode("def forward")
+    hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    state = ParallelState.single()
+    for cache in (True, False):
+        assert generate(ours, state, prompt, 12, config.vocab_size, 64, stop=(bpe.eod,),
+                        use_cache=cache) == hf_ids
+    # The partial rotation bites: rotating whole heads gives other logits.
+    whole = GPTModel(dataclasses.replace(config, rotary_percent=1.0), parallel_state=state)
+    whole.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(whole.eval()(ids, None, None)[..., :config.vocab_size],
+                                  mine, atol=1e-3)
+
+
+def test_a_llama_stays_a_llama_and_phi3_refuses_what_it_lacks(bpe: BPETokenizer) -> None:
+    """Whole-head RoPE without biases is still written as Llama (listed first); Phi-3 names what
+    it cannot express."""
+    assert family_for(_partial_config(bpe.vocab_size, rotary_percent=1.0)).model_type == "llama"
+    config = _partial_config(bpe.vocab_size, add_bias_linear=True)
+    with pytest.raises(ValueError, match=r"As Phi-3 it has biases \(Phi-3 has none\)"):
+        family_for(config)
+    with pytest.raises(ValueError, match=r"As Phi-3 it has logits_scaling=2.0 \(Phi-3 has "
+                                         r"no such setting\)"):
+        family_for(_partial_config(bpe.vocab_size, logits_scaling=2.0))
+    with pytest.raises(ValueError, match=r"As Phi-3 it has a head size of 16, not hidden size"):
+        family_for(_partial_config(bpe.vocab_size, hidden_size=48))
+
+
+LONGROPE = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("spelling", ["hub", "saved", "su"])
+def test_longrope_is_refused_by_its_key(tmp_path: Path, bpe: BPETokenizer, spelling: str,
+                                        capfd) -> None:
+    """The 128k models' LongRoPE (per-channel factors chosen by the length of the forward pass,
+    an attention factor on cos and sin): one line naming the key and value, exit 2, nothing
+    written, as the Hub writes it (rope_scaling.type), as transformers saves it
+    (rope_parameters.rope_type) and in its old spelling ``su``."""
+    if spelling == "saved":
+        raw = json.loads(_phi3_config(bpe, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE}).to_json_string())
+        key = 'rope_parameters.rope_type="longrope"'
+    else:
+        kind = "longrope" if spelling == "hub" else "su"
+        raw = {**json.loads(_phi3_config(bpe).to_json_string()), "rope_parameters": None,
+               "rope_theta": 10000.0, "rope_scaling": {"type": kind, **LONGROPE}}
+        key = f'rope_scaling.type="{kind}"'
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    capfd.readouterr()
+    assert main(["import", str(folder), str(tmp_path / "out")]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("domino import: error: "), err
+    assert f"Phi-3 {key} (LongRoPE) is not supported" in err and "short_factor" in err, err
+    assert not (tmp_path / "out").exists()
+    # Without the scaling the same file is read.
+    plain = {**raw, "rope_scaling": None, "rope_parameters": None}
+    assert config_from_hf(plain)[1].rotary_base == 10000.0
