@@ -12,8 +12,10 @@ Weight layouts it assumes (the documented contract):
 * RoPE rotates the first ``int(kv_channels * rotary_percent)`` channels of each head in two
   halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos / factor * base^(-2i/rot),
   on every layer but ``nope_layers`` (0-based);
-* pre-norm layers; ``apply_residual_connection_post_layernorm`` takes the residual from the norm
-  output; MoE layers route dropless (see ``_moe``); the loss is
+* pre-norm layers, or with ``norm_after_sublayer`` each branch's output normalised before its
+  residual add (``post_attention_layernorm`` / ``post_feedforward_layernorm``: OLMo 2);
+  ``apply_residual_connection_post_layernorm`` takes the residual from the norm output; MoE
+  layers route dropless (see ``_moe``); the loss is
   ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary;
 * Granite's scalars: the word embeddings times ``embedding_multiplier``, each branch's output
   times ``residual_multiplier`` before its residual add, the scores times ``softmax_scale``
@@ -152,8 +154,11 @@ def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
         x = x + w[PREFIX + "embedding.position_embeddings.weight"][pos]
     for i in range(cfg.num_layers):
         layer = f"{PREFIX}encoder.layers.{i}"
-        for norm, branch in (("input_layernorm", "attn"), ("post_attention_layernorm", "mlp")):
-            ln = _norm(x, w, f"{layer}.{norm}", cfg)
+        norms = (("post_attention_layernorm", "post_feedforward_layernorm")
+                 if cfg.norm_after_sublayer else ("input_layernorm", "post_attention_layernorm"))
+        for norm, branch in zip(norms, ("attn", "mlp"), strict=True):
+            after = cfg.norm_after_sublayer  # OLMo 2: x + norm(branch(x)), no norm before
+            ln = x if after else _norm(x, w, f"{layer}.{norm}", cfg)
             res = ln if cfg.apply_residual_connection_post_layernorm else x
             if branch == "attn":
                 out = _attention(ln, w, f"{layer}.self_attention", cfg, pos, mask,
@@ -162,6 +167,8 @@ def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
                 out = _moe(ln, w, f"{layer}.mlp.moe", cfg)
             else:
                 out = _mlp(ln, w, f"{layer}.mlp", cfg)
+            if after:
+                out = _norm(out, w, f"{layer}.{norm}", cfg)
             x = res + out * cfg.residual_multiplier
     if cfg.final_layernorm:
         x = _norm(x, w, PREFIX + "encoder.final_layernorm", cfg)

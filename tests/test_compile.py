@@ -112,6 +112,17 @@ def test_compiled_granite_scalars_equal_eager() -> None:
     assert max(rel_err(a, b) for a, b in zip(g1, g0, strict=True)) < 1e-6
 
 
+def test_compiled_norms_after_sublayer_equal_eager() -> None:
+    """OLMo 2's norms after each sublayer (the local piece's exit norm, with dropout after it)
+    compile with the rest: the compiled model's loss and gradients equal eager's."""
+    over = dict(normalization="RMSNorm", norm_after_sublayer=True)
+    with one_thread():
+        eager, compiled = (_model(c, 11, **over) for c in (False, True))
+        (l0, g0), (l1, g1) = _step(eager, 5, 0), _step(compiled, 5, 0)
+    assert rel_err(l1, l0) < 1e-6
+    assert max(rel_err(a, b) for a, b in zip(g1, g0, strict=True)) < 1e-6
+
+
 def test_generation_with_a_kv_cache_runs_eager() -> None:
     """A compiled model generates with its KV cache through the eager kernels (the key length
     grows every token: static shapes would compile a graph per token, 64 at most): 80 greedy

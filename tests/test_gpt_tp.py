@@ -72,6 +72,18 @@ VARIANTS = {
              num_query_groups=4, add_bias_linear=False, nope_layers=(1,), num_layers=3,
              vocab_size=1000),
         0.0, (2, "cross_layer", 2), "adam"),
+    # OLMo 2's norms after each sublayer (before its residual add), none before; with its
+    # query/key norms over all heads.
+    "olmo2_norms_after": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, qk_layernorm=True,
+             qk_layernorm_full_width=True, norm_after_sublayer=True, vocab_size=1000),
+        0.0, (2, "cross_layer", 2), "adam"),
+    # The same placement with LayerNorm and biases (added before the norm), the norms
+    # running on sequence shards (sequence parallelism).
+    "norms_after_ln_bias_gelu": (
+        dict(norm_after_sublayer=True, sequence_parallel=True), 0.0, (2, "intra_layer", 1),
+        "sgd"),
     "vocab_1000_pad_1_untied": (
         dict(vocab_size=1001, make_vocab_size_divisible_by=1,
              untie_embeddings_and_output_weights=True, num_layers=1),
@@ -193,7 +205,8 @@ def test_gpt_tp_matches_single_process(tp, variant) -> None:
 
 REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied_smooth",
                 "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3", "qk_norm_full_width",
-                "nope_layer1_of3", "granite_multipliers"]
+                "nope_layer1_of3", "granite_multipliers", "olmo2_norms_after",
+                "norms_after_ln_bias_gelu"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)

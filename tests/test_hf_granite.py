@@ -21,6 +21,7 @@ from test_hf_interop import (
     _llama_config,
     _ours,
     _perturb,
+    export_matches,
 )
 
 from domino.checkpoint.families import family_for
@@ -104,19 +105,7 @@ def test_our_scaled_model_exports_as_granite(tmp_path: Path, bpe: BPETokenizer) 
     ours, folder = _ours(tmp_path / "run", config, bpe)
     out = tmp_path / "hf"
     assert export_hf(folder, open_checkpoint(folder)[1], out) == "granite"
-    ids = torch.tensor([bpe.encode(TEXT)[:30]])
-    with torch.no_grad():
-        mine = ours(ids, None, None)[..., :config.vocab_size]
-    torch.testing.assert_close(_hf_logits(out, ids), mine, rtol=1e-5, atol=1e-5)
-    hf_model = _hf().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    prompt = bpe.encode("def forward")
-    hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
-    state = ParallelState.single()
-    cached = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,))
-    plain = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,),
-                     use_cache=False)
-    assert cached == plain == hf_ids and len(hf_ids) >= 1
+    export_matches(ours, config, out, bpe)
 
 
 def test_only_granite_expresses_the_scalars_and_its_keys_are_checked() -> None:

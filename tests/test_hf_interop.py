@@ -141,25 +141,12 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
     arch = export_hf(folder, meta, out)
     assert arch == ARCH_OF[case.split("-")[0]]
     assert json.loads((out / "config.json").read_text())["model_type"] == arch
-    ids = torch.tensor([bpe.encode(TEXT)[:30]])
-    with torch.no_grad():
-        mine = ours(ids, None, None)[..., :config.vocab_size]
-    theirs = _hf_logits(out, ids)
-    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+    ids, mine = export_matches(ours, config, out, bpe)
     assert mine.abs().max() > 1.0  # informative logits, not near-zero noise
     hf_tok = _hf().AutoTokenizer.from_pretrained(out)
     assert hf_tok.encode(TEXT, add_special_tokens=False) == bpe.encode(TEXT)
     assert hf_tok.decode(bpe.encode(TEXT)) == TEXT
-    # Greedy generation: transformers.generate == ours with the KV cache == ours without.
-    hf_model = _hf().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    prompt = bpe.encode("def forward")
-    hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
     state = ParallelState.single()
-    cached = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,))
-    plain = generate(ours, state, prompt, 12, config.vocab_size, 32, stop=(bpe.eod,),
-                     use_cache=False)
-    assert cached == plain == hf_ids and len(hf_ids) >= 1
     # The window and the NoPE layers changed the logits: they were applied.
     for field, off in (("window_size", None), ("nope_layers", ())):
         if getattr(config, field):
@@ -168,6 +155,27 @@ def test_export_matches_transformers(tmp_path: Path, bpe: BPETokenizer, case: st
             with torch.no_grad():
                 assert not torch.allclose(other.eval()(ids, None, None)[..., :config.vocab_size],
                                           mine, atol=1e-3), field
+
+
+def export_matches(ours: GPTModel, config: TransformerConfig, out: Path, bpe: BPETokenizer,
+                   cache_tokens: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our model and transformers' reading of its export ``out`` agree: the same logits on
+    TEXT, and greedy generation by ``transformers.generate`` == ours with the KV cache == ours
+    without. Returns (the ids, our logits) for further checks."""
+    ids = torch.tensor([bpe.encode(TEXT)[:30]])
+    with torch.no_grad():
+        mine = ours(ids, None, None)[..., :config.vocab_size]
+    torch.testing.assert_close(_hf_logits(out, ids), mine, rtol=1e-5, atol=1e-5)
+    hf_model = _hf().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompt = bpe.encode("def forward")
+    hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    state = ParallelState.single()
+    for cache in (True, False):
+        assert generate(ours, state, prompt, 12, config.vocab_size, cache_tokens,
+                        stop=(bpe.eod,), use_cache=cache) == hf_ids
+    assert hf_ids
+    return ids, mine
 
 
 def _arch(config: TransformerConfig) -> str:

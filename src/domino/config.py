@@ -126,6 +126,11 @@ class TransformerConfig:
         metadata={"help": "Init of the row-parallel outputs; default std / sqrt(2 num_layers)."})
     apply_residual_connection_post_layernorm: bool = field(
         default=False, metadata={"help": "Residual taken after the layer norm (post-LN style)."})
+    norm_after_sublayer: bool = field(
+        default=False,
+        metadata={"help": "Normalise each sublayer's output before its residual add "
+                          "(h + norm(attention(h)), h + norm(mlp(h)): OLMo 2's) instead of "
+                          "its input."})
     final_layernorm: bool = field(default=True, metadata={"help": "Norm after the last layer."})
     untie_embeddings_and_output_weights: bool = field(
         default=False, metadata={"help": "Separate output layer instead of the word embeddings."})
@@ -331,7 +336,7 @@ for _name in SEED_SPELLING:
 _NOT_SAVED = {"init_method", "output_layer_init_method"}
 # Architecture fields left out of architecture() at the value that changes nothing.
 _NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "softmax_scale": None,
-            "logits_scaling": 1.0, "nope_layers": ()}
+            "logits_scaling": 1.0, "nope_layers": (), "norm_after_sublayer": False}
 
 # What a set of weights is: shapes and math (not dropout, init, sequence length or the schedule).
 ARCHITECTURE_FIELDS = (
@@ -349,7 +354,7 @@ ARCHITECTURE_FIELDS = (
     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
     "moe_router_enable_expert_bias",
     "layernorm_epsilon",
-    "apply_residual_connection_post_layernorm", "final_layernorm",
+    "apply_residual_connection_post_layernorm", "norm_after_sublayer", "final_layernorm",
     "untie_embeddings_and_output_weights",
 )
 

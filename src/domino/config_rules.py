@@ -158,6 +158,11 @@ def check_positions_and_norms(cfg: TransformerConfig) -> None:
             f"(got qk_layernorm={cfg.qk_layernorm}, normalization={cfg.normalization!r}).")
     if cfg.layernorm_epsilon <= 0:
         raise ValueError(f"layernorm_epsilon={cfg.layernorm_epsilon} must be > 0.")
+    if cfg.norm_after_sublayer and cfg.apply_residual_connection_post_layernorm:
+        raise ValueError(
+            "norm_after_sublayer=True normalises each sublayer's output, so no norm output "
+            "exists to take the residual from; it needs "
+            "apply_residual_connection_post_layernorm=False.")
 
 
 def check_multipliers(cfg: TransformerConfig) -> None:

@@ -106,7 +106,7 @@ class Executor:
         or for j = B the final norm -> the stack output. ``reduced``: what the collective
         of the piece before delivered. The element-wise work is one kernel
         (``kernels.local``); the dropout mask is drawn before it, eagerly."""
-        out = bias = keep = None
+        out = bias = keep = exit_norm = None
         scale, multiplier = 1.0, 1.0
         if j == 0 and prologue is not None:
             residual = prologue.finish(reduced, mb, self.seq_shard())
@@ -114,13 +114,15 @@ class Executor:
             out, bias = reduced, self.exits[j - 1].bias()
             keep, scale = self.blocks[j - 1].dropout_keep(reduced, self.seq_shard())
             multiplier = self.blocks[j - 1].residual_multiplier
+            exit_norm = self.blocks[j - 1].exit_norm()
         local = self.kernels.serving(mb.inference_params is not None).local
         if j == len(self.blocks):
             norm = self.final_norm() if self.final_norm is not None else None
-            return local(out, bias, keep, scale, residual, norm, False, multiplier)[0]
+            return local(out, bias, keep, scale, residual, norm, False, multiplier,
+                         exit_norm)[0]
         block = self.blocks[j]
-        return local(out, bias, keep, scale, residual, block.norm_args(),
-                     block.residual_post_norm, multiplier)
+        return local(out, bias, keep, scale, residual, block.entry_norm(),
+                     block.residual_post_norm, multiplier, exit_norm)
 
     def core(self, j: int) -> Callable:
         """Block j's op core in this run: the rest of it where the entry ran its start."""

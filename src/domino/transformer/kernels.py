@@ -50,8 +50,10 @@ def norm(x: torch.Tensor, args: NormArgs) -> torch.Tensor:
 
 def local(out: torch.Tensor | None, bias: torch.Tensor | None, keep: torch.Tensor | None,
           scale: float, residual: torch.Tensor, norm_args: NormArgs | None,
-          post_norm: bool, multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A local piece: the previous block's exit (``out`` + ``bias``, times ``multiplier``
+          post_norm: bool, multiplier: float = 1.0,
+          exit_norm: NormArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A local piece: the previous block's exit (``out`` + ``bias``, normalised by
+    ``exit_norm`` when given (OLMo 2's norm after the sublayer), times ``multiplier``
     (Granite's residual_multiplier), dropout by ``keep`` x ``scale``, + ``residual``; with
     ``out`` None, ``residual`` is the stream already) and the next block's entry norm ->
     (norm output, the residual it carries: the norm output itself when ``post_norm``).
@@ -60,6 +62,8 @@ def local(out: torch.Tensor | None, bias: torch.Tensor | None, keep: torch.Tenso
     if out is not None:
         if bias is not None:
             out = out + bias
+        if exit_norm is not None:
+            out = norm(out, exit_norm)
         if multiplier != 1.0:
             out = out * multiplier
         if keep is not None:

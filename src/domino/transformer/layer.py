@@ -9,6 +9,9 @@ A block is one residual branch::
                                                            one per column chunk, summed
     exit:     (out, residual) -> residual + dropout(out)   local
 
+(or, with the norm after the op - ``Block.norm_after``, OLMo 2's - enter passes h on and exit
+adds dropout(norm(out)).)
+
 A block's exit and the next block's enter run as one local piece
 (:func:`domino.transformer.kernels.local`, compiled with ``RuntimeConfig.compile``); the
 block gives it its norm (:meth:`Block.norm_args`) and dropout mask (:meth:`Block.dropout_keep`).
@@ -77,6 +80,7 @@ class Block:
     residual_post_norm: bool
     rng: RNGTracker
     residual_multiplier: float = 1.0  # the op's output is scaled by it before the add
+    norm_after: bool = False  # the norm runs on the op's output (before the add), not its input
 
     def parameters(self) -> list[nn.Parameter]:
         """The block's own parameters: its norm's and its op's."""
@@ -89,9 +93,22 @@ class Block:
         return self.norm
 
     def norm_args(self) -> NormArgs:
-        """The entry norm as :func:`~domino.transformer.kernels.local` reads it (a call of the
-        norm module: see ``norms.py``)."""
+        """The block's norm as :func:`~domino.transformer.kernels.local` reads it (a call of
+        the norm module: see ``norms.py``)."""
         return self.norm()
+
+    def entry_norm(self) -> NormArgs | None:
+        """What the local piece entering the block normalises the stream with: its norm, or
+        None when the norm runs after the op (``norm_after``; the norm module is called
+        anyway, so that its forward pre-hooks still run before the op's parameters are used:
+        ``first_module``)."""
+        args = self.norm()
+        return None if self.norm_after else args
+
+    def exit_norm(self) -> NormArgs | None:
+        """What the local piece leaving the block normalises the op's output with before the
+        residual add: its norm when ``norm_after``, else None."""
+        return self.norm() if self.norm_after else None
 
     def dropout_keep(self, out: torch.Tensor,
                      seq_shard: tuple[int, int] | None = None) -> tuple[torch.Tensor | None, float]:
@@ -137,5 +154,5 @@ class TransformerLayer(nn.Module):
         return [Block(self.layer_number, b.kind, getattr(self, b.norm_name),
                       getattr(self, b.op_name), cfg.hidden_dropout,
                       cfg.apply_residual_connection_post_layernorm, self.rng,
-                      cfg.residual_multiplier)
+                      cfg.residual_multiplier, b.norm_after)
                 for b in self.spec.blocks]

@@ -58,13 +58,15 @@ class Part(Protocol):
 @dataclass(frozen=True)
 class BlockSpec:
     """One residual branch: its kind (what a schedule and the bench call it), its norm and
-    its op, each as (the layer's attribute name, the class)."""
+    its op, each as (the layer's attribute name, the class); ``norm_after``: the norm runs on
+    the op's output before the residual add instead of on its input (OLMo 2's)."""
 
     kind: str  # "self_attn" | "cross_attn" | "mlp"
     norm_name: str
     norm: type[Part]
     op_name: str
     op: type[Part]
+    norm_after: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def layer_spec(config: TransformerConfig, layer_number: int,
     layer has a cross attention between its self attention and its MLP."""
     norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     mlp = MoEOp if config.is_moe_layer(layer_number - 1) else MLP
+    if config.norm_after_sublayer:
+        return _norms_after(norm, mlp, layer_type)
     attention = BlockSpec("self_attn", "input_layernorm", norm, "self_attention", SelfAttention)
     if layer_type == LayerType.decoder:
         return LayerSpec((
@@ -97,3 +101,16 @@ def layer_spec(config: TransformerConfig, layer_number: int,
                       CrossAttention),
             BlockSpec("mlp", "post_inter_attention_layernorm", norm, "mlp", mlp)))
     return LayerSpec((attention, BlockSpec("mlp", "post_attention_layernorm", norm, "mlp", mlp)))
+
+
+def _norms_after(norm: type[Part], mlp: type[Part], layer_type: LayerType) -> LayerSpec:
+    """``config.norm_after_sublayer``: each block's norm on its op's output, under OLMo 2's
+    names (its Hugging Face names)."""
+    if layer_type == LayerType.decoder:
+        raise ValueError(
+            "norm_after_sublayer=True is built for decoder-only stacks; a decoder layer with "
+            "cross attention has no such layout here: use norm_after_sublayer=False.")
+    return LayerSpec((
+        BlockSpec("self_attn", "post_attention_layernorm", norm, "self_attention",
+                  SelfAttention, norm_after=True),
+        BlockSpec("mlp", "post_feedforward_layernorm", norm, "mlp", mlp, norm_after=True)))

@@ -36,6 +36,13 @@ def scalars(config: TransformerConfig) -> list[str]:
     return [f"{what} (only Granite has it)" for what in out]
 
 
+def norms_after(config: TransformerConfig) -> list[str]:
+    """Norms after each sublayer instead of before (only OLMo 2 has them)."""
+    if not config.norm_after_sublayer:
+        return []
+    return ["norms after each sublayer instead of before (only OLMo 2 has them)"]
+
+
 def nope(config: TransformerConfig) -> list[str]:
     """Layers without RoPE (only SmolLM3 has them)."""
     if not config.nope_layers:

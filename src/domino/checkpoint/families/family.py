@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from domino.checkpoint.families.common import nope, scalars
+from domino.checkpoint.families.common import nope, norms_after, scalars
 from domino.checkpoint.families.weights import Link
 from domino.checkpoint.hf_keys import HFKeys
 from domino.config import TransformerConfig
@@ -61,6 +61,7 @@ class Family:
     lacks: Callable[[str], tuple[str, ...]] | None = None
     scalars: bool = False  # it has Granite's embedding, residual, attention and logit scalars
     nope: bool = False  # its models may leave RoPE out on some layers (SmolLM3's NoPE layers)
+    norms_after: bool = False  # its norms run after each sublayer (OLMo 2's)
 
     def obstacles(self, config: TransformerConfig) -> list[str]:
         """What of ``config`` this family cannot express (empty: it expresses the model)."""
@@ -69,9 +70,11 @@ class Family:
 
     def own_obstacles(self, config: TransformerConfig) -> list[str]:
         """What of ``config`` this family, but not every one of its group, cannot express:
-        :attr:`own`, Granite's scalars where it has none, and SmolLM3's NoPE layers."""
+        :attr:`own`, Granite's scalars where it has none, SmolLM3's NoPE layers and OLMo 2's
+        norms after the sublayers."""
         return (self.own(config) + ([] if self.scalars else scalars(config))
-                + ([] if self.nope else nope(config)))
+                + ([] if self.nope else nope(config))
+                + ([] if self.norms_after else norms_after(config)))
 
     def key(self, name: str, rope: str = "rope_scaling") -> str:
         """The ``config.json`` key our config's field ``name`` comes from (``name`` itself when

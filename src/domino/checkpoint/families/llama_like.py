@@ -77,11 +77,13 @@ def _attention(config: TransformerConfig) -> list[str]:
         out.append("query/key norms with biases (Qwen3, Qwen3-MoE and OLMoE, the members "
                    "with the norms, have none)")
     if config.qk_layernorm_full_width:
-        if config.num_experts is None:
-            out.append("query/key norms over all heads in a dense model (of the family only "
-                       "OLMoE, a Mixture of Experts, has them)")
+        if config.num_experts is None and not config.norm_after_sublayer:
+            out.append("query/key norms over all heads in a dense model with norms before the "
+                       "sublayers (of the family only OLMoE, a Mixture of Experts, and OLMo 2, "
+                       "with norms after them, have them)")
         elif config.kv_channels * config.num_attention_heads != config.hidden_size:
-            out.append("heads x head size != hidden size (OLMoE's query norm spans "
+            name = "OLMoE" if config.num_experts is not None else "OLMo 2"
+            out.append(f"heads x head size != hidden size ({name}'s query norm spans "
                        "hidden_size)")
     return out
 

@@ -32,7 +32,6 @@ _INTERLEAVED = "RoPE on interleaved channel pairs"
 _NO_GATE = "an MLP without a gate (up_proj, down_proj)"
 _POST_NORMS = ("norms after attention and after the MLP instead of before them "
                "(post_attention_layernorm, post_feedforward_layernorm)")
-_FULL_QK = "RMSNorm over all heads' queries and keys (q_norm, k_norm) in a dense model"
 _GRANITE_MOE = ("Mixture-of-Experts layers with each layer's experts in two fused weights "
                 "(block_sparse_moe.input_linear, output_linear)")
 STRUCTURE: dict[str, tuple[str, ...]] = {
@@ -77,7 +76,6 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "mpt": ("Q/K/V fused in one Wqkv weight, LayerNorm without bias",),
     "nemotron": ("LayerNorm scaling by (1 + weight)", _NO_GATE),
     "olmo": ("LayerNorm without weights or biases",),
-    "olmo2": (_POST_NORMS, _FULL_QK),
     "openai-gpt": (_POST_LN,),
     "opt": ("learned positions offset by 2 (OPT's embed_positions)",),
     "persimmon": ("LayerNorm on each head's queries and keys", _NO_GATE),
