@@ -24,6 +24,7 @@ from domino.checkpoint.store import save
 from domino.cli import main
 from domino.config import TransformerConfig
 from domino.data import BPETokenizer
+from domino.data.tokenizer import Tokenizer
 from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
 from domino.models.gpt import GPTModel
@@ -325,40 +326,62 @@ def _imported_logits(rank: int, world: int, run: str, ids: torch.Tensor) -> torc
     return state.tp.all_gather_last_dim(part)[..., :config.vocab_size]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "starcoder2",
-                                  "smollm3"])
-def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
-                                     capfd) -> None:
-    folder, original = _hf_folder(tmp_path, bpe, arch)
+@dataclasses.dataclass
+class Imported:
+    """What :func:`import_matches` leaves for a test's own checks."""
+
+    model: GPTModel  # the TP=1 import, loaded in this process
+    config: TransformerConfig
+    tokenizer: Tokenizer
+    state: ParallelState
+    two: Path  # the TP=2 import's run folder
+    ids: torch.Tensor
+    expected: torch.Tensor  # transformers' logits on ids
+    hf_ids: list[int]  # transformers' greedy tokens after "def forward"
+
+
+def import_matches(tmp_path: Path, folder: Path, original: torch.nn.Module, bpe: BPETokenizer,
+                   capfd, new_tokens: int = 10) -> Imported:
+    """transformers' ``original`` (saved in ``folder``) imported at TP=1 (the library) and TP=2
+    (``domino import``) gives its logits at both sizes, and ``domino generate`` at TP=2 its
+    greedy tokens."""
     ids = torch.tensor([bpe.encode(TEXT)[:30]])
     with torch.no_grad():
         expected = original(ids).logits
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     import_hf(folder, one, 1)
     assert main(["import", str(folder), str(two), "--tensor-model-parallel-size", "2"]) == 0
-    step_dir, meta, _ = open_checkpoint(two)
-    assert meta.layout["tp"] == 2 and not meta.has_optimizer
-    assert (two / "config.toml").is_file()
     state = ParallelState.single()
     model, config, tokenizer, _ = load_saved_model(open_checkpoint(one)[0], state)
-    assert tokenizer.encode(TEXT) == bpe.encode(TEXT)
     with torch.no_grad():
         got = model(ids, None, None)[..., :config.vocab_size]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for logits in run_distributed(_imported_logits, 2, str(two), ids):
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    prompt = bpe.encode("def forward")
+    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                               do_sample=False, pad_token_id=bpe.eod)[0, len(prompt):].tolist()
+    capfd.readouterr()
+    assert main(["generate", str(two), "--prompt", "def forward", "--greedy", "--ids",
+                 "--max-new-tokens", str(new_tokens), "--tensor-model-parallel-size", "2"]) == 0
+    assert [int(x) for x in capfd.readouterr().out.split()] == hf_ids
+    return Imported(model, config, tokenizer, state, two, ids, expected, hf_ids)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "starcoder2",
+                                  "smollm3"])
+def test_import_matches_the_original(tmp_path: Path, bpe: BPETokenizer, arch: str,
+                                     capfd) -> None:
+    folder, original = _hf_folder(tmp_path, bpe, arch)
+    got = import_matches(tmp_path, folder, original, bpe, capfd)
+    step_dir, meta, _ = open_checkpoint(got.two)
+    assert meta.layout["tp"] == 2 and not meta.has_optimizer
+    assert (got.two / "config.toml").is_file()
+    assert got.tokenizer.encode(TEXT) == bpe.encode(TEXT)
     # Round trip: the imported model exported again is the original.
     back = tmp_path / "back"
     export_hf(step_dir, meta, back)
-    torch.testing.assert_close(_hf_logits(back, ids), expected, rtol=1e-5, atol=1e-5)
-    # `domino generate` at TP=2 (two local ranks) == transformers.generate.
-    prompt = bpe.encode("def forward")
-    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
-    capfd.readouterr()
-    assert main(["generate", str(two), "--prompt", "def forward", "--greedy", "--ids",
-                 "--max-new-tokens", "10", "--tensor-model-parallel-size", "2"]) == 0
-    assert [int(x) for x in capfd.readouterr().out.split()] == hf_ids
+    torch.testing.assert_close(_hf_logits(back, got.ids), got.expected, rtol=1e-5, atol=1e-5)
 
 
 def _moe_folder(tmp: Path, bpe: BPETokenizer, arch: str) -> tuple[Path, torch.nn.Module]:

@@ -13,28 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
 from test_hf_interop import (
     TEXT,
     _hf,
     _hf_logits,
-    _imported_logits,
     _llama_config,
     _ours,
     _perturb,
     export_matches,
+    import_matches,
 )
 
 from domino.checkpoint.families import family_for
 from domino.checkpoint.hf_config import config_from_hf
 from domino.checkpoint.hf_export import export_hf
-from domino.checkpoint.hf_import import import_hf
 from domino.checkpoint.layout import open_checkpoint
-from domino.cli import main
 from domino.data import BPETokenizer
-from domino.inference.loading import load_saved_model
 from domino.inference.sampling import generate
-from domino.parallel_state import ParallelState
 
 OLMO2 = dict(qk_layernorm=True, qk_layernorm_full_width=True, norm_after_sublayer=True,
              kv_channels=12, rope_scaling_type=None, rotary_base=10000.0)
@@ -66,36 +61,18 @@ def _olmo2_folder(tmp: Path, bpe: BPETokenizer, **kw) -> tuple[Path, torch.nn.Mo
 def test_olmo2_imports_and_exports_with_transformers_logits(
         tmp_path: Path, bpe: BPETokenizer, tied: bool, capfd) -> None:
     folder, original = _olmo2_folder(tmp_path, bpe, tie_word_embeddings=tied)
-    ids = torch.tensor([bpe.encode(TEXT)[:30]])
-    with torch.no_grad():
-        expected = original(ids).logits
-    one, two = tmp_path / "tp1", tmp_path / "tp2"
-    import_hf(folder, one, 1)
-    assert main(["import", str(folder), str(two), "--tensor-model-parallel-size", "2"]) == 0
-    state = ParallelState.single()
-    model, config, _, _ = load_saved_model(open_checkpoint(one)[0], state)
+    got = import_matches(tmp_path, folder, original, bpe, capfd)
+    config = got.config
     assert config.norm_after_sublayer and config.qk_layernorm_full_width
     assert config.untie_embeddings_and_output_weights == (not tied)
-    with torch.no_grad():
-        got = model(ids, None, None)[..., :config.vocab_size]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    for logits in run_distributed(_imported_logits, 2, str(two), ids):
-        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    step_dir, meta, _ = open_checkpoint(two)
+    step_dir, meta, _ = open_checkpoint(got.two)
     assert export_hf(step_dir, meta, tmp_path / "back") == "olmo2"
     saved = json.loads((tmp_path / "back" / "config.json").read_text())
     assert saved["architectures"] == ["Olmo2ForCausalLM"]
-    torch.testing.assert_close(_hf_logits(tmp_path / "back", ids), expected, rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(_hf_logits(tmp_path / "back", got.ids), got.expected,
+                               rtol=1e-5, atol=1e-5)
     prompt = bpe.encode("def forward")
-    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
-    assert generate(model, state, prompt, 10, config.vocab_size, 32) == hf_ids
-    capfd.readouterr()
-    assert main(["generate", str(two), "--prompt", "def forward", "--greedy", "--ids",
-                 "--max-new-tokens", "10", "--tensor-model-parallel-size", "2"]) == 0
-    assert [int(x) for x in capfd.readouterr().out.split()] == hf_ids
-
+    assert generate(got.model, got.state, prompt, 10, config.vocab_size, 32) == got.hf_ids
 
 def test_our_post_norm_model_exports_as_olmo2(tmp_path: Path, bpe: BPETokenizer) -> None:
     config = _llama_config(bpe.vocab_size, **OLMO2)

@@ -20,21 +20,7 @@ SCALARS = {"embedding_multiplier": "embedding_multiplier",
 
 
 def _own(config: TransformerConfig) -> list[str]:
-    out = llama_like.dense_or_not(config, FAMILY)
-    if config.qk_layernorm:
-        out.append("query/key norms (Granite has none)")
-    if config.add_qkv_bias and not config.add_bias_linear:
-        out.append("a bias on Q/K/V only (Granite's come with the output's and the MLP's)")
-    if config.window_size is not None:
-        out.append("sliding-window attention (Granite has none)")
-    return out
-
-
-def _bias(keys: HFKeys, bias: bool, name: str) -> bool:
-    if keys.flag("mlp_bias", False) != bias:
-        keys.refuse("Granite attention_bias != mlp_bias is not supported: the output "
-                    "projection's bias comes with the MLP's here (add_bias_linear)")
-    return bias
+    return llama_like.plain_obstacles(config, FAMILY)
 
 
 def _scalar(keys: HFKeys, key: str) -> float:
@@ -46,7 +32,8 @@ def _scalar(keys: HFKeys, key: str) -> float:
 
 
 def _read(keys: HFKeys) -> TransformerConfig:
-    config = llama_like.read_config(keys, FAMILY, window=llama_like.no_window, bias=_bias)
+    config = llama_like.read_config(keys, FAMILY, window=llama_like.no_window,
+                                    bias=llama_like.mlp_bias_too)
     return dataclasses.replace(config, **{ours: _scalar(keys, theirs)
                                           for ours, theirs in SCALARS.items()})
 

@@ -100,6 +100,21 @@ def dense_or_not(config: TransformerConfig, family: Family) -> list[str]:
     return []
 
 
+def plain_obstacles(config: TransformerConfig, family: Family, *,
+                    window: bool = False) -> list[str]:
+    """What a member with Llama's own attention lacks: query/key norms and a bias on Q/K/V
+    alone (its biases come all or none), and, unless ``window``, a sliding window."""
+    out = dense_or_not(config, family)
+    if config.qk_layernorm:
+        out.append(f"query/key norms ({family.name} has none)")
+    if config.add_qkv_bias and not config.add_bias_linear:
+        out.append(f"a bias on Q/K/V only ({family.name}'s come with the output's and the "
+                   "MLP's)")
+    if not window and config.window_size is not None:
+        out.append(f"sliding-window attention ({family.name} has none)")
+    return out
+
+
 # ---- config.json ------------------------------------------------------------------------------
 
 
@@ -160,6 +175,15 @@ MoE = Callable[[HFKeys, str, int], dict[str, Any]]
 def ignore_bias(keys: HFKeys, bias: bool, name: str) -> bool:
     """No bias on the output or MLP (attention_bias, if set, is not the family's key)."""
     return False
+
+
+def mlp_bias_too(keys: HFKeys, bias: bool, name: str) -> bool:
+    """attention_bias (Q, K, V and the output) must equal mlp_bias: the output projection's
+    bias comes with the MLP's here."""
+    if keys.flag("mlp_bias", False) != bias:
+        keys.refuse(f"{name} attention_bias != mlp_bias is not supported: the output "
+                    "projection's bias comes with the MLP's here (add_bias_linear)")
+    return bias
 
 
 def refuse_bias(keys: HFKeys, bias: bool, name: str) -> bool:

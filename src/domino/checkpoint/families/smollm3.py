@@ -21,19 +21,7 @@ DEFAULT_THETA = 2000000.0  # (SmolLM3Config.default_theta)
 
 
 def _own(config: TransformerConfig) -> list[str]:
-    out = llama_like.dense_or_not(config, FAMILY)
-    if config.qk_layernorm:
-        out.append(f"query/key norms ({NAME} has none)")
-    if config.add_qkv_bias and not config.add_bias_linear:
-        out.append(f"a bias on Q/K/V only ({NAME}'s come with the output's and the MLP's)")
-    return out
-
-
-def _bias(keys: HFKeys, bias: bool, name: str) -> bool:
-    if keys.flag("mlp_bias", False) != bias:
-        keys.refuse(f"{NAME} attention_bias != mlp_bias is not supported: the output "
-                    "projection's bias comes with the MLP's here (add_bias_linear)")
-    return bias
+    return llama_like.plain_obstacles(config, FAMILY, window=True)
 
 
 # The per-layer lists are built from num_hidden_layers: a damaged count must not build one
@@ -93,7 +81,7 @@ def _window(keys: HFKeys, nope: tuple[int, ...]) -> int | None:
 def _read(keys: HFKeys) -> TransformerConfig:
     nope = _nope_layers(keys, keys.integer("num_hidden_layers"))
     config = llama_like.read_config(keys, FAMILY, window=lambda k, _: _window(k, nope),
-                                    bias=_bias)
+                                    bias=llama_like.mlp_bias_too)
     # SmolLM3's own defaults where the file leaves the key out: tied, theta 2e6.
     rope = "rope_parameters" if keys.raw.get("rope_parameters") else "rope_scaling"
     theta = keys.number((f"{rope}.rope_theta", "rope_theta"), None)
