@@ -19,7 +19,14 @@ Weight layouts it assumes (the documented contract):
   ``(1 - eps) * nll + eps * mean_j(-log p_j)`` over the real vocabulary;
 * Granite's scalars: the word embeddings times ``embedding_multiplier``, each branch's output
   times ``residual_multiplier`` before its residual add, the scores times ``softmax_scale``
-  (when set) instead of 1/sqrt(d), the logits divided by ``logits_scaling``.
+  (when set) instead of 1/sqrt(d), the logits divided by ``logits_scaling``;
+* Gemma's: norms scaling by (1 + weight) with ``layernorm_zero_centered_gamma``; with
+  ``sandwich_norms`` each branch normalised before (``input_layernorm`` /
+  ``pre_feedforward_layernorm``) and after (``post_attention_layernorm`` /
+  ``post_feedforward_layernorm``); GeGLU = gelu_tanh(gate) * up; scores capped at
+  cap * tanh(scores / cap) (``attention_softcap``) and logits likewise (``output_softcap``);
+  the sliding window on every layer but ``full_attention_layers``, whose RoPE base is
+  ``local_rotary_base`` (without interpolation) where set.
 """
 
 from __future__ import annotations
@@ -46,32 +53,40 @@ def _linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
 
 
 def _norm(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.Tensor:
+    gamma = w[name + ".weight"]
+    if cfg.layernorm_zero_centered_gamma:
+        gamma = 1 + gamma
     if cfg.normalization == "RMSNorm":
-        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon) \
-            * w[name + ".weight"]
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon) * gamma
     mu = x.mean(-1, keepdim=True)
     var = (x - mu).pow(2).mean(-1, keepdim=True)
-    return (x - mu) / torch.sqrt(var + cfg.layernorm_epsilon) * w[name + ".weight"] \
-        + w[name + ".bias"]
+    return (x - mu) / torch.sqrt(var + cfg.layernorm_epsilon) * gamma + w[name + ".bias"]
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
-    """x [b, s, n, d] rotated by absolute positions pos [b, s]."""
+def _rope(x: torch.Tensor, pos: torch.Tensor, cfg: TransformerConfig,
+          local: bool = False) -> torch.Tensor:
+    """x [b, s, n, d] rotated by absolute positions pos [b, s]; ``local``: a sliding layer's
+    own base (``local_rotary_base``), positions not interpolated."""
     rot = int(cfg.kv_channels * cfg.rotary_percent)
     half = rot // 2
     p = pos.double()
-    if cfg.rotary_seq_len_interpolation_factor is not None:
+    base = cfg.rotary_base
+    if local and cfg.local_rotary_base is not None:
+        base = cfg.local_rotary_base
+    elif cfg.rotary_seq_len_interpolation_factor is not None:
         p = p / cfg.rotary_seq_len_interpolation_factor
     i = torch.arange(half, dtype=torch.float64)
-    ang = p[..., None] * torch.pow(float(cfg.rotary_base), -2.0 * i / rot)  # [b, s, half]
+    ang = p[..., None] * torch.pow(float(base), -2.0 * i / rot)  # [b, s, half]
     cos, sin = ang.cos()[:, :, None].to(x.dtype), ang.sin()[:, :, None].to(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:rot], x[..., rot:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
-               pos: torch.Tensor, mask: torch.Tensor | None, rope: bool = True) -> torch.Tensor:
-    """``rope``: False on a NoPE layer (one of ``cfg.nope_layers``)."""
+               pos: torch.Tensor, mask: torch.Tensor | None, rope: bool = True,
+               window: int | None = None) -> torch.Tensor:
+    """``rope``: False on a NoPE layer (one of ``cfg.nope_layers``); ``window``: the layer's
+    sliding window (None: full attention)."""
     b, s, _ = x.shape
     heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     per = heads // groups
@@ -84,26 +99,37 @@ def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
     elif cfg.qk_layernorm:  # each head's queries and keys, over the head size
         q, k = _norm(q, w, name + ".q_layernorm", cfg), _norm(k, w, name + ".k_layernorm", cfg)
     if cfg.position_embedding_type == "rope" and rope:
-        q, k = _rope(q, pos, cfg), _rope(k, pos, cfg)
+        local = window is not None
+        q, k = _rope(q, pos, cfg, local), _rope(k, pos, cfg, local)
     ctx = []
     for h in range(heads):  # head by head, straight from the definition
         g = h // per
         scale = 1 / math.sqrt(d) if cfg.softmax_scale is None else cfg.softmax_scale
         scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale  # [b, s, s]
+        if cfg.attention_softcap is not None:
+            scores = cfg.attention_softcap * torch.tanh(scores / cfg.attention_softcap)
         causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-        if cfg.window_size is not None:  # key j is seen by query i iff i - window < j <= i
-            causal = causal | torch.ones(s, s, dtype=torch.bool).tril(-cfg.window_size)
+        if window is not None:  # key j is seen by query i iff i - window < j <= i
+            causal = causal | torch.ones(s, s, dtype=torch.bool).tril(-window)
         blocked = causal if mask is None else (causal | mask[:, 0])
         scores = scores.masked_fill(blocked, float("-inf"))
         ctx.append(torch.softmax(scores, dim=-1) @ v[:, :, g])  # [b, s, d]
     return _linear(torch.cat(ctx, dim=-1), w, name + ".dense")
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
 def _mlp(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.Tensor:
     h = _linear(x, w, name + ".dense_h_to_4h")
+    gate, up = h[..., :cfg.ffn_hidden_size], h[..., cfg.ffn_hidden_size:]
     if cfg.activation == "swiglu":
-        gate, up = h[..., :cfg.ffn_hidden_size], h[..., cfg.ffn_hidden_size:]
         h = gate * torch.sigmoid(gate) * up
+    elif cfg.activation == "geglu_tanh":
+        h = _gelu_tanh(gate) * up
+    elif cfg.activation == "gelu_tanh":
+        h = _gelu_tanh(h)
     else:
         h = 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
     return _linear(h, w, name + ".dense_4h_to_h")
@@ -143,6 +169,18 @@ def _moe(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.T
     return out
 
 
+def _branch_norms(cfg: TransformerConfig) -> list[tuple[str | None, str | None, str]]:
+    """Each branch's (norm before, norm after, branch): pre-norm, OLMo 2's norms after only,
+    or Gemma 2's on both sides."""
+    if cfg.norm_after_sublayer:
+        return [(None, "post_attention_layernorm", "attn"),
+                (None, "post_feedforward_layernorm", "mlp")]
+    if cfg.sandwich_norms:
+        return [("input_layernorm", "post_attention_layernorm", "attn"),
+                ("pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp")]
+    return [("input_layernorm", None, "attn"), ("post_attention_layernorm", None, "mlp")]
+
+
 def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
                      position_ids: torch.Tensor | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,21 +192,19 @@ def reference_hidden(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
         x = x + w[PREFIX + "embedding.position_embeddings.weight"][pos]
     for i in range(cfg.num_layers):
         layer = f"{PREFIX}encoder.layers.{i}"
-        norms = (("post_attention_layernorm", "post_feedforward_layernorm")
-                 if cfg.norm_after_sublayer else ("input_layernorm", "post_attention_layernorm"))
-        for norm, branch in zip(norms, ("attn", "mlp"), strict=True):
-            after = cfg.norm_after_sublayer  # OLMo 2: x + norm(branch(x)), no norm before
-            ln = x if after else _norm(x, w, f"{layer}.{norm}", cfg)
+        window = None if i in cfg.full_attention_layers else cfg.window_size
+        for before, after, branch in _branch_norms(cfg):
+            ln = x if before is None else _norm(x, w, f"{layer}.{before}", cfg)
             res = ln if cfg.apply_residual_connection_post_layernorm else x
             if branch == "attn":
                 out = _attention(ln, w, f"{layer}.self_attention", cfg, pos, mask,
-                                 rope=i not in cfg.nope_layers)
+                                 rope=i not in cfg.nope_layers, window=window)
             elif cfg.num_experts and cfg.is_moe_layer(i):
                 out = _moe(ln, w, f"{layer}.mlp.moe", cfg)
             else:
                 out = _mlp(ln, w, f"{layer}.mlp", cfg)
-            if after:
-                out = _norm(out, w, f"{layer}.{norm}", cfg)
+            if after is not None:
+                out = _norm(out, w, f"{layer}.{after}", cfg)
             x = res + out * cfg.residual_multiplier
     if cfg.final_layernorm:
         x = _norm(x, w, PREFIX + "encoder.final_layernorm", cfg)
@@ -182,7 +218,10 @@ def reference_logits(w: dict, cfg: TransformerConfig, ids: torch.Tensor,
     out_w = (w[PREFIX + "output_layer.weight"] if cfg.untie_embeddings_and_output_weights
              else w[PREFIX + "embedding.word_embeddings.weight"])
     logits = reference_hidden(w, cfg, ids, position_ids, mask) @ out_w[:cfg.vocab_size].t()
-    return logits / cfg.logits_scaling
+    logits = logits / cfg.logits_scaling
+    if cfg.output_softcap is not None:
+        logits = cfg.output_softcap * torch.tanh(logits / cfg.output_softcap)
+    return logits
 
 
 def reference_loss(w: dict, cfg: TransformerConfig, ids: torch.Tensor, labels: torch.Tensor,

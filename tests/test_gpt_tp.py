@@ -84,6 +84,28 @@ VARIANTS = {
     "norms_after_ln_bias_gelu": (
         dict(norm_after_sublayer=True, sequence_parallel=True), 0.0, (2, "intra_layer", 1),
         "sgd"),
+    # Gemma 2's: (1 + weight) norms on both sides of each sublayer, GeGLU, soft-capped scores
+    # and logits, its query scale and scaled embeddings; layer 1 of 3 global, 0 and 2 sliding.
+    "gemma2_sandwich_softcaps": (
+        dict(normalization="RMSNorm", activation="geglu_tanh", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, layernorm_zero_centered_gamma=True,
+             sandwich_norms=True, attention_softcap=0.5, output_softcap=2.0, softmax_scale=0.3,
+             embedding_multiplier=8.0, window_size=3, full_attention_layers=(1,),
+             num_layers=3, vocab_size=1000),
+        0.0, (2, "cross_layer", 2), "adam"),
+    # Gemma 3's: per-head (1 + weight) query/key norms, the sliding layers' own RoPE base (the
+    # global layer's interpolated), on sequence shards.
+    "gemma3_local_rope_sp": (
+        dict(normalization="RMSNorm", activation="geglu_tanh", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, layernorm_zero_centered_gamma=True,
+             sandwich_norms=True, qk_layernorm=True, window_size=4, full_attention_layers=(2,),
+             local_rotary_base=100.0, rotary_base=1e6, rotary_seq_len_interpolation_factor=2.0,
+             num_layers=3, vocab_size=1000, sequence_parallel=True),
+        0.0, (2, "intra_layer", 2), "sgd"),
+    # The same norms as LayerNorms (1 + weight, with biases).
+    "zero_centered_layernorm_sandwich": (
+        dict(layernorm_zero_centered_gamma=True, sandwich_norms=True), 0.0, (2, "none", 1),
+        "sgd"),
     "vocab_1000_pad_1_untied": (
         dict(vocab_size=1001, make_vocab_size_divisible_by=1,
              untie_embeddings_and_output_weights=True, num_layers=1),
@@ -206,7 +228,8 @@ def test_gpt_tp_matches_single_process(tp, variant) -> None:
 REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied_smooth",
                 "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3", "qk_norm_full_width",
                 "nope_layer1_of3", "granite_multipliers", "olmo2_norms_after",
-                "norms_after_ln_bias_gelu"]
+                "norms_after_ln_bias_gelu", "gemma2_sandwich_softcaps", "gemma3_local_rope_sp",
+                "zero_centered_layernorm_sandwich"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)

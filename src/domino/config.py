@@ -77,12 +77,19 @@ class TransformerConfig:
         default=(),
         metadata={"help": "With RoPE: the layers (0-based) whose attention has no RoPE (NoPE "
                           "layers, SmolLM3's no_rope_layers 0s); empty: RoPE on every layer."})
+    local_rotary_base: float | None = field(
+        default=None,
+        metadata={"help": "With RoPE and window_size: the RoPE base of the sliding-window "
+                          "layers, which then also skip the RoPE scaling and interpolation "
+                          "(Gemma 3's rope_local_base_freq); None: every layer's RoPE is the "
+                          "same."})
     normalization: str = field(
         default="LayerNorm", metadata={"help": "LayerNorm or RMSNorm.", "choices": NORMALIZATIONS})
     activation: str = field(
         default="gelu",
-        metadata={"help": "MLP activation: gelu (exact), gelu_tanh (GPT-2's tanh approximation) "
-                          "or swiglu."})
+        metadata={"help": "MLP activation: gelu (exact), gelu_tanh (GPT-2's tanh approximation), "
+                          "swiglu, or geglu_tanh (a gate through tanh-approximated GELU: "
+                          "Gemma's)."})
     add_bias_linear: bool = field(default=True, metadata={"help": "Bias in the linear layers."})
     add_qkv_bias: bool = field(
         default=False,
@@ -102,6 +109,16 @@ class TransformerConfig:
         metadata={"help": "Sliding-window attention: each query sees itself and the "
                           "window_size - 1 keys before it (Mistral's sliding_window; Megatron's "
                           "(window_size - 1, 0)); None: every earlier key."})
+    full_attention_layers: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "With window_size: the layers (0-based) that attend to every earlier "
+                          "key (Gemma 2/3's full_attention layers); empty: every layer's "
+                          "attention slides."})
+    attention_softcap: float | None = field(
+        default=None,
+        metadata={"help": "Soft-cap the attention scores: cap * tanh(scores / cap), after "
+                          "scaling and before the mask (Gemma 2's attn_logit_softcapping); "
+                          "None: no cap."})
     embedding_multiplier: float = field(
         default=1.0, metadata={"help": "Multiply the embeddings by this (Granite's)."})
     residual_multiplier: float = field(
@@ -114,6 +131,10 @@ class TransformerConfig:
                           "attention_multiplier); None: 1/sqrt(kv_channels)."})
     logits_scaling: float = field(
         default=1.0, metadata={"help": "Divide the output logits by this (Granite's)."})
+    output_softcap: float | None = field(
+        default=None,
+        metadata={"help": "Soft-cap the output logits: cap * tanh(logits / cap) (Gemma 2's "
+                          "final_logit_softcapping); None: no cap."})
     hidden_dropout: float = field(default=0.1, metadata={"help": "Dropout after attention/MLP."})
     attention_dropout: float = field(default=0.1, metadata={"help": "Dropout on attention probs."})
     layernorm_epsilon: float = field(default=1e-5, metadata={"help": "Norm epsilon."})
@@ -131,6 +152,16 @@ class TransformerConfig:
         metadata={"help": "Normalise each sublayer's output before its residual add "
                           "(h + norm(attention(h)), h + norm(mlp(h)): OLMo 2's) instead of "
                           "its input."})
+    sandwich_norms: bool = field(
+        default=False,
+        metadata={"help": "Normalise each sublayer's input and also its output before the "
+                          "residual add (h + norm2(attention(norm1(h))): four norms per layer, "
+                          "Gemma 2/3's)."})
+    layernorm_zero_centered_gamma: bool = field(
+        default=False,
+        metadata={"help": "Every norm scales by (1 + weight), its weights starting at 0 "
+                          "(Gemma's; Megatron's name); an RMSNorm then multiplies in fp32 "
+                          "before rounding to the activations' dtype, as Gemma does."})
     final_layernorm: bool = field(default=True, metadata={"help": "Norm after the last layer."})
     untie_embeddings_and_output_weights: bool = field(
         default=False, metadata={"help": "Separate output layer instead of the word embeddings."})
@@ -336,7 +367,10 @@ for _name in SEED_SPELLING:
 _NOT_SAVED = {"init_method", "output_layer_init_method"}
 # Architecture fields left out of architecture() at the value that changes nothing.
 _NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "softmax_scale": None,
-            "logits_scaling": 1.0, "nope_layers": (), "norm_after_sublayer": False}
+            "logits_scaling": 1.0, "nope_layers": (), "norm_after_sublayer": False,
+            "full_attention_layers": (), "attention_softcap": None, "output_softcap": None,
+            "sandwich_norms": False, "layernorm_zero_centered_gamma": False,
+            "local_rotary_base": None}
 
 # What a set of weights is: shapes and math (not dropout, init, sequence length or the schedule).
 ARCHITECTURE_FIELDS = (
@@ -345,16 +379,18 @@ ARCHITECTURE_FIELDS = (
     "position_embedding_type", "rotary_percent", "rotary_base",
     "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-    "nope_layers",
+    "nope_layers", "local_rotary_base",
     "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "qk_layernorm_full_width", "window_size", "embedding_multiplier", "residual_multiplier",
-    "softmax_scale", "logits_scaling", "num_experts", "moe_router_topk",
+    "qk_layernorm_full_width", "window_size", "full_attention_layers", "attention_softcap",
+    "embedding_multiplier", "residual_multiplier", "softmax_scale", "logits_scaling",
+    "output_softcap", "num_experts", "moe_router_topk",
     "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_first_k_dense_layers", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
     "moe_router_enable_expert_bias",
     "layernorm_epsilon",
-    "apply_residual_connection_post_layernorm", "norm_after_sublayer", "final_layernorm",
+    "apply_residual_connection_post_layernorm", "norm_after_sublayer", "sandwich_norms",
+    "layernorm_zero_centered_gamma", "final_layernorm",
     "untie_embeddings_and_output_weights",
 )
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu_tanh")
 ROPE_SCALING_TYPES = ("llama3",)
 
 
@@ -57,12 +57,20 @@ def check_dropout_and_window(cfg: TransformerConfig) -> None:
                                or window < 1):
         raise ValueError(f"window_size={window!r} must be an integer >= 1 (the "
                          "tokens a query sees, itself included) or None for full attention.")
+    layer_list(cfg, "full_attention_layers", "the layers whose attention does not slide")
+    if cfg.full_attention_layers and window is None:
+        raise ValueError(f"full_attention_layers={list(cfg.full_attention_layers)} exempts "
+                         "layers from the sliding window, but window_size is None (no layer "
+                         "slides): set window_size, or leave full_attention_layers empty.")
 
 
 def check_moe(cfg: TransformerConfig) -> None:
     """The Mixture-of-Experts fields (none without ``num_experts``)."""
     if cfg.num_experts is None:
         return
+    if cfg.activation == "geglu_tanh":
+        raise ValueError("activation='geglu_tanh' is built for dense MLPs; the experts of an "
+                         "MoE model (num_experts set) run swiglu, gelu or gelu_tanh: pick one.")
     positive(cfg, "num_experts", "moe_router_topk", "moe_layer_freq")
     if cfg.moe_router_topk > cfg.num_experts:
         raise ValueError(f"moe_router_topk={cfg.moe_router_topk} is more than num_experts="
@@ -106,6 +114,7 @@ def check_rope(cfg: TransformerConfig) -> None:
     if cfg.rope_scaling_type is not None:
         check_rope_scaling(cfg)
     check_nope_layers(cfg)
+    check_local_rotary_base(cfg)
     if (cfg.rotary_seq_len_interpolation_factor is not None
             and cfg.rotary_seq_len_interpolation_factor <= 0):
         raise ValueError(
@@ -113,21 +122,44 @@ def check_rope(cfg: TransformerConfig) -> None:
             f"{cfg.rotary_seq_len_interpolation_factor} must be > 0 (or None).")
 
 
-def check_nope_layers(cfg: TransformerConfig) -> None:
-    """The layers without RoPE: distinct layer numbers (0-based), only with RoPE; kept as a
-    sorted tuple (a saved config's list reads back equal)."""
-    layers = cfg.nope_layers
+def layer_list(cfg: TransformerConfig, name: str, what: str) -> None:
+    """Field ``name``: distinct layer numbers (0-based) below num_layers, kept as a sorted
+    tuple (a saved config's list reads back equal)."""
+    layers = getattr(cfg, name)
     if not isinstance(layers, list | tuple) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.num_layers
             for i in layers) or len(set(layers)) != len(layers):
-        raise ValueError(f"nope_layers={layers!r} must be distinct layer numbers in [0, "
-                         f"num_layers={cfg.num_layers}) (the layers without RoPE; empty: RoPE "
-                         "on every layer).")
+        raise ValueError(f"{name}={layers!r} must be distinct layer numbers in [0, "
+                         f"num_layers={cfg.num_layers}) ({what}; empty: none).")
+    setattr(cfg, name, tuple(sorted(layers)))
+
+
+def check_nope_layers(cfg: TransformerConfig) -> None:
+    """The layers without RoPE: a layer list, only with RoPE."""
+    layer_list(cfg, "nope_layers", "the layers without RoPE")
+    layers = cfg.nope_layers
     if layers and cfg.position_embedding_type != "rope":
         raise ValueError(f"nope_layers={list(layers)} turns RoPE off on some layers; it needs "
                          "position_embedding_type='rope' (got "
                          f"{cfg.position_embedding_type!r}): set it, or leave nope_layers empty.")
-    cfg.nope_layers = tuple(sorted(layers))
+
+
+def check_local_rotary_base(cfg: TransformerConfig) -> None:
+    """Gemma 3's RoPE base of the sliding layers: a number > 1, with RoPE and a window."""
+    base = cfg.local_rotary_base
+    if base is None:
+        return
+    if (isinstance(base, bool) or not isinstance(base, int | float) or not math.isfinite(base)
+            or base <= 1):
+        raise ValueError(f"local_rotary_base={base!r} must be a finite number > 1 (or None: "
+                         "the sliding layers' RoPE is every layer's).")
+    if cfg.position_embedding_type != "rope" or cfg.window_size is None:
+        raise ValueError(
+            f"local_rotary_base={base} is the RoPE base of the sliding-window layers; it needs "
+            f"position_embedding_type='rope' and a window_size (got "
+            f"{cfg.position_embedding_type!r}, window_size={cfg.window_size}): set them, or "
+            "leave local_rotary_base None.")
+    cfg.local_rotary_base = float(base)
 
 
 def check_rope_scaling(cfg: TransformerConfig) -> None:
@@ -163,20 +195,26 @@ def check_positions_and_norms(cfg: TransformerConfig) -> None:
             "norm_after_sublayer=True normalises each sublayer's output, so no norm output "
             "exists to take the residual from; it needs "
             "apply_residual_connection_post_layernorm=False.")
+    if cfg.norm_after_sublayer and cfg.sandwich_norms:
+        raise ValueError(
+            "norm_after_sublayer=True (a norm after each sublayer instead of before) and "
+            "sandwich_norms=True (norms before and after) are two layouts; set one of them.")
 
 
 def check_multipliers(cfg: TransformerConfig) -> None:
-    """Granite's scalars: finite numbers > 0 (softmax_scale may be None: 1/sqrt(d))."""
-    for name in ("embedding_multiplier", "residual_multiplier", "softmax_scale",
-                 "logits_scaling"):
+    """Granite's scalars and Gemma's caps: finite numbers > 0 (softmax_scale and the caps may
+    be None: 1/sqrt(d), no cap)."""
+    optional = ("softmax_scale", "attention_softcap", "output_softcap")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", *optional):
         value = getattr(cfg, name)
-        if value is None and name == "softmax_scale":
+        if value is None and name in optional:
             continue
         if (isinstance(value, bool) or not isinstance(value, int | float)
                 or not math.isfinite(value) or value <= 0):
-            raise ValueError(f"{name}={value!r} must be a finite number > 0 (1 changes "
-                             "nothing" + ("; None: 1/sqrt(kv_channels))." if name ==
-                                          "softmax_scale" else ")."))
+            unset = {"softmax_scale": "1/sqrt(kv_channels)", "attention_softcap": "no cap",
+                     "output_softcap": "no cap"}.get(name)
+            raise ValueError(f"{name}={value!r} must be a finite number > 0 (" + (
+                f"None: {unset})." if unset else "1 changes nothing)."))
 
 
 def check_init(cfg: TransformerConfig) -> None:

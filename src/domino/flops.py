@@ -64,14 +64,14 @@ def _layer_linears(config) -> list[tuple[int, int, str]]:
     h, d = config.hidden_size, config.kv_channels
     qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
     ffn = config.ffn_hidden_size
-    gated = config.activation == "swiglu"
+    gated = config.activation in ("swiglu", "geglu_tanh")
     return [(h, qkv, "column"), (config.num_attention_heads * d, h, "row"),
             (h, ffn * (2 if gated else 1), "column"), (ffn, h, "row")]
 
 
 def _mlp_flops(config, moe: bool) -> float:
     """A token's forward FLOPs in a layer's MLP (dense, or MoE: see the module docstring)."""
-    h, gemms = config.hidden_size, 3 if config.activation == "swiglu" else 2
+    h, gemms = config.hidden_size, 3 if config.activation in ("swiglu", "geglu_tanh") else 2
 
     def mlp(ffn: int) -> float:
         return 2.0 * h * ffn * gemms

@@ -46,10 +46,22 @@ def check_dropout(attention_dropout: float, cp: int) -> None:
             "masks. Set attention_dropout=0, or context_parallel_size=1.")
 
 
+def check_softcap(attention_softcap: float | None, cp: int) -> None:
+    """Raise ValueError for soft-capped attention scores, which context-parallel attention
+    lacks (its blockwise softmax and backward are written for uncapped scores)."""
+    if attention_softcap is not None:
+        raise ValueError(
+            f"attention_softcap={attention_softcap} (Gemma 2's attention soft-capping) is not "
+            f"supported with context parallelism (context_parallel_size={cp}): "
+            "context-parallel attention computes uncapped scores. Use context_parallel_size=1 "
+            "for this model.")
+
+
 def check_context_parallel(*, seq_length: int, context_parallel_size: int,
                            num_attention_heads: int, num_query_groups: int | None = None,
                            attention_dropout: float = 0.0, kind: str = "ring",
-                           tensor_model_parallel_size: int = 1) -> None:
+                           tensor_model_parallel_size: int = 1,
+                           attention_softcap: float | None = None) -> None:
     """Every configuration rule of context-parallel attention (ValueError naming the setting
     to change: its config field); nothing to check at ``context_parallel_size`` 1."""
     cp = context_parallel_size
@@ -58,6 +70,7 @@ def check_context_parallel(*, seq_length: int, context_parallel_size: int,
         return
     check_sequence_length(seq_length, cp)
     check_dropout(attention_dropout, cp)
+    check_softcap(attention_softcap, cp)
     if kind == "alltoall":
         check_heads(num_attention_heads, num_query_groups or num_attention_heads, cp,
                     tensor_model_parallel_size)

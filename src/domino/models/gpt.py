@@ -124,6 +124,8 @@ class GPTModel(nn.Module):
         )  # [s, b, v/tp]
         if self.config.logits_scaling != 1.0:  # (Granite's)
             logits = logits / self.config.logits_scaling
+        if (cap := self.config.output_softcap) is not None:  # (Gemma 2's)
+            logits = torch.tanh(logits / cap) * cap
         logits = mask_padded_logits(logits, self.config.vocab_size, tp)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()  # [b, s, v/tp]

@@ -38,7 +38,7 @@ from domino.tensor_parallel.placement import Placement, place
 from domino.transformer import BackwardContext, Block, DominoTransformer, InferenceParams
 from domino.transformer.late_work import LateWork
 from domino.transformer.microbatch import MicroBatch
-from domino.transformer.rope import Llama3Scaling, RotaryEmbedding
+from domino.transformer.rope import RotaryEmbedding
 from domino.utils import init_scope
 
 
@@ -261,16 +261,8 @@ class TransformerLanguageModel(nn.Module):
                                            config.max_position_embeddings,
                                            config.hidden_dropout, config, num_tokentypes,
                                            parallel_state=state)
-        self.rotary_pos_emb = None
-        if config.position_embedding_type == "rope":
-            scaling = None
-            if config.rope_scaling_type == "llama3":
-                scaling = Llama3Scaling(config.rope_scaling_factor, config.rope_low_freq_factor,
-                                        config.rope_high_freq_factor,
-                                        config.rope_original_max_position_embeddings)
-            self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base,
-                config.rotary_seq_len_interpolation_factor, device=state.device, scaling=scaling)
+        self.rotary_pos_emb = (RotaryEmbedding.of(config, state.device)
+                               if config.position_embedding_type == "rope" else None)
         first, end = layers if layers is not None else (0, config.num_layers)
         if not 0 <= first < end <= config.num_layers:
             raise ValueError(f"layers={layers} must be a non-empty range inside the model's "

@@ -46,29 +46,42 @@ class Renamed:
     label: str  # how a message names the setting
 
 
+_ACTIVATION_FLAGS = {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "geglu": "geglu_tanh"}
+
+
 def _activation(args: Any) -> str:
-    if args.swiglu and args.openai_gelu:
-        raise ValueError("--swiglu and --openai-gelu pick different activations; pass one.")
-    return "swiglu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu"
+    chosen = [flag for flag in _ACTIVATION_FLAGS if getattr(args, flag)]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join('--' + f.replace('_', '-') for f in chosen)} pick "
+                         "different activations; pass one.")
+    return _ACTIVATION_FLAGS[chosen[0]] if chosen else "gelu"
 
 
-def _nope_layers(args: Any) -> tuple[int, ...]:
-    text = args.nope_layers.strip()
-    try:
-        return tuple(int(x) for x in text.split(",")) if text else ()
-    except ValueError:
-        raise ValueError(f"--nope-layers={args.nope_layers!r} must be comma-separated layer "
-                         "numbers (0-based), e.g. 3,7,11, or empty") from None
+def _layer_list(name: str) -> Callable[[Any], tuple[int, ...]]:
+    """Flag ``--name``'s comma-separated layer numbers as a tuple."""
+
+    def parse(args: Any) -> tuple[int, ...]:
+        text = getattr(args, name).strip()
+        try:
+            return tuple(int(x) for x in text.split(",")) if text else ()
+        except ValueError:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r} must be "
+                             "comma-separated layer numbers (0-based), e.g. 3,7,11, or "
+                             "empty") from None
+
+    return parse
 
 
 RENAMED: dict[str, Renamed] = {
     "activation": Renamed(
         (Flag("swiglu", bool, False, "Use the SwiGLU activation in the MLP instead of GeLU."),
          Flag("openai_gelu", bool, False, "GeLU with the tanh approximation (GPT-2's gelu_new) "
-              "instead of the exact one.")),
+              "instead of the exact one."),
+         Flag("geglu", bool, False, "GeGLU: a gate through tanh-approximated GeLU (Gemma's) "
+              "instead of GeLU.")),
         _activation,
-        lambda v: {"swiglu": v == "swiglu", "openai_gelu": v == "gelu_tanh"},
-        "the activation (--swiglu, --openai-gelu)"),
+        lambda v: {flag: v == name for flag, name in _ACTIVATION_FLAGS.items()},
+        "the activation (--swiglu, --openai-gelu, --geglu)"),
     "add_bias_linear": Renamed(
         (Flag("disable_bias_linear", bool, False, "No biases in the linear layers (Llama)."),),
         lambda args: not args.disable_bias_linear,
@@ -83,9 +96,16 @@ RENAMED: dict[str, Renamed] = {
         (Flag("nope_layers", str, "", "With RoPE: the layers (0-based, comma-separated) whose "
               "attention has no RoPE, e.g. 3,7,11 (SmolLM3's NoPE layers); empty: every layer "
               "has RoPE."),),
-        _nope_layers,
+        _layer_list("nope_layers"),
         lambda v: {"nope_layers": ",".join(map(str, v))},
         "--nope-layers"),
+    "full_attention_layers": Renamed(
+        (Flag("full_attention_layers", str, "", "With --window-size: the layers (0-based, "
+              "comma-separated) whose attention sees every earlier key, e.g. 5,11 (Gemma's "
+              "global layers); empty: every layer slides."),),
+        _layer_list("full_attention_layers"),
+        lambda v: {"full_attention_layers": ",".join(map(str, v))},
+        "--full-attention-layers"),
 }
 
 # Fields no flag sets: the run gives them (label), a GPT run keeps the config's default, or only

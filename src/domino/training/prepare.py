@@ -186,7 +186,8 @@ def _check_context_parallel(args: TrainArgs) -> None:
                            num_attention_heads=args.num_attention_heads,
                            num_query_groups=args.num_query_groups,
                            attention_dropout=args.attention_dropout,
-                           kind=CP_COMM_TYPES[args.cp_comm_type], tensor_model_parallel_size=tp)
+                           kind=CP_COMM_TYPES[args.cp_comm_type], tensor_model_parallel_size=tp,
+                           attention_softcap=args.attention_softcap)
     if cp == 1:
         return
     if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:

@@ -22,7 +22,13 @@ import torch.utils.checkpoint
 from torch import nn
 
 from domino.config import TransformerConfig
-from domino.context_parallel import SequenceMask, check_dropout, check_heads, context_attention
+from domino.context_parallel import (
+    SequenceMask,
+    check_dropout,
+    check_heads,
+    check_softcap,
+    context_attention,
+)
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
@@ -32,6 +38,7 @@ from domino.transformer.kernels import Kernels, attention_keep
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.norms import ShardedRMSNorm, build_norm
 from domino.transformer.ring_entry import RingEntry
+from domino.transformer.rope import layer_angles
 from domino.utils import divide
 
 if TYPE_CHECKING:
@@ -88,6 +95,7 @@ class _AttentionBase(nn.Module):
         self.dropout_p = config.attention_dropout
         self.softmax_fp32 = config.attention_softmax_in_fp32
         self.softmax_scale = config.softmax_scale  # None: 1/sqrt(head_dim)
+        self.softcap = config.attention_softcap
         self.recompute = recompute  # selective recomputation of the core attention
         self.cp = state.cp
         self.dense = RowParallelLinear(
@@ -114,7 +122,7 @@ class _AttentionBase(nn.Module):
             keep = attention_keep(q, k.shape[0], self.dropout_p, self.training, gen, v.dtype)
             return kernels.attention(q, k, v, mask, causal, keep, self.dropout_p,
                                      self.softmax_fp32, self.q_per_group, window,
-                                     self.softmax_scale)
+                                     self.softmax_scale, self.softcap)
 
         if self.recompute and torch.is_grad_enabled():
             return _recomputed(attend, gen, q, k, v)
@@ -134,6 +142,7 @@ class SelfAttention(_AttentionBase):
         self.cp_overlap = True
         if self.cp.size > 1:
             check_dropout(config.attention_dropout, self.cp.size)
+            check_softcap(config.attention_softcap, self.cp.size)
             if cp_kind == "alltoall":
                 check_heads(config.num_attention_heads, config.num_query_groups,
                             self.cp.size, state.tp.size)
@@ -142,12 +151,17 @@ class SelfAttention(_AttentionBase):
             config.hidden_size, width, group=state.tp,
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
-        self.window = config.window_size
-        # RoPE's angles, unless this layer is one of the model's NoPE layers (SmolLM3's).
+        # A sliding window unless this layer is one of the model's full-attention layers.
+        self.window = (None if layer_number - 1 in config.full_attention_layers
+                       else config.window_size)
+        # RoPE's angles, unless this layer is one of the model's NoPE layers (SmolLM3's); a
+        # sliding layer's own where the model has them (Gemma 3's).
         self.rope = layer_number - 1 not in config.nope_layers
+        self.local_rope = self.window is not None
         self.qk_full_width = config.qk_layernorm_full_width  # (implies qk_layernorm)
         if self.qk_full_width:  # over all heads (OLMoE): sharded like the heads
-            args = (config.layernorm_epsilon, config.params_dtype, device, state.tp)
+            args = (config.layernorm_epsilon, config.params_dtype, device, state.tp,
+                    config.layernorm_zero_centered_gamma)
             self.q_layernorm = ShardedRMSNorm(self.heads * self.head_dim, *args)
             self.k_layernorm = ShardedRMSNorm(self.groups * self.head_dim, *args)
         elif config.qk_layernorm:  # per head, replicated: every rank's heads add to its gradient
@@ -191,7 +205,9 @@ class SelfAttention(_AttentionBase):
     def split(self, qkv: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         """q [s, b, heads, d], k, v [s, b, groups, d] from the GEMM's output (Q/K norms, RoPE)."""
         kernels = self.kernels.serving(mb.inference_params is not None)
-        rotary = mb.rotary if self.rope else None
+        rotary = None
+        if self.rope and mb.rotary is not None:
+            rotary = layer_angles(mb.rotary, self.local_rope)
         if self.qk_full_width:
             return kernels.split_qkv(self._full_width_norms(qkv), rotary, self.groups,
                                      self.q_per_group, self.head_dim)

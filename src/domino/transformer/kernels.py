@@ -39,11 +39,15 @@ NormArgs = tuple[torch.Tensor, torch.Tensor | None, float, bool]
 
 
 def norm(x: torch.Tensor, args: NormArgs) -> torch.Tensor:
-    """LayerNorm, or RMSNorm (computed in fp32) when ``args[3]``."""
+    """LayerNorm, or RMSNorm (computed in fp32) when ``args[3]``. An RMSNorm multiplies by
+    its weight in the weight's dtype: a weight in x's dtype scales the rounded normalised x
+    (Llama's order), an fp32 weight of low-precision x scales before rounding (Gemma's)."""
     weight, bias, eps, rms = args
     if rms:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if weight.dtype == torch.float32:
+            return (out * weight).to(x.dtype)
         return out.to(x.dtype) * weight
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -117,18 +121,20 @@ def merge_masks(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool, keep: torch.Tensor | None, p: float,
               softmax_fp32: bool, q_per_group: int = 1,
-              window: int | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+              window: int | None = None, softmax_scale: float | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n / q_per_group, d]
     -> [sq, b, n*d]; ``keep`` [b, n, sq, sk] (with ``p``): the dropout mask of the
     probabilities (see :func:`attention_keep`), None without dropout. ``softmax_scale``, when
-    given, replaces 1/sqrt(d) (Granite's attention_multiplier).
+    given, replaces 1/sqrt(d) (Granite's attention_multiplier); ``softcap`` caps the scaled
+    scores at cap * tanh(scores / cap) before the mask (Gemma 2's).
 
     ``mask`` is bool (True = masked out); ``causal`` adds the causal rule, and ``window`` (with
     ``causal``) masks keys ``window`` or more positions before the query. Masked scores take the
     dtype's minimum rather than -inf: a row whose keys are all masked (e.g. a padding query) stays
-    finite instead of turning into NaN. Without dropout this runs PyTorch's fused
+    finite instead of turning into NaN. Without dropout or a cap this runs PyTorch's fused
     scaled_dot_product_attention (no s x s tensor kept for backward); with dropout the masks come
-    from our TP-aware generator, so the softmax is explicit.
+    from our TP-aware generator, and a cap has no fused kernel, so the softmax is explicit.
     """
     if q_per_group > 1:  # grouped-query attention: each K/V head serves q_per_group queries
         k, v = k.repeat_interleave(q_per_group, dim=2), v.repeat_interleave(q_per_group, dim=2)
@@ -141,7 +147,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     low_cpu = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     if window is not None and window >= sk:
         window = None  # it covers every key: plain causal attention
-    if keep is None:
+    if keep is None and softcap is None:
         kwargs: dict = {"is_causal": True}
         if not (mask is None and causal and sq == sk and window is None):
             merged = merge_masks(mask, causal, sq, sk, q.device, window)
@@ -164,11 +170,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = mm(qh, kh.transpose(-1, -2)) * scale
     if softmax_fp32:
         scores = scores.float()
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     merged = merge_masks(mask, causal, sq, sk, q.device, window)
     if merged is not None:
         scores = scores.masked_fill(merged, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    probs = probs * keep * (1.0 / (1.0 - p))
+    if keep is not None:
+        probs = probs * keep * (1.0 / (1.0 - p))
     ctx = mm(probs, vh).to(v.dtype)  # [b, n, sq, d]
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
@@ -185,11 +194,13 @@ def attention_keep(q: torch.Tensor, sk: int, p: float, training: bool,
         1.0 - p, generator=generator)
 
 
-def activation(h: torch.Tensor, swiglu: bool, approximate: str) -> torch.Tensor:
-    """The MLP's activation of fc1's output: SwiGLU of its [gate; up] halves, or GELU."""
-    if swiglu:
+def activation(h: torch.Tensor, swiglu: bool, approximate: str,
+               geglu: bool = False) -> torch.Tensor:
+    """The MLP's activation of fc1's output: SwiGLU of its [gate; up] halves, GeGLU (a GELU
+    gate, ``approximate`` as GELU's: Gemma's) when ``geglu``, or GELU."""
+    if swiglu or geglu:
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.gelu(gate, approximate=approximate) if geglu else F.silu(gate)) * up
     return F.gelu(h, approximate=approximate)
 
 

@@ -10,7 +10,8 @@ A block is one residual branch::
     exit:     (out, residual) -> residual + dropout(out)   local
 
 (or, with the norm after the op - ``Block.norm_after``, OLMo 2's - enter passes h on and exit
-adds dropout(norm(out)).)
+adds dropout(norm(out)); with a second norm - ``Block.post_norm``, Gemma 2's sandwich - enter
+normalises and exit adds dropout(post_norm(out)).)
 
 A block's exit and the next block's enter run as one local piece
 (:func:`domino.transformer.kernels.local`, compiled with ``RuntimeConfig.compile``); the
@@ -81,10 +82,16 @@ class Block:
     rng: RNGTracker
     residual_multiplier: float = 1.0  # the op's output is scaled by it before the add
     norm_after: bool = False  # the norm runs on the op's output (before the add), not its input
+    post_norm: nn.Module | None = None  # a second norm, on the op's output (sandwich norms)
 
     def parameters(self) -> list[nn.Parameter]:
-        """The block's own parameters: its norm's and its op's."""
-        return [*self.norm.parameters(), *self.op.parameters()]
+        """The block's own parameters: its norms' and its op's."""
+        return [*self.norm_parameters(), *self.op.parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """Its norms' parameters (replicated over TP)."""
+        post = [] if self.post_norm is None else list(self.post_norm.parameters())
+        return [*self.norm.parameters(), *post]
 
     @property
     def first_module(self) -> nn.Module:
@@ -107,7 +114,9 @@ class Block:
 
     def exit_norm(self) -> NormArgs | None:
         """What the local piece leaving the block normalises the op's output with before the
-        residual add: its norm when ``norm_after``, else None."""
+        residual add: its post norm, or its norm when ``norm_after``, else None."""
+        if self.post_norm is not None:
+            return self.post_norm()
         return self.norm() if self.norm_after else None
 
     def dropout_keep(self, out: torch.Tensor,
@@ -147,6 +156,8 @@ class TransformerLayer(nn.Module):
         for b in self.spec.blocks:
             self.add_module(b.norm_name, b.norm.build(args))
             self.add_module(b.op_name, b.op.build(args))
+            if b.post_norm_name is not None:
+                self.add_module(b.post_norm_name, b.norm.build(args))
 
     def blocks(self) -> list[Block]:
         """The layer's residual branches, in forward order."""
@@ -154,5 +165,6 @@ class TransformerLayer(nn.Module):
         return [Block(self.layer_number, b.kind, getattr(self, b.norm_name),
                       getattr(self, b.op_name), cfg.hidden_dropout,
                       cfg.apply_residual_connection_post_layernorm, self.rng,
-                      cfg.residual_multiplier, b.norm_after)
+                      cfg.residual_multiplier, b.norm_after,
+                      None if b.post_norm_name is None else getattr(self, b.post_norm_name))
                 for b in self.spec.blocks]

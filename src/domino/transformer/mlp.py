@@ -21,19 +21,23 @@ if TYPE_CHECKING:
 
 
 class MLP(nn.Module):
-    """h -> ffn (column) -> act -> h (row). SwiGLU's fc1 holds [gate; up], sharded with stride 2
-    so every rank gets the gate and up rows of the same ffn channels."""
+    """h -> ffn (column) -> act -> h (row). A gated activation's (SwiGLU's, GeGLU's) fc1 holds
+    [gate; up], sharded with stride 2 so every rank gets the gate and up rows of the same ffn
+    channels."""
 
     def __init__(self, config: TransformerConfig, state: ParallelState,
                  device: torch.device | None = None, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.kernels = kernels if kernels is not None else Kernels()
         self.swiglu = config.activation == "swiglu"
-        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        width = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.geglu = config.activation == "geglu_tanh"
+        self.gelu_approximate = ("tanh" if config.activation in ("gelu_tanh", "geglu_tanh")
+                                 else "none")
+        gated = self.swiglu or self.geglu
+        width = config.ffn_hidden_size * (2 if gated else 1)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
-            init_method=config.init_method, stride=2 if self.swiglu else 1,
+            init_method=config.init_method, stride=2 if gated else 1,
             params_dtype=config.params_dtype, device=device)
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, group=state.tp,
@@ -66,4 +70,4 @@ class MLP(nn.Module):
         if poll is not None:  # a schedule's work between the GEMM and the activation
             poll()
         kernels = self.kernels.serving(mb.inference_params is not None)
-        return kernels.activation(h, self.swiglu, self.gelu_approximate)
+        return kernels.activation(h, self.swiglu, self.gelu_approximate, self.geglu)

@@ -27,23 +27,33 @@ if TYPE_CHECKING:
     from domino.transformer.spec import LayerArgs
 
 
+def _rms_scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """What an RMSNorm multiplies by: its weight's compute copy, or (zero-centered, Gemma's)
+    1 + that copy in fp32 (the kernel then scales before rounding, as Gemma does)."""
+    w = compute(weight)
+    return w.float() + 1.0 if zero_centered else w
+
+
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32; ``zero_centered``: * (1 + weight),
+    the weight starting at 0 (``config.layernorm_zero_centered_gamma``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, zero_centered: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.full((hidden_size,), 0.0 if zero_centered else 1.0,
+                                              dtype=dtype, device=device))
 
     @classmethod
     def build(cls, args: LayerArgs) -> RMSNorm:
         """A layer's norm over the hidden size (a part of :mod:`~domino.transformer.spec`)."""
         c = args.config
-        return cls(c.hidden_size, c.layernorm_epsilon, c.params_dtype, args.device)
+        return cls(c.hidden_size, c.layernorm_epsilon, c.params_dtype, args.device,
+                   c.layernorm_zero_centered_gamma)
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
-        args = (compute(self.weight), None, self.eps, True)
+        args = (_rms_scale(self.weight, self.zero_centered), None, self.eps, True)
         return args if x is None else norm(x, args)
 
 
@@ -54,34 +64,49 @@ class ShardedRMSNorm(nn.Module):
     (its placement: checkpoints reshard it to another TP size)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | None,
-                 group: CommGroup) -> None:
+                 group: CommGroup, zero_centered: bool = False) -> None:
         super().__init__()
-        self.eps, self.group = eps, group
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps, self.group, self.zero_centered = eps, group, zero_centered
+        self.weight = nn.Parameter(torch.full((size,), 0.0 if zero_centered else 1.0,
+                                              dtype=dtype, device=device))
         place(self.weight, Placement("tp", 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = _rms_scale(self.weight, self.zero_centered)
         if self.group.size == 1:  # the whole vector is here: the plain kernel
-            return norm(x, (compute(self.weight), None, self.eps, True))
+            return norm(x, (scale, None, self.eps, True))
         xf = x.float()
         ms = sum_over(xf.pow(2).sum(-1, keepdim=True), self.group) / (
             x.shape[-1] * self.group.size)
-        return (xf * torch.rsqrt(ms + self.eps)).to(x.dtype) * compute(self.weight)
+        out = xf * torch.rsqrt(ms + self.eps)
+        if scale.dtype == torch.float32:  # (the kernel's rule: see kernels.norm)
+            return (out * scale).to(x.dtype)
+        return out.to(x.dtype) * scale
 
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state-dict names) computed with the compute copies
-    of its weight and bias (``domino.precision``)."""
+    of its weight and bias (``domino.precision``); ``zero_centered``: scaled by
+    (1 + weight), the weight starting at 0."""
+
+    def __init__(self, *args, zero_centered: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.zero_centered = zero_centered
+        if zero_centered:
+            with torch.no_grad():
+                self.weight.zero_()
 
     @classmethod
     def build(cls, args: LayerArgs) -> LayerNorm:
         """A layer's norm over the hidden size (a part of :mod:`~domino.transformer.spec`)."""
         c = args.config
         return cls(c.hidden_size, eps=c.layernorm_epsilon, dtype=c.params_dtype,
-                   device=args.device)
+                   device=args.device, zero_centered=c.layernorm_zero_centered_gamma)
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
-        args = (compute(self.weight), compute(self.bias), self.eps, False)
+        weight = compute(self.weight)
+        args = (weight + 1.0 if self.zero_centered else weight, compute(self.bias), self.eps,
+                False)
         return args if x is None else norm(x, args)
 
 
@@ -90,7 +115,8 @@ def build_norm(config: TransformerConfig, device: torch.device | None = None,
     """The norm named by ``config.normalization``, over ``size`` features (default
     ``hidden_size``; a per-head query/key norm's is the head size)."""
     size = config.hidden_size if size is None else size
+    zero = config.layernorm_zero_centered_gamma
     if config.normalization == "RMSNorm":
-        return RMSNorm(size, config.layernorm_epsilon, config.params_dtype, device)
+        return RMSNorm(size, config.layernorm_epsilon, config.params_dtype, device, zero)
     return LayerNorm(size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
-                     device=device)
+                     device=device, zero_centered=zero)

@@ -42,30 +42,65 @@ class RotaryEmbedding(nn.Module):
 
     Positions are divided by ``seq_len_interpolation_factor`` when set (position interpolation),
     so a model can run on sequences longer than it was trained on; ``scaling`` rescales the
-    frequencies instead (Llama 3).
+    frequencies instead (Llama 3). With ``local_base`` (Gemma 3's sliding layers) the angles
+    are [s, b, 2, rot_dim]: index 0 these, index 1 those of base ``local_base`` without
+    interpolation or scaling (see :func:`layer_angles`).
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0,
                  seq_len_interpolation_factor: float | None = None,
                  device: torch.device | None = None,
-                 scaling: Llama3Scaling | None = None) -> None:
+                 scaling: Llama3Scaling | None = None,
+                 local_base: float | None = None) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         self.interpolation = seq_len_interpolation_factor
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64).to(torch.float32) / self.dim
-        inv_freq = 1.0 / (float(base) ** exponents)
+        inv_freq = _inv_freq(base, self.dim)
         if scaling is not None:
             inv_freq = scaling.apply(inv_freq)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.local_inv_freq = None if local_base is None else _inv_freq(local_base, self.dim)
+
+    @classmethod
+    def of(cls, config, device: torch.device | None = None) -> RotaryEmbedding:
+        """The RoPE a :class:`~domino.config.TransformerConfig` describes."""
+        scaling = None
+        if config.rope_scaling_type == "llama3":
+            scaling = Llama3Scaling(config.rope_scaling_factor, config.rope_low_freq_factor,
+                                    config.rope_high_freq_factor,
+                                    config.rope_original_max_position_embeddings)
+        return cls(config.kv_channels, config.rotary_percent, config.rotary_base,
+                   config.rotary_seq_len_interpolation_factor, device=device, scaling=scaling,
+                   local_base=config.local_rotary_base)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         # Angles live where the positions are (the activations' device).
         pos = position_ids.to(torch.float32)
-        if self.interpolation is not None:
-            pos = pos / self.interpolation
-        freqs = pos.unsqueeze(-1) * self.inv_freq.to(pos.device)  # [b, s, dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [b, s, dim]
-        return emb.transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]
+        scaled = pos / self.interpolation if self.interpolation is not None else pos
+        angles = _angles(scaled, self.inv_freq)
+        if self.local_inv_freq is None:
+            return angles
+        return torch.cat([angles, _angles(pos, self.local_inv_freq)], dim=2)
+
+
+def _inv_freq(base: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return 1.0 / (float(base) ** exponents)
+
+
+def _angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Positions [b, s] -> angles [s, b, 1, dim]."""
+    freqs = pos.unsqueeze(-1) * inv_freq.to(pos.device)  # [b, s, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [b, s, dim]
+    return emb.transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]
+
+
+def layer_angles(angles: torch.Tensor, local: bool) -> torch.Tensor:
+    """A layer's angles [s, b, 1, dim] from the model's (:class:`RotaryEmbedding`): the
+    sliding layers' (``local``) where the model has two sets, else its only set."""
+    if angles.shape[2] == 1:
+        return angles
+    return angles[:, :, 1:] if local else angles[:, :, :1]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class ShardGrads:
                  prologue, on_final: Callable[[list[torch.Tensor]], None] | None,
                  micro_batches: int) -> None:
         self.group, self.blocks, self.on_final = group, blocks, on_final
-        self.per_block = [[*b.norm.parameters(), *e.replicated_parameters()]
+        self.per_block = [[*b.norm_parameters(), *e.replicated_parameters()]
                           for b, e in zip(blocks, exits, strict=True)]
         self.tail = [*(final_norm.parameters() if final_norm is not None else []),
                      *(p for p in (prologue.parameters() if prologue is not None else [])

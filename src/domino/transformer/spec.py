@@ -59,7 +59,9 @@ class Part(Protocol):
 class BlockSpec:
     """One residual branch: its kind (what a schedule and the bench call it), its norm and
     its op, each as (the layer's attribute name, the class); ``norm_after``: the norm runs on
-    the op's output before the residual add instead of on its input (OLMo 2's)."""
+    the op's output before the residual add instead of on its input (OLMo 2's);
+    ``post_norm_name``: a second norm (of the same class), on the op's output, beside the one
+    on its input (Gemma 2/3's sandwich)."""
 
     kind: str  # "self_attn" | "cross_attn" | "mlp"
     norm_name: str
@@ -67,6 +69,7 @@ class BlockSpec:
     op_name: str
     op: type[Part]
     norm_after: bool = False
+    post_norm_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,8 @@ def layer_spec(config: TransformerConfig, layer_number: int,
     layer has a cross attention between its self attention and its MLP."""
     norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     mlp = MoEOp if config.is_moe_layer(layer_number - 1) else MLP
-    if config.norm_after_sublayer:
-        return _norms_after(norm, mlp, layer_type)
+    if config.norm_after_sublayer or config.sandwich_norms:
+        return _norms_after(norm, mlp, layer_type, config.sandwich_norms)
     attention = BlockSpec("self_attn", "input_layernorm", norm, "self_attention", SelfAttention)
     if layer_type == LayerType.decoder:
         return LayerSpec((
@@ -103,13 +106,22 @@ def layer_spec(config: TransformerConfig, layer_number: int,
     return LayerSpec((attention, BlockSpec("mlp", "post_attention_layernorm", norm, "mlp", mlp)))
 
 
-def _norms_after(norm: type[Part], mlp: type[Part], layer_type: LayerType) -> LayerSpec:
+def _norms_after(norm: type[Part], mlp: type[Part], layer_type: LayerType,
+                 sandwich: bool) -> LayerSpec:
     """``config.norm_after_sublayer``: each block's norm on its op's output, under OLMo 2's
-    names (its Hugging Face names)."""
+    names; ``config.sandwich_norms``: norms on both sides, under Gemma 2's (their Hugging Face
+    names)."""
     if layer_type == LayerType.decoder:
+        name = "sandwich_norms" if sandwich else "norm_after_sublayer"
         raise ValueError(
-            "norm_after_sublayer=True is built for decoder-only stacks; a decoder layer with "
-            "cross attention has no such layout here: use norm_after_sublayer=False.")
+            f"{name}=True is built for decoder-only stacks; a decoder layer with cross "
+            f"attention has no such layout here: use {name}=False.")
+    if sandwich:
+        return LayerSpec((
+            BlockSpec("self_attn", "input_layernorm", norm, "self_attention", SelfAttention,
+                      post_norm_name="post_attention_layernorm"),
+            BlockSpec("mlp", "pre_feedforward_layernorm", norm, "mlp", mlp,
+                      post_norm_name="post_feedforward_layernorm")))
     return LayerSpec((
         BlockSpec("self_attn", "post_attention_layernorm", norm, "self_attention",
                   SelfAttention, norm_after=True),
