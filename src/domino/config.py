@@ -157,6 +157,11 @@ class TransformerConfig:
         metadata={"help": "Normalise each sublayer's input and also its output before the "
                           "residual add (h + norm2(attention(norm1(h))): four norms per layer, "
                           "Gemma 2/3's)."})
+    norm_scale_in_fp32: bool = field(
+        default=False,
+        metadata={"help": "RMSNorms multiply by their weight in fp32, then round to the "
+                          "activations' dtype (OLMo 2's order; Llama's rounds first). Only "
+                          "bf16/fp16 runs differ; layernorm_zero_centered_gamma implies it."})
     layernorm_zero_centered_gamma: bool = field(
         default=False,
         metadata={"help": "Every norm scales by (1 + weight), its weights starting at 0 "
@@ -370,6 +375,7 @@ _NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "softmax_sc
             "logits_scaling": 1.0, "nope_layers": (), "norm_after_sublayer": False,
             "full_attention_layers": (), "attention_softcap": None, "output_softcap": None,
             "sandwich_norms": False, "layernorm_zero_centered_gamma": False,
+            "norm_scale_in_fp32": False,
             "local_rotary_base": None}
 
 # What a set of weights is: shapes and math (not dropout, init, sequence length or the schedule).
@@ -390,6 +396,7 @@ ARCHITECTURE_FIELDS = (
     "moe_router_enable_expert_bias",
     "layernorm_epsilon",
     "apply_residual_connection_post_layernorm", "norm_after_sublayer", "sandwich_norms",
+    "norm_scale_in_fp32",
     "layernorm_zero_centered_gamma", "final_layernorm",
     "untie_embeddings_and_output_weights",
 )

@@ -161,7 +161,7 @@ class SelfAttention(_AttentionBase):
         self.qk_full_width = config.qk_layernorm_full_width  # (implies qk_layernorm)
         if self.qk_full_width:  # over all heads (OLMoE): sharded like the heads
             args = (config.layernorm_epsilon, config.params_dtype, device, state.tp,
-                    config.layernorm_zero_centered_gamma)
+                    config.layernorm_zero_centered_gamma, config.norm_scale_in_fp32)
             self.q_layernorm = ShardedRMSNorm(self.heads * self.head_dim, *args)
             self.k_layernorm = ShardedRMSNorm(self.groups * self.head_dim, *args)
         elif config.qk_layernorm:  # per head, replicated: every rank's heads add to its gradient

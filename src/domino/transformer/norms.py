@@ -27,21 +27,26 @@ if TYPE_CHECKING:
     from domino.transformer.spec import LayerArgs
 
 
-def _rms_scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+def _rms_scale(weight: torch.Tensor, zero_centered: bool, in_fp32: bool) -> torch.Tensor:
     """What an RMSNorm multiplies by: its weight's compute copy, or (zero-centered, Gemma's)
-    1 + that copy in fp32 (the kernel then scales before rounding, as Gemma does)."""
+    1 + that copy; in fp32 when ``in_fp32`` or zero-centered (the kernel then scales before
+    rounding, as OLMo 2 and Gemma do)."""
     w = compute(weight)
-    return w.float() + 1.0 if zero_centered else w
+    if zero_centered:
+        return w.float() + 1.0
+    return w.float() if in_fp32 else w
 
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32; ``zero_centered``: * (1 + weight),
-    the weight starting at 0 (``config.layernorm_zero_centered_gamma``)."""
+    the weight starting at 0 (``config.layernorm_zero_centered_gamma``); ``scale_in_fp32``:
+    scaled before rounding to x's dtype (``config.norm_scale_in_fp32``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, zero_centered: bool = False) -> None:
+                 device: torch.device | None = None, zero_centered: bool = False,
+                 scale_in_fp32: bool = False) -> None:
         super().__init__()
-        self.eps, self.zero_centered = eps, zero_centered
+        self.eps, self.zero_centered, self.scale_in_fp32 = eps, zero_centered, scale_in_fp32
         self.weight = nn.Parameter(torch.full((hidden_size,), 0.0 if zero_centered else 1.0,
                                               dtype=dtype, device=device))
 
@@ -50,10 +55,11 @@ class RMSNorm(nn.Module):
         """A layer's norm over the hidden size (a part of :mod:`~domino.transformer.spec`)."""
         c = args.config
         return cls(c.hidden_size, c.layernorm_epsilon, c.params_dtype, args.device,
-                   c.layernorm_zero_centered_gamma)
+                   c.layernorm_zero_centered_gamma, c.norm_scale_in_fp32)
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor | NormArgs:
-        args = (_rms_scale(self.weight, self.zero_centered), None, self.eps, True)
+        args = (_rms_scale(self.weight, self.zero_centered, self.scale_in_fp32), None,
+                self.eps, True)
         return args if x is None else norm(x, args)
 
 
@@ -64,15 +70,17 @@ class ShardedRMSNorm(nn.Module):
     (its placement: checkpoints reshard it to another TP size)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | None,
-                 group: CommGroup, zero_centered: bool = False) -> None:
+                 group: CommGroup, zero_centered: bool = False,
+                 scale_in_fp32: bool = False) -> None:
         super().__init__()
         self.eps, self.group, self.zero_centered = eps, group, zero_centered
+        self.scale_in_fp32 = scale_in_fp32
         self.weight = nn.Parameter(torch.full((size,), 0.0 if zero_centered else 1.0,
                                               dtype=dtype, device=device))
         place(self.weight, Placement("tp", 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = _rms_scale(self.weight, self.zero_centered)
+        scale = _rms_scale(self.weight, self.zero_centered, self.scale_in_fp32)
         if self.group.size == 1:  # the whole vector is here: the plain kernel
             return norm(x, (scale, None, self.eps, True))
         xf = x.float()
@@ -117,6 +125,7 @@ def build_norm(config: TransformerConfig, device: torch.device | None = None,
     size = config.hidden_size if size is None else size
     zero = config.layernorm_zero_centered_gamma
     if config.normalization == "RMSNorm":
-        return RMSNorm(size, config.layernorm_epsilon, config.params_dtype, device, zero)
+        return RMSNorm(size, config.layernorm_epsilon, config.params_dtype, device, zero,
+                       config.norm_scale_in_fp32)
     return LayerNorm(size, eps=config.layernorm_epsilon, dtype=config.params_dtype,
                      device=device, zero_centered=zero)

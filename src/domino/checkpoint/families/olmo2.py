@@ -1,7 +1,8 @@
 """OLMo 2: the Llama layout without biases, with its two norms after the sublayers instead of
 before them (``h + post_attention_layernorm(attention(h))``,
 ``h + post_feedforward_layernorm(mlp(h))``; no ``input_layernorm``) and RMSNorm over all
-heads' queries and over all keys before RoPE (as OLMoE's); heads x head size = hidden size."""
+heads' queries and over all keys before RoPE (as OLMoE's); heads x head size = hidden size.
+Its RMSNorms scale in fp32 before rounding (``norm_scale_in_fp32``: bf16 runs match)."""
 
 from __future__ import annotations
 
@@ -62,5 +63,5 @@ FAMILY = Family(
     model_type="olmo2", name="OLMo 2", classes=("Olmo2ForCausalLM",), group=llama_like.GROUP,
     read=_read, write=_write, weights=_weights, own=_own,
     features={"qk_layernorm": True, "qk_layernorm_full_width": True,
-              "norm_after_sublayer": True},
+              "norm_after_sublayer": True, "norm_scale_in_fp32": True},
     norms_after=True, keys=llama_like.KEYS)
