@@ -83,9 +83,11 @@ def run_distributed(fn: Callable, world: int, *args) -> list:
 def fit(args, run_dir: str):
     """``domino.training.loop.train`` of ``args`` into ``run_dir`` on this rank, without drawing
     loss_curve.png (half a second of matplotlib per run) and, unless ``args`` give a peak, with
-    ``peak_tflops=1`` instead of timing the model's GEMM shapes (a second per shape set): the
-    tests that train many runs in a spawn compare numbers; test_train_cli checks the figure and
-    the measured MFU."""
+    ``peak_tflops=1`` instead of timing the model's GEMM shapes (a second per shape set), and
+    unless they name an attention backend, on PyTorch's own SDPA choice (``flash``) instead of
+    measuring the attention's paths: the tests that train many runs in a spawn compare
+    numbers, which a path chosen per shape set would move; test_train_cli checks the figure,
+    the measured MFU and the measured attention."""
     import dataclasses
 
     from domino.training import logging as train_logging
@@ -95,6 +97,8 @@ def fit(args, run_dir: str):
 
     if args.peak_tflops is None:
         args = dataclasses.replace(args, peak_tflops=1.0)
+    if args.attention_backend == "auto":
+        args = dataclasses.replace(args, attention_backend="flash")
 
     draw = train_logging.plot_loss_curve
     train_logging.plot_loss_curve = lambda path, train, val: None

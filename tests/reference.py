@@ -26,7 +26,13 @@ Weight layouts it assumes (the documented contract):
   ``post_feedforward_layernorm``); GeGLU = gelu_tanh(gate) * up; scores capped at
   cap * tanh(scores / cap) (``attention_softcap``) and logits likewise (``output_softcap``);
   the sliding window on every layer but ``full_attention_layers``, whose RoPE base is
-  ``local_rotary_base`` (without interpolation) where set.
+  ``local_rotary_base`` (without interpolation) where set;
+* GPT-OSS's: a learned sink logit per head in each softmax's denominator (``sinks``); gated
+  activations with the gate and linear half clamped (``activation_func_clamp_value``), the
+  SwiGLU gate g * sigmoid(alpha g), the linear half offset; a bias on the router's logits and
+  on each expert's fc1 and fc2; YaRN's RoPE frequencies and cos/sin factor (``_yarn``);
+* Phi-3's LongRoPE: per-pair factors, long ones for a batch reaching past the original context,
+  and cos/sin factor (``_longrope``).
 """
 
 from __future__ import annotations
@@ -76,10 +82,54 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, cfg: TransformerConfig,
     elif cfg.rotary_seq_len_interpolation_factor is not None:
         p = p / cfg.rotary_seq_len_interpolation_factor
     i = torch.arange(half, dtype=torch.float64)
-    ang = p[..., None] * torch.pow(float(base), -2.0 * i / rot)  # [b, s, half]
-    cos, sin = ang.cos()[:, :, None].to(x.dtype), ang.sin()[:, :, None].to(x.dtype)
+    inv, scale = torch.pow(float(base), -2.0 * i / rot), 1.0
+    if cfg.rope_scaling_type == "yarn" and not (local and cfg.local_rotary_base is not None):
+        inv, scale = _yarn(inv, cfg, rot)
+    if cfg.rope_scaling_type == "longrope":
+        inv, scale = _longrope(inv, pos, cfg)
+    ang = p[..., None] * inv  # [b, s, half]
+    cos = (ang.cos() * scale)[:, :, None].to(x.dtype)
+    sin = (ang.sin() * scale)[:, :, None].to(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:rot], x[..., rot:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def _longrope(inv: torch.Tensor, pos: torch.Tensor,
+              cfg: TransformerConfig) -> tuple[torch.Tensor, float]:
+    """LongRoPE: pair j's frequency divided by long_factor[j] when a position of the batch
+    reaches the original context (its largest + 1 exceeds it), else by short_factor[j]; cos
+    and sin times the attention factor (default sqrt(1 + ln(factor) / ln(original)), 1 for a
+    factor <= 1)."""
+    old, factor = cfg.rope_original_max_position_embeddings, cfg.rope_scaling_factor
+    longest = int(pos.max()) + 1
+    chosen = cfg.rope_long_factor if longest > old else cfg.rope_short_factor
+    scale = cfg.rope_attention_factor
+    if scale is None:
+        scale = math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1 else 1.0
+    return inv / torch.tensor(chosen, dtype=torch.float64), scale
+
+
+def _yarn(inv: torch.Tensor, cfg: TransformerConfig, rot: int) -> tuple[torch.Tensor, float]:
+    """YaRN: a pair whose wave turns more than beta_fast times in the original context keeps
+    its frequency, one turning fewer than beta_slow times has it divided by the factor, a
+    linear ramp over the pair index between (its ends rounded outwards with ``truncate``);
+    cos and sin times the attention factor (default 0.1 ln(factor) + 1)."""
+    old, factor = cfg.rope_original_max_position_embeddings, cfg.rope_scaling_factor
+
+    def pair(turns: float) -> float:  # base^(2j/rot) = old / (2 pi turns), solved for j
+        return rot * math.log(old / (2 * math.pi * turns)) / (2 * math.log(cfg.rotary_base))
+
+    lo, hi = pair(cfg.rope_yarn_beta_fast), pair(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rot - 1)
+    hi = hi + 0.001 if hi == lo else hi
+    slow = ((torch.arange(rot // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    inv = inv * (1 - slow) + inv / factor * slow
+    scale = cfg.rope_attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
+    return inv, scale
 
 
 def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
@@ -113,7 +163,13 @@ def _attention(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig,
             causal = causal | torch.ones(s, s, dtype=torch.bool).tril(-window)
         blocked = causal if mask is None else (causal | mask[:, 0])
         scores = scores.masked_fill(blocked, float("-inf"))
-        ctx.append(torch.softmax(scores, dim=-1) @ v[:, :, g])  # [b, s, d]
+        sinks = w.get(name + ".sinks")
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # exp(score) / (sum exp(scores) + exp(the head's sink))
+            denom = torch.logsumexp(torch.cat([scores, sinks[h].expand(b, s, 1)], -1), -1)
+            probs = torch.exp(scores - denom[..., None])
+        ctx.append(probs @ v[:, :, g])  # [b, s, d]
     return _linear(torch.cat(ctx, dim=-1), w, name + ".dense")
 
 
@@ -124,10 +180,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def _mlp(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.Tensor:
     h = _linear(x, w, name + ".dense_h_to_4h")
     gate, up = h[..., :cfg.ffn_hidden_size], h[..., cfg.ffn_hidden_size:]
-    if cfg.activation == "swiglu":
-        h = gate * torch.sigmoid(gate) * up
-    elif cfg.activation == "geglu_tanh":
-        h = _gelu_tanh(gate) * up
+    if cfg.activation in ("swiglu", "geglu_tanh"):
+        h = _glu(gate, up, cfg)
     elif cfg.activation == "gelu_tanh":
         h = _gelu_tanh(h)
     else:
@@ -135,10 +189,23 @@ def _mlp(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.T
     return _linear(h, w, name + ".dense_4h_to_h")
 
 
+def _glu(gate: torch.Tensor, up: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
+    """A gated activation: SwiGLU's gate g * sigmoid(alpha g) or GeGLU's; GPT-OSS's clamp (the
+    gate from above, the linear half both ways) first, and the linear half's offset."""
+    clamp = cfg.activation_func_clamp_value
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    if cfg.activation == "geglu_tanh":
+        act = _gelu_tanh(gate)
+    else:
+        act = gate / (1 + torch.exp(-cfg.swiglu_alpha * gate))
+    return act * (up + cfg.glu_linear_offset)
+
+
 def _act(h: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
     if cfg.activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
-        return gate * torch.sigmoid(gate) * up
+        return _glu(gate, up, cfg)
     return 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
 
 
@@ -148,6 +215,8 @@ def _moe(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.T
     unless pre-softmax; sigmoid scores re-normalised for k > 1; an expert bias only chooses),
     plus the shared expert (times its sigmoid gate)."""
     logits = x.float() @ w[name + ".router.weight"].float().t()  # [b, s, E]
+    if name + ".router.bias" in w:  # GPT-OSS's: shifts the choice and the weights
+        logits = logits + w[name + ".router.bias"].float()
     sigmoid = cfg.moe_router_score_function == "sigmoid"
     scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
     bias = w.get(name + ".router.expert_bias")
@@ -158,9 +227,11 @@ def _moe(x: torch.Tensor, w: dict, name: str, cfg: TransformerConfig) -> torch.T
     picked = picked * (cfg.moe_router_topk_scaling_factor or 1.0)
     weights = torch.zeros_like(scores).scatter(-1, chosen, picked)  # [b, s, E]
     out = 0.0
+    b1, b2 = w.get(name + ".experts.fc1_bias"), w.get(name + ".experts.fc2_bias")
     for e in range(cfg.num_experts):
-        h = _act(x @ w[name + ".experts.fc1"][e], cfg)
-        out = out + (h @ w[name + ".experts.fc2"][e]) * weights[..., e:e + 1].to(x.dtype)
+        h = x @ w[name + ".experts.fc1"][e] + (0.0 if b1 is None else b1[e])
+        y = _act(h, cfg) @ w[name + ".experts.fc2"][e] + (0.0 if b2 is None else b2[e])
+        out = out + y * weights[..., e:e + 1].to(x.dtype)
     if name + ".shared.fc1" in w:
         shared = _act(x @ w[name + ".shared.fc1"].t(), cfg) @ w[name + ".shared.fc2"].t()
         if name + ".shared.gate" in w:

@@ -18,7 +18,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # bottom: it holds the version and only lazy exports.)
 TIERS: list[tuple[str, ...]] = [
     ("domino", "domino.utils", "domino.safe_files", "domino.enums", "domino.plan", "domino.runtime",
-     "domino.config", "domino.config_rules", "domino.data", "domino.memory",
+     "domino.config", "domino.config_rules", "domino.config_fields", "domino.data",
+     "domino.memory",
      "domino.distributed", "domino.supervisor",
      "domino.rank_fork", "domino.netem", "domino.flops", "domino.gemm_rate", "domino.precision",
      "domino.parallel_dims"),

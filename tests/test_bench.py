@@ -369,6 +369,11 @@ def test_real_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert config["model_flops_per_step"] == train_flops_per_step(stack, 4 * 32, head=False)
     assert config["mfu_of"] == "of measured GEMM rate" and config["peak_flops_per_s"] > 0
     assert "TFLOP/s/rank" in table and "MFU" in table
+    # The attention's paths, measured by both ranks at the model's shapes, in the header.
+    assert config["attention_backend"] == "auto"
+    assert re.match(r"auto: causal \w+, .*\((measured|cached) at float32, batch 4 x 2 heads "
+                    r"x seq 32 x 16, causal masks; ms per fwd\+bwd causal: flash ",
+                    config["attention"]) and f"attention {config['attention']}\n" in table
     for name in ("sync", "nocomm", "nocomm:m2:cross"):
         assert rows[name]["comm_hidden"] is None
     assert rows["sync"]["speedup_vs_sync"] == pytest.approx(1.0)

@@ -285,7 +285,8 @@ def test_resume_checks_name_the_flag_and_both_values(tmp_path: Path, data: str) 
     msg = str(err.value)
     assert "--num-attention-heads is 4 in the checkpoint but 8 here" in msg
     assert str(run) in msg or "step_0000003" in msg
-    with pytest.raises(ValueError, match=r"activation \(--swiglu, --openai-gelu\) is 'gelu'"):
+    flag = r"activation \(--swiglu, --openai-gelu, --geglu\)"
+    with pytest.raises(ValueError, match=flag + r" is 'gelu'"):
         prepare_run(_args(data, swiglu=True, load=str(run), save=str(tmp_path / "c")),
                     world_size=1, progress=False)
     bpe = BPETokenizer.train(["alpha beta gamma " * 50] * 20, vocab_size=300)

@@ -52,7 +52,14 @@ MODELS = {
                                    # Granite's scalars: the ring's softmax scale among them
                                    embedding_multiplier=2.0, residual_multiplier=0.5,
                                    softmax_scale=0.3, logits_scaling=2.0,
-                                   nope_layers=(1,)),  # (SmolLM3's: no RoPE on layer 1)
+                                   nope_layers=(1,),  # (SmolLM3's: no RoPE on layer 1)
+                                   # Phi-3's LongRoPE, long past 12 positions: a CP rank
+                                   # holding only middle chunks must still choose the long
+                                   # factors (as the whole sequence does)
+                                   rope_scaling_type="longrope",
+                                   rope_short_factor=(1.0, 1.5, 2.0, 4.0),
+                                   rope_long_factor=(2.0, 3.0, 5.0, 9.0),
+                                   rope_original_max_position_embeddings=12),
 }
 # name -> (plan, sequence parallelism: on at TP=2 only)
 PLANS = {"sync": (Plan(1, "none", 1), False), "m2_cross": (Plan(2, "cross_layer", 1), False),

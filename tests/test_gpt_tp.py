@@ -102,6 +102,35 @@ VARIANTS = {
              local_rotary_base=100.0, rotary_base=1e6, rotary_seq_len_interpolation_factor=2.0,
              num_layers=3, vocab_size=1000, sequence_parallel=True),
         0.0, (2, "intra_layer", 2), "sgd"),
+    # GPT-OSS's dense features: attention sinks (sharded with the heads), YaRN RoPE (its ramp
+    # and cos/sin factor), the clamped, scaled, offset SwiGLU; layer 1 of 3 global, 0 and 2
+    # sliding; biases; fp32-scaled RMSNorms; on sequence shards.
+    "gpt_oss_sinks_yarn_clamped_swiglu": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, attention_sinks=True, window_size=3,
+             full_attention_layers=(1,), rotary_base=100.0, rope_scaling_type="yarn",
+             rope_scaling_factor=4.0, rope_original_max_position_embeddings=16,
+             rope_yarn_beta_fast=4.0, rope_yarn_beta_slow=0.5, rope_yarn_truncate=False,
+             swiglu_alpha=1.702, glu_linear_offset=1.0, activation_func_clamp_value=0.05,
+             norm_scale_in_fp32=True, num_layers=3, vocab_size=1000, sequence_parallel=True),
+        0.0, (2, "intra_layer", 2), "adam"),
+    # Phi-3's LongRoPE on half of each head: the 8-token batch reaches past an original
+    # context of 7 (long factors), on sequence shards; within one of 8 (short factors, and a
+    # given cos/sin factor). Against the reference, the two pin the rule at its boundary.
+    "longrope_long_sp": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, rotary_percent=0.5,
+             rope_scaling_type="longrope", rope_short_factor=(1.0, 1.5),
+             rope_long_factor=(3.0, 7.0), rope_original_max_position_embeddings=7,
+             rope_scaling_factor=4.0, vocab_size=1000, sequence_parallel=True),
+        0.0, (2, "intra_layer", 2), "adam"),
+    "longrope_short_given_factor": (
+        dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+             num_query_groups=4, add_bias_linear=False, rope_scaling_type="longrope",
+             rope_short_factor=(1.0, 1.2, 2.0, 5.0), rope_long_factor=(4.0, 4.0, 8.0, 9.0),
+             rope_original_max_position_embeddings=8, rope_attention_factor=1.3,
+             vocab_size=1000),
+        0.0, (2, "cross_layer", 1), "sgd"),
     # The same norms as LayerNorms (1 + weight, with biases).
     "zero_centered_layernorm_sandwich": (
         dict(layernorm_zero_centered_gamma=True, sandwich_norms=True), 0.0, (2, "none", 1),
@@ -229,7 +258,8 @@ REF_VARIANTS = ["ln_gelu_learned", "rms_swiglu_rope_gqa_nobias", "post_ln_untied
                 "rope_half_interp_swiglu_smooth", "qkv_bias_qk_norm_window3", "qk_norm_full_width",
                 "nope_layer1_of3", "granite_multipliers", "olmo2_norms_after",
                 "norms_after_ln_bias_gelu", "gemma2_sandwich_softcaps", "gemma3_local_rope_sp",
-                "zero_centered_layernorm_sandwich"]
+                "zero_centered_layernorm_sandwich", "gpt_oss_sinks_yarn_clamped_swiglu",
+                "longrope_long_sp", "longrope_short_given_factor"]
 
 
 @pytest.mark.parametrize("variant", REF_VARIANTS)

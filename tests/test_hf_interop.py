@@ -193,13 +193,14 @@ def test_export_refuses_what_neither_expresses(tmp_path: Path, bpe: BPETokenizer
     msg = str(err.value)
     assert "neither GPT-2 nor the Llama family" in msg and "rope positions" in msg
     assert "RMSNorm" in msg
-    assert "nor StarCoder2 can" in msg and "query/key norms (StarCoder2 has none)" in msg
+    assert "nor StarCoder2 nor the Gemma family (Gemma, Gemma 2, Gemma 3) can" in msg
+    assert "query/key norms (StarCoder2 has none)" in msg
     _, folder = _ours(tmp_path / "run", config, bpe)
     assert main(["export", "--format", "hf", str(folder), str(tmp_path / "hf")]) == 2
     assert _arch(_llama_config(bpe.vocab_size, num_experts=4)) == "mixtral"
     with pytest.raises(ValueError, match=r"biases \(Mixtral has none\)"):
         _arch(_llama_config(bpe.vocab_size, num_experts=4, add_bias_linear=True))
-    family = r"Llama family \(Mixtral, Qwen3-MoE, OLMoE\)"
+    family = r"Llama family \(Mixtral, Qwen3-MoE, OLMoE, FlexOlmo\)"
     with pytest.raises(ValueError, match=family + ".*a shared expert"):
         _arch(_llama_config(bpe.vocab_size, num_experts=4,
                                           moe_shared_expert_intermediate_size=8))
@@ -229,8 +230,8 @@ def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) 
                  num_attention_heads=4, num_key_value_heads=2)
     t = _hf()
     cases = {
-        "gemma": (t.GemmaConfig(**small), ["(1 + weight)", "sqrt(hidden_size)", "GeGLU"]),
-        "gemma2": (t.Gemma2Config(**small), ["soft-capping", "alternating", "four per layer"]),
+        "gemma2-bidirectional": (t.Gemma2Config(**small, use_bidirectional_attention=True),
+                                 ["Gemma 2 use_bidirectional_attention=true"]),
         "qwen3-bias": (t.Qwen3Config(**small, attention_bias=True), ["Qwen3 attention_bias"]),
         "qwen2-some-layers": (t.Qwen2Config(**small, use_sliding_window=True,
                                             max_window_layers=1, sliding_window=8),
@@ -247,7 +248,8 @@ def test_families_it_cannot_express_are_refused_with_the_reason(tmp_path: Path) 
     assert config_from_hf(t.Qwen2Config(**small).to_dict())[1].window_size is None
     folder = tmp_path / "gemma"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(t.Gemma2Config(**small).to_dict()))
+    (folder / "config.json").write_text(json.dumps(t.Qwen3Config(**small,
+                                                                 attention_bias=True).to_dict()))
     assert main(["import", str(folder), str(tmp_path / "out")]) == 2
 
 

@@ -64,7 +64,7 @@ def test_olmo2_imports_and_exports_with_transformers_logits(
     got = import_matches(tmp_path, folder, original, bpe, capfd)
     config = got.config
     assert config.norm_after_sublayer and config.qk_layernorm_full_width
-    assert config.norm_scale_in_fp32  # its bf16 rounding (tests/test_norm_rounding.py)
+    assert config.norm_scale_in_fp32  # its bf16 rounding (tests/test_bf16_rounding.py)
     assert config.untie_embeddings_and_output_weights == (not tied)
     step_dir, meta, _ = open_checkpoint(got.two)
     assert export_hf(step_dir, meta, tmp_path / "back") == "olmo2"
@@ -95,7 +95,7 @@ def test_only_olmo2_expresses_norms_after_the_sublayers() -> None:
            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     config = config_from_hf(raw)[1]
     assert config.norm_after_sublayer and config.qk_layernorm_full_width
-    assert config.norm_scale_in_fp32  # its bf16 rounding (tests/test_norm_rounding.py)
+    assert config.norm_scale_in_fp32  # its bf16 rounding (tests/test_bf16_rounding.py)
     assert config.layernorm_epsilon == 1e-5  # Olmo2Config's default
     with pytest.raises(ValueError, match="OLMo 2 attention_bias=true is not supported"):
         config_from_hf({**raw, "attention_bias": True})

@@ -3,8 +3,8 @@ config, nothing downloaded): fused ``qkv_proj`` and ``gate_up_proj``, grouped-qu
 RoPE on the whole head or on part of it (Phi-4-mini's ``partial_rotary_factor`` 0.75), a
 sliding window on every layer. Imported at TP=1 and TP=2 with the original's logits and greedy
 output; exported (our models with partial RoPE, and the import round trip) with the same
-logits and greedy output in ``transformers``. LongRoPE (the 128k models) is refused in one
-line, by its key."""
+logits and greedy output in ``transformers``. LongRoPE (the 128k models):
+``test_hf_phi3_longrope.py``."""
 
 from __future__ import annotations
 
@@ -24,10 +24,8 @@ from test_hf_interop import (
 )
 
 from domino.checkpoint.families import family_for
-from domino.checkpoint.hf_config import config_from_hf
 from domino.checkpoint.hf_export import export_hf
 from domino.checkpoint.layout import open_checkpoint
-from domino.cli import main
 from domino.config import TransformerConfig
 from domino.data import BPETokenizer
 from domino.inference.sampling import generate
@@ -148,37 +146,3 @@ def test_a_llama_stays_a_llama_and_phi3_refuses_what_it_lacks(bpe: BPETokenizer)
         family_for(_partial_config(bpe.vocab_size, logits_scaling=2.0))
     with pytest.raises(ValueError, match=r"As Phi-3 it has a head size of 16, not hidden size"):
         family_for(_partial_config(bpe.vocab_size, hidden_size=48))
-
-
-LONGROPE = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 32}
-
-
-@pytest.mark.parametrize("spelling", ["hub", "saved", "su"])
-def test_longrope_is_refused_by_its_key(tmp_path: Path, bpe: BPETokenizer, spelling: str,
-                                        capfd) -> None:
-    """The 128k models' LongRoPE (per-channel factors chosen by the length of the forward pass,
-    an attention factor on cos and sin): one line naming the key and value, exit 2, nothing
-    written, as the Hub writes it (rope_scaling.type), as transformers saves it
-    (rope_parameters.rope_type) and in its old spelling ``su``."""
-    if spelling == "saved":
-        raw = json.loads(_phi3_config(bpe, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE}).to_json_string())
-        key = 'rope_parameters.rope_type="longrope"'
-    else:
-        kind = "longrope" if spelling == "hub" else "su"
-        raw = {**json.loads(_phi3_config(bpe).to_json_string()), "rope_parameters": None,
-               "rope_theta": 10000.0, "rope_scaling": {"type": kind, **LONGROPE}}
-        key = f'rope_scaling.type="{kind}"'
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(raw))
-    capfd.readouterr()
-    assert main(["import", str(folder), str(tmp_path / "out")]) == 2
-    err = capfd.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("domino import: error: "), err
-    assert f"Phi-3 {key} (LongRoPE) is not supported" in err and "short_factor" in err, err
-    assert not (tmp_path / "out").exists()
-    # Without the scaling the same file is read.
-    plain = {**raw, "rope_scaling": None, "rope_parameters": None}
-    assert config_from_hf(plain)[1].rotary_base == 10000.0

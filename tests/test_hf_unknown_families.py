@@ -111,7 +111,7 @@ def test_a_damaged_value_is_still_refused_in_one_line(
     """Any key of a file no family reads, at a value of the wrong type, is refused as a
     ValueError (one line at the command line), never another exception."""
     values = ["x", -1, True, [1, "a"], {"a": 1}, None, 1e30, [], 3.5]
-    for model_type in ("gemma2", "flex_olmo", "ministral", "deepseek_v3"):
+    for model_type in ("vaultgemma", "cohere", "ministral", "deepseek_v3"):
         raw = defaults[model_type]
         for key in raw:
             for value in values:
@@ -202,14 +202,18 @@ def _reason(line: str) -> str:
 
 
 def test_the_refusals_name_each_setting_in_the_files_keys(tmp_path: Path, capfd) -> None:
-    gemma2 = _reason(_refusal(tmp_path, capfd, _saved("Gemma2Config"), "gemma2"))
-    assert gemma2 == (
-        "it has RMSNorm scaling by (1 + weight); the embedding scaled by sqrt(hidden_size); "
-        "GeGLU (a tanh-GELU gate); norms before and after each sublayer (four per layer); "
-        "attn_logit_softcapping=50.0 (attention logit soft-capping); final_logit_softcapping"
-        "=30.0 (final logit soft-capping); layer_types mixing full_attention and "
-        "sliding_attention layers (local and global attention alternating), which no family "
-        "domino reads has"), gemma2
+    t = _hf()
+    vision = json.loads(t.Gemma3Config(text_config=t.Gemma3TextConfig(**TINY)).to_json_string())
+    assert _reason(_refusal(tmp_path, capfd, vision, "gemma3")) == (
+        "it has a model in several parts (text_config, vision_config; domino import reads a "
+        "text decoder's own config.json), which no family domino reads has")
+    vault = _reason(_refusal(tmp_path, capfd, _saved("VaultGemmaConfig"), "vaultgemma"))
+    assert vault == (
+        "it has Gemma 2's layers without its norms after attention and the MLP "
+        "(input_layernorm and pre_feedforward_layernorm only), which no family domino reads "
+        "has"), vault
+    gemma2 = config_from_hf(_saved("Gemma2Config"))[1]  # read now (test_hf_gemma.py)
+    assert gemma2.sandwich_norms and gemma2.full_attention_layers == (1, 3)
     olmo2 = config_from_hf(_saved("Olmo2Config"))[1]  # read now (test_hf_olmo2.py)
     assert olmo2.norm_after_sublayer and olmo2.qk_layernorm_full_width
     granite = _saved("GraniteConfig", embedding_multiplier=12.0, residual_multiplier=0.22,

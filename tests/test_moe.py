@@ -1,7 +1,8 @@
 """The MoE MLP (``domino.transformer.moe``) against a per-token reference written straight from
 the definitions: routing (softmax with and without re-normalised top-k
 weights, sigmoid with DeepSeek's selection bias and scaling), dropless and capacity routing (both
-drop policies, padded or not), shared experts with their gate, GELU and SwiGLU experts, the
+drop policies, padded or not), shared experts with their gate, GELU and SwiGLU experts (and
+GPT-OSS's: a router bias, expert biases, the clamped, scaled, offset SwiGLU), the
 auxiliary losses (and that a micro-batch's losses are the sum of its pieces' statistics, whatever
 the split), the expert-bias update, and the corner cases: an expert no token reaches, every token
 to one expert, top-k = all experts. Forward and every gradient within fp32 tolerance. With expert
@@ -28,13 +29,17 @@ TOL = 1e-5
 
 
 def _naive_expert(m: MoEMLP, e: int, x: torch.Tensor) -> torch.Tensor:
-    h = x @ m.experts.fc1[e]
-    if m.experts.swiglu:
+    ex = m.experts
+    h = x @ ex.fc1[e] + (0.0 if ex.fc1_bias is None else ex.fc1_bias[e])
+    if ex.swiglu:
         g, up = h.chunk(2, dim=-1)
-        h = F.silu(g) * up
+        alpha, offset, clamp = ex.glu  # GPT-OSS's: clamped, scaled gate, offset linear half
+        if clamp is not None:
+            g, up = g.clamp(max=clamp), up.clamp(-clamp, clamp)
+        h = g * torch.sigmoid(alpha * g) * (up + offset)
     else:
         h = F.gelu(h)
-    return h @ m.experts.fc2[e]
+    return h @ ex.fc2[e] + (0.0 if ex.fc2_bias is None else ex.fc2_bias[e])
 
 
 def _naive(m: MoEMLP, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -43,6 +48,8 @@ def _naive(m: MoEMLP, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     chosen = []  # per token: [(expert, weight)]
     for t in range(x.shape[0]):
         logits = x[t].float() @ r.weight.float().t()
+        if r.bias is not None:  # (GPT-OSS's: it moves the weights too)
+            logits = logits + r.bias.float()
         scores = torch.softmax(logits, -1) if r.score_function == "softmax" else \
             torch.sigmoid(logits)
         choice = scores if r.expert_bias is None else scores + r.expert_bias
@@ -118,6 +125,8 @@ ROUTERS = {
     "sigmoid-bias-scaled-shared": dict(score_function="sigmoid", expert_bias=True, scaling=2.5,
                                        shared_ffn_hidden_size=8, topk=3),
     "sigmoid-top1": dict(score_function="sigmoid", topk=1),
+    "softmax-gpt-oss-biases-clamped": dict(router_bias=True, expert_linear_bias=True,
+                                           glu=(1.702, 1.0, 0.4)),
 }
 
 
@@ -126,6 +135,11 @@ def test_dropless_routing_matches_the_definition(case: str) -> None:
     m, x = _pair(**ROUTERS[case])
     if m.router.expert_bias is not None:  # a bias that changes the choice, not the weights
         m.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # learned biases (they start at 0)
+        for p in (m.router.bias, m.experts.fc1_bias, m.experts.fc2_bias):
+            if p is not None:
+                p.copy_(torch.randn(p.shape, generator=gen))
     assert _check(m, x) == 0
 
 

@@ -45,10 +45,17 @@ VARIANTS = {
     # top-1, all to expert 0: every other rank receives no row at all.
     "all_to_one": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                        moe_router_topk=1),
+    # GPT-OSS's: a bias on the router's logits and on each expert's fc1 and fc2 (made nonzero:
+    # _gpt_oss_biases), the clamped, scaled SwiGLU with the offset linear half, attention sinks.
+    "gpt_oss": dict(activation="swiglu", swiglu_alpha=1.702, glu_linear_offset=1.0,
+                    activation_func_clamp_value=0.3, moe_router_bias=True,
+                    moe_expert_linear_bias=True, attention_sinks=True, normalization="RMSNorm"),
 }
 BIAS = {"hot_expert": [5.0, 0, 0, 0, 0, 0, 0, -5.0], "all_to_one": [5.0] + [0.0] * 7}
 BATCH = 12  # sequences per micro-batch
-RUNTIMES = {"bf16": dict(compute_dtype=torch.bfloat16),
+# bf16 on SDPA's math backend: the attention path its tolerance was set on (this checks the
+# experts' parallelism; tests/test_attention_paths.py checks each path's bf16 error).
+RUNTIMES = {"bf16": dict(compute_dtype=torch.bfloat16, attention_backend="math"),
             "compiled": dict(compile=True, compile_backend="aot_eager")}
 
 
@@ -65,7 +72,24 @@ def _model(variant: str, plan: str, state: ParallelState, runtime: dict | None =
     for op in moe_ops(model):
         if variant in BIAS:
             op.moe.router.expert_bias.copy_(torch.tensor(BIAS[variant]))
+    if variant == "gpt_oss":
+        _gpt_oss_biases(model, state)
     return model
+
+
+@torch.no_grad()
+def _gpt_oss_biases(model: GPTModel, state: ParallelState) -> None:
+    """Random router and expert biases and sinks (they start at 0), drawn whole and sliced as
+    the parameter is sharded (over EP or TP), so every parallel layout holds the same model."""
+    from domino.tensor_parallel.placement import placement_of
+
+    gen = torch.Generator().manual_seed(7)
+    for name, p in model.named_parameters():
+        if name.endswith(("router.bias", "fc1_bias", "fc2_bias", "sinks")):
+            group = {"ep": state.ep, "tp": state.tp}.get(placement_of(p).shard)
+            size = group.size if group is not None else 1
+            noise = torch.randn(p.shape[0] * size, *p.shape[1:], generator=gen) * 0.5
+            p.add_(noise.chunk(size)[group.rank] if group is not None else noise)
 
 
 def _ids(rank: int) -> torch.Tensor:
@@ -164,7 +188,7 @@ def test_every_plan_equals_one_piece_on_one_rank(variant: str) -> None:
     for plan in PLANS[1:]:
         got = _step(_model(variant, plan, ParallelState.single()), _ids(0))
         _check_like(got, ref, 0, 1, f"{variant} {plan}")
-    if variant in ("dropless", "shared_gelu"):
+    if variant in ("dropless", "shared_gelu", "gpt_oss"):
         return
     # The corner cases happen: drops, an expert with no token, a rank with none (EP = 2).
     counts, sums = ref[0]["stats"][-1]
@@ -207,11 +231,13 @@ def test_the_received_rows_gradient_is_gathered_once() -> None:
 
 
 def test_the_one_piece_model_equals_the_plain_reference() -> None:
-    for variant in ("dropless", "shared_gelu"):
+    for variant in ("dropless", "shared_gelu", "gpt_oss"):
         cfg = TransformerConfig(**{**BASE, **VARIANTS[variant], "moe_aux_loss_coeff": 0.0,
                                    "moe_z_loss_coeff": None})
         torch.manual_seed(0)
         model = GPTModel(cfg, parallel_state=ParallelState.single())
+        if variant == "gpt_oss":
+            _gpt_oss_biases(model, ParallelState.single())
         ids = _ids(0)
         w = reference_weights(model)
         want = reference_loss(w, cfg, ids[:, :-1], ids[:, 1:])

@@ -165,6 +165,10 @@ def test_every_config_field_has_a_flag_or_a_reason() -> None:
              rope_scaling_type="llama3", untie_embeddings_and_output_weights=True,
              nope_layers=(1,)),
     dict(activation="gelu_tanh", ffn_hidden_size=48, kv_channels=16),
+    # LongRoPE's factor lists: comma-separated flags, each float written exactly
+    dict(position_embedding_type="rope", rotary_percent=0.5, rope_scaling_type="longrope",
+         rope_short_factor=(1.0, 0.1 + 0.2), rope_long_factor=(1 / 3, 2e-7),
+         rope_original_max_position_embeddings=4, rope_attention_factor=1.25),
 ])
 def test_train_settings_and_model_config_are_inverse(over) -> None:
     cfg = TransformerConfig(**{**ARCH, **over})

@@ -41,6 +41,9 @@ def test_default_path_end_to_end(tmp_path, capfd, monkeypatch) -> None:
     assert "effective configuration" in out and "tensor_model_parallel_size = 2" in out
     assert "TP=2 x DP=1" in out and "--- sample (24 tokens" in out
     assert "| TP over shm" in out  # two local CPU ranks: the shared-memory transport
+    # The attention's paths measured at the run's shapes (TP=2: 2 heads of 32 per rank).
+    assert re.search(r"attention auto: causal \w+, .*\((measured|cached) at float32, batch 2 "
+                     r"x 2 heads x seq 64 x 16, causal masks; ms per fwd\+bwd causal: flash ", out)
     assert "validation at step 6: loss" in out and "perplexity" in out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 3, 4, 6]

@@ -154,6 +154,7 @@ def test_cp2_training_matches_cp1_and_resumes_at_cp1(data, docs, tmp_path) -> No
 @pytest.mark.parametrize(("flags", "world", "needles"), [
     (dict(seq_length=30), 2, ["--seq-length 30", "2 x --context-parallel-size"]),
     (dict(attention_dropout=0.1), 2, ["--attention-dropout 0.1", "--context-parallel-size 1"]),
+    (dict(attention_sinks=True), 2, ["--attention-sinks", "--context-parallel-size 1"]),
     (dict(cp_comm_type="a2a", num_attention_heads=2, tensor_model_parallel_size=2), 4,
      ["--cp-comm-type a2a", "--num-attention-heads 2", "divisible by"]),
     (dict(), 3, ["--context-parallel-size 2", "world size 3"]),

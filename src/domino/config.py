@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from domino import config_rules as rules
+from domino.config_fields import ARCHITECTURE_FIELDS, NEUTRAL, NOT_SAVED
 from domino.config_rules import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, ROPE_SCALING_TYPES
 from domino.runtime import SEED_SPELLING, RuntimeConfig
 from domino.utils import init_method_normal, scaled_init_method_normal
@@ -62,17 +63,35 @@ class TransformerConfig:
     rotary_seq_len_interpolation_factor: float | None = field(
         default=None, metadata={"help": "Divide RoPE positions by this (position interpolation)."})
     rope_scaling_type: str | None = field(
-        default=None, metadata={"help": "RoPE frequency scaling: llama3 (Llama 3.1's), or none.",
+        default=None, metadata={"help": "RoPE frequency scaling: llama3 (Llama 3.1's), yarn, "
+                                        "longrope (Phi-3's), or none.",
                                 "choices": ROPE_SCALING_TYPES})
     rope_scaling_factor: float = field(
-        default=8.0, metadata={"help": "llama3 RoPE scaling: how much longer the context gets."})
+        default=8.0, metadata={"help": "llama3 / yarn / longrope RoPE scaling: how much "
+                                       "longer the context gets."})
     rope_low_freq_factor: float = field(
         default=1.0, metadata={"help": "llama3 RoPE scaling: low-frequency factor."})
     rope_high_freq_factor: float = field(
         default=4.0, metadata={"help": "llama3 RoPE scaling: high-frequency factor."})
     rope_original_max_position_embeddings: int = field(
         default=8192,
-        metadata={"help": "llama3 RoPE scaling: the context length before scaling."})
+        metadata={"help": "llama3 / yarn / longrope RoPE scaling: the context length before "
+                          "scaling."})
+    rope_yarn_beta_fast: float = field(
+        default=32.0, metadata={"help": "yarn RoPE scaling: its beta_fast (rotations)."})
+    rope_yarn_beta_slow: float = field(
+        default=1.0, metadata={"help": "yarn RoPE scaling: its beta_slow (rotations)."})
+    rope_yarn_truncate: bool = field(
+        default=True, metadata={"help": "yarn RoPE scaling: round its ramp's ends (truncate)."})
+    rope_attention_factor: float | None = field(
+        default=None, metadata={"help": "RoPE scaling: cos and sin times this; None: the "
+                                        "scaling's own (yarn: 0.1 ln(factor) + 1; longrope: "
+                                        "sqrt(1 + ln(factor) / ln(original max)) or 1)."})
+    rope_short_factor: tuple[float, ...] = field(default=(), metadata={
+        "help": "longrope RoPE scaling: a wavelength factor per rotated channel pair (rotary "
+                "dim / 2) for a forward within rope_original_max_position_embeddings."})
+    rope_long_factor: tuple[float, ...] = field(default=(), metadata={
+        "help": "longrope RoPE scaling: the factors for a forward past it."})
     nope_layers: tuple[int, ...] = field(
         default=(),
         metadata={"help": "With RoPE: the layers (0-based) whose attention has no RoPE (NoPE "
@@ -90,6 +109,12 @@ class TransformerConfig:
         metadata={"help": "MLP activation: gelu (exact), gelu_tanh (GPT-2's tanh approximation), "
                           "swiglu, or geglu_tanh (a gate through tanh-approximated GELU: "
                           "Gemma's)."})
+    swiglu_alpha: float = field(
+        default=1.0, metadata={"help": "SwiGLU's gate g * sigmoid(alpha * g) (GPT-OSS's 1.702)."})
+    glu_linear_offset: float = field(
+        default=0.0, metadata={"help": "Gated activations: act(g) * (up + this) (GPT-OSS's 1)."})
+    activation_func_clamp_value: float | None = field(
+        default=None, metadata={"help": "Gated activations: gate <= this, up in [-this, this]."})
     add_bias_linear: bool = field(default=True, metadata={"help": "Bias in the linear layers."})
     add_qkv_bias: bool = field(
         default=False,
@@ -119,8 +144,15 @@ class TransformerConfig:
         metadata={"help": "Soft-cap the attention scores: cap * tanh(scores / cap), after "
                           "scaling and before the mask (Gemma 2's attn_logit_softcapping); "
                           "None: no cap."})
+    attention_sinks: bool = field(
+        default=False, metadata={"help": "A learned logit per head in the softmax (GPT-OSS's)."})
     embedding_multiplier: float = field(
         default=1.0, metadata={"help": "Multiply the embeddings by this (Granite's)."})
+    embedding_multiplier_rounded: bool = field(
+        default=False,
+        metadata={"help": "Round embedding_multiplier to the activations' dtype before "
+                          "multiplying (Gemma's normaliser; Granite's is not rounded). Only "
+                          "bf16/fp16 runs differ."})
     residual_multiplier: float = field(
         default=1.0,
         metadata={"help": "Multiply each sublayer's output by this before the residual add "
@@ -200,6 +232,10 @@ class TransformerConfig:
     moe_router_enable_expert_bias: bool = field(
         default=False, metadata={"help": "Aux-loss-free balancing: a per-expert bias on the "
                                          "scores that choose experts, moved each step."})
+    moe_router_bias: bool = field(
+        default=False, metadata={"help": "A learned bias on the router's logits (GPT-OSS's)."})
+    moe_expert_linear_bias: bool = field(
+        default=False, metadata={"help": "Biases on each expert's fc1 and fc2 (GPT-OSS's)."})
     moe_router_force_load_balancing: bool = field(
         default=False, metadata={"help": "Route by random scores (about even loads): for "
                                          "benchmarks only, the router learns nothing."})
@@ -295,7 +331,7 @@ class TransformerConfig:
         when weights are drawn, and a checkpoint or export carries the weights)."""
         out = {}
         for f in dataclasses.fields(self):
-            if f.name in _NOT_SAVED:
+            if f.name in NOT_SAVED:
                 continue
             value = getattr(self, f.name)
             out[f.name] = str(value).removeprefix("torch.") if f.name == "params_dtype" else value
@@ -306,7 +342,7 @@ class TransformerConfig:
         """Inverse of :meth:`to_dict`; unknown keys are an error (ValueError). The run-time
         keys that records written before the split held (``domino_*``, ...) are skipped: a
         checkpoint keeps its plan in its own record."""
-        known = {f.name for f in dataclasses.fields(cls)} - _NOT_SAVED
+        known = {f.name for f in dataclasses.fields(cls)} - NOT_SAVED
         values = {k: v for k, v in values.items() if k not in SEED_SPELLING}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -336,11 +372,14 @@ class TransformerConfig:
         elif self.rope_scaling_type is None:
             for name in [n for n in out if n.startswith("rope_") and n != "rope_scaling_type"]:
                 del out[name]
+        if self.rope_scaling_type != "yarn":  # (only YaRN reads them)
+            for name in [n for n in out if n.startswith("rope_yarn")]:
+                del out[name]
         if self.num_experts is None:
             for name in [n for n in out if n.startswith("moe_")]:
                 del out[name]
-        for name, unset in _NEUTRAL.items():  # (records written before them match)
-            if out[name] == unset:
+        for name, unset in NEUTRAL.items():  # (records written before them match)
+            if name in out and out[name] == unset:
                 del out[name]
         return out
 
@@ -368,36 +407,4 @@ def _seed_alias(name: str) -> property:
 # After the dataclass is made: its __init__ keeps the keyword defaults, reads go to runtime().
 for _name in SEED_SPELLING:
     setattr(TransformerConfig, _name, _seed_alias(_name))
-
-_NOT_SAVED = {"init_method", "output_layer_init_method"}
-# Architecture fields left out of architecture() at the value that changes nothing.
-_NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "softmax_scale": None,
-            "logits_scaling": 1.0, "nope_layers": (), "norm_after_sublayer": False,
-            "full_attention_layers": (), "attention_softcap": None, "output_softcap": None,
-            "sandwich_norms": False, "layernorm_zero_centered_gamma": False,
-            "norm_scale_in_fp32": False,
-            "local_rotary_base": None}
-
-# What a set of weights is: shapes and math (not dropout, init, sequence length or the schedule).
-ARCHITECTURE_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
-    "kv_channels", "num_query_groups", "decoder_num_layers", "max_position_embeddings",
-    "position_embedding_type", "rotary_percent", "rotary_base",
-    "rotary_seq_len_interpolation_factor", "rope_scaling_type", "rope_scaling_factor",
-    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-    "nope_layers", "local_rotary_base",
-    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "qk_layernorm_full_width", "window_size", "full_attention_layers", "attention_softcap",
-    "embedding_multiplier", "residual_multiplier", "softmax_scale", "logits_scaling",
-    "output_softcap", "num_experts", "moe_router_topk",
-    "moe_ffn_hidden_size", "moe_layer_freq",
-    "moe_first_k_dense_layers", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-    "moe_router_enable_expert_bias",
-    "layernorm_epsilon",
-    "apply_residual_connection_post_layernorm", "norm_after_sublayer", "sandwich_norms",
-    "norm_scale_in_fp32",
-    "layernorm_zero_centered_gamma", "final_layernorm",
-    "untie_embeddings_and_output_weights",
-)
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu_tanh")
-ROPE_SCALING_TYPES = ("llama3",)
+ROPE_SCALING_TYPES = ("llama3", "yarn", "longrope")
 
 
 def check_sizes(cfg: TransformerConfig) -> None:
@@ -45,6 +45,30 @@ def check_choices(cfg: TransformerConfig) -> None:
     choice(cfg, "position_embedding_type", POSITION_EMBEDDING_TYPES)
     choice(cfg, "normalization", NORMALIZATIONS)
     choice(cfg, "activation", ACTIVATIONS)
+    check_gated_activation(cfg)
+
+
+def check_gated_activation(cfg: TransformerConfig) -> None:
+    """GPT-OSS's knobs of a gated activation: SwiGLU's gate scale, the linear half's offset,
+    the clamp; each at its neutral value unless the activation is gated."""
+    gated = cfg.activation in ("swiglu", "geglu_tanh")
+    knobs = (("swiglu_alpha", 1.0, cfg.activation == "swiglu", "> 0", "activation='swiglu'"),
+             ("glu_linear_offset", 0.0, gated, "", "a gated activation (swiglu, geglu_tanh)"),
+             ("activation_func_clamp_value", None, gated, "> 0",
+              "a gated activation (swiglu, geglu_tanh)"))
+    for name, neutral, applies, rule, needs in knobs:
+        value = getattr(cfg, name)
+        if value is None and neutral is None:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or (rule == "> 0" and value <= 0)):
+            raise ValueError(f"{name}={value!r} must be a finite number{' > 0' if rule else ''} "
+                             f"({neutral!r}: the plain activation).")
+        if value == neutral:
+            continue
+        if not applies:
+            raise ValueError(f"{name}={value} changes {needs}, but activation="
+                             f"{cfg.activation!r}: set that activation, or {name}={neutral}.")
 
 
 def check_dropout_and_window(cfg: TransformerConfig) -> None:
@@ -67,6 +91,10 @@ def check_dropout_and_window(cfg: TransformerConfig) -> None:
 def check_moe(cfg: TransformerConfig) -> None:
     """The Mixture-of-Experts fields (none without ``num_experts``)."""
     if cfg.num_experts is None:
+        for name in ("moe_router_bias", "moe_expert_linear_bias"):
+            if getattr(cfg, name):
+                raise ValueError(f"{name}=True is a bias of the MoE layers, but num_experts is "
+                                 f"None (a dense model): set num_experts, or {name}=False.")
         return
     if cfg.activation == "geglu_tanh":
         raise ValueError("activation='geglu_tanh' is built for dense MLPs; the experts of an "
@@ -113,6 +141,14 @@ def check_rope(cfg: TransformerConfig) -> None:
         raise ValueError(f"rotary_base={cfg.rotary_base!r} must be a finite number > 1.")
     if cfg.rope_scaling_type is not None:
         check_rope_scaling(cfg)
+    for name in ("rope_short_factor", "rope_long_factor"):
+        value = getattr(cfg, name)
+        if isinstance(value, list | tuple) and not value:
+            setattr(cfg, name, ())  # (a saved config's [] reads back equal)
+        elif cfg.rope_scaling_type != "longrope":
+            raise ValueError(f"{name}={value!r} is set, but rope_scaling_type="
+                             f"{cfg.rope_scaling_type!r}: the factors are longrope's; set "
+                             f"rope_scaling_type='longrope', or leave {name} empty.")
     check_nope_layers(cfg)
     check_local_rotary_base(cfg)
     if (cfg.rotary_seq_len_interpolation_factor is not None
@@ -163,8 +199,14 @@ def check_local_rotary_base(cfg: TransformerConfig) -> None:
 
 
 def check_rope_scaling(cfg: TransformerConfig) -> None:
-    """Llama 3.1's RoPE frequency scaling."""
+    """Llama 3.1's or YaRN's RoPE frequency scaling."""
     choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
+    if cfg.rope_scaling_type == "yarn":
+        check_yarn(cfg)
+        return
+    if cfg.rope_scaling_type == "longrope":
+        check_longrope(cfg)
+        return
     if not (cfg.rope_scaling_factor > 0
             and 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor
             and cfg.rope_original_max_position_embeddings > 0):
@@ -173,6 +215,60 @@ def check_rope_scaling(cfg: TransformerConfig) -> None:
             "< rope_high_freq_factor and rope_original_max_position_embeddings > 0; got "
             f"{cfg.rope_scaling_factor}, {cfg.rope_low_freq_factor}, "
             f"{cfg.rope_high_freq_factor}, {cfg.rope_original_max_position_embeddings}.")
+
+
+def check_yarn(cfg: TransformerConfig) -> None:
+    """YaRN's settings: finite numbers > 0 (its attention factor may be None: derived)."""
+    names = ("rope_scaling_factor", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
+             "rope_attention_factor")
+    for name in names:
+        value = getattr(cfg, name)
+        if value is None and name == "rope_attention_factor":
+            continue
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name}={value!r} must be a finite number > 0 for yarn RoPE "
+                             "scaling" + (" (or None: 0.1 ln(factor) + 1)."
+                                          if name == "rope_attention_factor" else "."))
+    if cfg.rope_original_max_position_embeddings < 1:
+        raise ValueError("rope_original_max_position_embeddings="
+                         f"{cfg.rope_original_max_position_embeddings} must be >= 1 (the "
+                         "context length before yarn scaling).")
+
+
+def check_longrope(cfg: TransformerConfig) -> None:
+    """LongRoPE's settings: with RoPE alone (no interpolation, no local base), a factor > 0 per
+    rotated channel pair in each list (kept as tuples of floats), an original length > 1."""
+    if (cfg.position_embedding_type != "rope" or cfg.rotary_seq_len_interpolation_factor
+            is not None or cfg.local_rotary_base is not None):
+        raise ValueError(
+            "rope_scaling_type='longrope' needs position_embedding_type='rope' without "
+            "rotary_seq_len_interpolation_factor or local_rotary_base (got "
+            f"{cfg.position_embedding_type!r}, {cfg.rotary_seq_len_interpolation_factor}, "
+            f"{cfg.local_rotary_base}): set RoPE, leave the others None.")
+    pairs = int(cfg.kv_channels * cfg.rotary_percent) // 2
+    for name in ("rope_short_factor", "rope_long_factor"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, list | tuple) and len(value) == pairs and all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                and x > 0 for x in value)):
+            raise ValueError(
+                f"{name}={value!r} must be {pairs} numbers > 0 (one per rotated channel pair: "
+                "int(kv_channels * rotary_percent) / 2) for longrope RoPE scaling.")
+        setattr(cfg, name, tuple(float(x) for x in value))
+    factor, attention = cfg.rope_scaling_factor, cfg.rope_attention_factor
+    if (isinstance(factor, bool) or not isinstance(factor, int | float)
+            or not math.isfinite(factor) or factor <= 0):
+        raise ValueError(f"rope_scaling_factor={factor!r} must be a finite number > 0 for "
+                         "longrope RoPE scaling.")
+    if attention is not None and (isinstance(attention, bool) or not isinstance(
+            attention, int | float) or not math.isfinite(attention) or attention <= 0):
+        raise ValueError(f"rope_attention_factor={attention!r} must be a finite number > 0 "
+                         "(or None: derived from rope_scaling_factor).")
+    positive(cfg, "rope_original_max_position_embeddings")
+    if cfg.rope_original_max_position_embeddings < 2:
+        raise ValueError("rope_original_max_position_embeddings=1 must be >= 2 for longrope "
+                         "RoPE scaling (its attention factor divides by ln of it).")
 
 
 def check_positions_and_norms(cfg: TransformerConfig) -> None:

@@ -40,6 +40,10 @@ DEFAULT_PLAN = Plan(2, "cross_layer", 1)  # what the measurements found never wo
 CXX_CACHE_FILE = "cxx_checks.json"  # the C++ compilers found to work (check_compile)
 # Context-parallel attention: Megatron's --cp-comm-type values -> domino.context_parallel's kinds.
 CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "alltoall"}
+# The core attention's paths (kernels.attention; AttentionChoice says which runs when).
+ATTENTION_PATHS = ("flash", "math", "explicit", "explicit_fp32")
+ATTENTION_BACKENDS = ("auto", *ATTENTION_PATHS)  # auto: measured on the machine
+MASK_KINDS = ("causal", "masked", "windowed")  # kernels.mask_kind
 
 # The seed's constructor spelling of the run-time choices (TransformerConfig keywords and
 # `domino train` flags): name -> (default, help).
@@ -62,6 +66,52 @@ SEED_SPELLING: dict[str, tuple[Any, str]] = {
                "Training and plain forwards only: a forward with a KV cache runs without it "
                "(same weights, same math)."),
 }
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The path the core attention (``kernels.attention``) takes for each kind of mask: ``flash``
+    (``scaled_dot_product_attention`` with PyTorch's own backend choice: its fused flash kernel
+    on a CPU), ``math`` (SDPA's math backend), ``explicit`` (Q K^T, softmax, P V as batched
+    matmuls in the compute dtype) or ``explicit_fp32`` (those matmuls in fp32). ``explicit``
+    is the explicit variant run where only the explicit path can compute the attention: under
+    attention dropout (its masks come from domino's TP-aware generators, which no fused kernel
+    takes) and with a soft-cap or attention sinks (no fused kernel has them). The default is
+    PyTorch's own choice, unmeasured; ``domino.transformer.attention_paths`` measures one."""
+
+    causal: str = "flash"  # the causal rule alone (SDPA's is_causal)
+    masked: str = "flash"  # an additive mask (padding, documents; or none)
+    windowed: str = "flash"  # a sliding window (with the causal rule)
+    explicit: str = "explicit"  # dropout, soft-cap, sinks: explicit or explicit_fp32
+    source: str = field(default="not measured: PyTorch's own SDPA choice", compare=False)
+
+    def __post_init__(self) -> None:
+        for kind in MASK_KINDS:
+            if getattr(self, kind) not in ATTENTION_PATHS:
+                raise ValueError(f"AttentionChoice.{kind}={getattr(self, kind)!r} is not one of "
+                                 f"{', '.join(ATTENTION_PATHS)}.")
+        if self.explicit not in ATTENTION_PATHS[2:]:
+            raise ValueError(f"AttentionChoice.explicit={self.explicit!r} is not one of "
+                             f"{', '.join(ATTENTION_PATHS[2:])} (what dropout, a soft-cap or "
+                             "sinks run).")
+
+    @classmethod
+    def fixed(cls, path: str) -> AttentionChoice:
+        """Every mask kind on ``path`` (an explicit one also under dropout)."""
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"attention path {path!r} is not one of "
+                             f"{', '.join(ATTENTION_PATHS)}.")
+        explicit = path if path.startswith("explicit") else "explicit"
+        return cls(path, path, path, explicit, source=f"fixed (attention_backend={path!r})")
+
+    def path(self, kind: str) -> str:
+        """The path of mask kind ``kind`` (one of :data:`MASK_KINDS`)."""
+        return getattr(self, kind)
+
+    def describe(self) -> str:
+        """One line: the path of each mask kind, dropout's, and where the choice came from."""
+        return (", ".join(f"{k} {self.path(k)}" for k in MASK_KINDS)
+                + f"; dropout/soft-cap/sinks {self.explicit} ({self.source})")
 
 
 class _Model(Protocol):  # what check() reads of a TransformerConfig (no import: config imports us)
@@ -105,6 +155,21 @@ class RuntimeConfig:
                           "around a ring, each transfer under the previous block's compute), "
                           "all_gather (gather K/V once) or a2a (Ulysses: all-to-all by heads).",
                   "choices": tuple(CP_COMM_TYPES)})
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "The core attention's path: auto (the fastest measured on this "
+                          "machine at the run's shapes, dtype and masks; domino.transformer."
+                          "attention_paths, which domino train and bench call), or one for "
+                          "every mask: flash (SDPA, PyTorch's own backend choice), math (SDPA's "
+                          "math backend), explicit (batched matmuls in the compute dtype), "
+                          "explicit_fp32 (in fp32). Dropout, a soft-cap and sinks always run an "
+                          "explicit one.",
+                  "choices": ATTENTION_BACKENDS})
+    attention_measured: AttentionChoice | None = field(
+        default=None,
+        metadata={"help": "attention_backend='auto''s measured paths (set by domino.transformer."
+                          "attention_paths.resolve_attention before the model is built); None: "
+                          "not measured, PyTorch's own SDPA choice."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -126,10 +191,27 @@ class RuntimeConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type={self.cp_comm_type!r} is not one of "
                              f"{', '.join(CP_COMM_TYPES)}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}.")
+        if self.attention_measured is not None and (
+                not isinstance(self.attention_measured, AttentionChoice)
+                or self.attention_backend != "auto"):
+            raise ValueError(f"attention_measured={self.attention_measured!r} must be an "
+                             "AttentionChoice, and only with attention_backend='auto' (it is "
+                             "auto's measurement); drop it to run a fixed backend.")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of "
                              "torch.bfloat16, torch.float16, torch.float32 (or None: the "
                              "parameters' own dtype).")
+
+    @property
+    def attention_paths(self) -> AttentionChoice:
+        """The attention paths the model runs: the fixed backend's, else auto's measured
+        ones, else PyTorch's own choice (auto not measured)."""
+        if self.attention_backend != "auto":
+            return AttentionChoice.fixed(self.attention_backend)
+        return self.attention_measured or AttentionChoice()
 
     @property
     def cp_kind(self) -> str:

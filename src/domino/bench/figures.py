@@ -240,6 +240,13 @@ def mfu_line(config: dict[str, Any]) -> str | None:
             + (f" = {peak / 1e12:.3g} TFLOP/s per rank" if peak else ""))
 
 
+def header_lines(config: dict[str, Any]) -> list[str]:
+    """A report's lines under its first: MFU's denominator, the attention's paths (the
+    backend and what was measured), what compiling cost."""
+    attention = f"attention {config['attention']}" if config.get("attention") else None
+    return [x for x in (mfu_line(config), attention, compile_line(config)) if x is not None]
+
+
 def compile_line(config: dict[str, Any]) -> str | None:
     """The report line saying what compiling the pieces cost (None when nothing compiled)."""
     if not config.get("compile_graphs"):

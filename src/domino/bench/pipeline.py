@@ -17,7 +17,7 @@ import torch
 from domino.bench.figures import compile_figures
 from domino.bench.hooks import BenchHook
 from domino.bench.memory import quiet_fd2
-from domino.bench.spec import build_config, build_runtime, layouts
+from domino.bench.spec import build_config, build_runtime, layouts, with_attention
 from domino.bench.timeline import Timeline
 from domino.flops import rank_gemms, train_flops_per_step
 from domino.gemm_rate import peak_flops
@@ -26,6 +26,7 @@ from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import Plan
 from domino.timing import device_sync, time_rotated
+from domino.transformer.attention_paths import attention_text
 from domino.transformer.stack import compile_cost
 
 
@@ -112,6 +113,7 @@ def _peak_memory(bench: PipelineBench, schedule: str) -> int:
 def measure_pipeline(spec: dict[str, Any], device: torch.device,
                      state: ParallelState) -> dict[str, Any] | None:
     """The worker's side: every rank times, rank 0 returns the raw results."""
+    spec = with_attention(spec, state)  # --attention-backend auto: measured, all ranks at once
     bench = PipelineBench(spec, state)
     config = build_config({**spec, "model": "gpt"})
     tokens = spec["micro_batch_size"] * spec["seq_length"]
@@ -142,5 +144,6 @@ def measure_pipeline(spec: dict[str, Any], device: torch.device,
                 config, spec["pipeline_micro_batches"] * tokens, tp=state.tp.size),
             "peak_flops_per_s": None if None in peaks else sum(peaks) / len(peaks),
             "peak_what": peak_what,
+            "attention": attention_text(build_runtime(spec), state.cp.size),
             **compile_figures(gathered),
             "layouts": {n: [list(b) for b in lay.bounds] for n, lay in bench.layouts.items()}}

@@ -11,7 +11,7 @@ import os
 import statistics
 from typing import Any
 
-from domino.bench.figures import compile_line, mfu_line
+from domino.bench.figures import header_lines
 from domino.bench.timeline import Timeline, render_png, to_chrome_trace
 from domino.flops import utilisation
 from domino.pipeline.schedules import theoretical_bubble
@@ -58,10 +58,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"PP={c['pipeline_model_parallel_size']} x TP={c['tensor_model_parallel_size']} "
              f"(Domino plan {c['plan']} in each stage), {c['dtype']}, {c['device']}, link "
              f"{c['link']}, {c['steps']} steps after {c['warmup']} warm-up"]
-    if mfu_line(c) is not None:
-        lines.append(mfu_line(c))
-    if compile_line(c) is not None:
-        lines.append(compile_line(c))
+    lines += header_lines(c)
     head = ("schedule", "step ms", "tokens/s", "TFLOP/s/rank", "MFU", "bubble", "theory",
             "held mb/stage", "peak MiB/stage")
     body = [(r["schedule"] + (f" (x{r['chunks']} chunks)" if r["chunks"] > 1 else ""),
@@ -91,6 +88,7 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any],
               "layers_per_virtual_stage": spec["layers_per_virtual_stage"],
               "model_flops_per_step": raw.get("model_flops_per_step"),
               "peak_flops_per_s": raw.get("peak_flops_per_s"), "mfu_of": raw.get("peak_what"),
+              "attention": raw.get("attention"),
               "compile_graphs": raw.get("compile_graphs"), "compile_s": raw.get("compile_s"),
               "compile_graphs_timed": raw.get("compile_graphs_timed")}
     report = {"config": config, "results": rows}

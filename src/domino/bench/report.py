@@ -14,10 +14,9 @@ import torch
 from domino.bench.figures import (
     best_mode,
     comm_cpu_bound,
-    compile_line,
     compute_results,
     detect_regime,
-    mfu_line,
+    header_lines,
 )
 from domino.bench.modes import Mode
 from domino.netem import rate_bits_per_s
@@ -54,6 +53,7 @@ def build_report(args: argparse.Namespace, spec: dict[str, Any], modes: list[Mod
         "model_flops_per_step": raw.get("model_flops_per_step"),
         "peak_flops_per_s": raw.get("peak_flops_per_s"),
         "mfu_of": raw.get("peak_what"),
+        "attention": raw.get("attention"),
         "compile_graphs": raw.get("compile_graphs"),
         "compile_s": raw.get("compile_s"),
         "compile_graphs_timed": raw.get("compile_graphs_timed"),
@@ -142,10 +142,7 @@ def format_table(report: dict[str, Any]) -> str:
         + _probe_text("all-to-all", c.get("exchange_8mib_s"), c.get("exchange_8mib_cpu_s"))
         + f", {c['steps']} steps after {c['warmup']} warm-up",
     ]
-    if mfu_line(c) is not None:
-        lines.append(mfu_line(c))
-    if compile_line(c) is not None:
-        lines.append(compile_line(c))
+    lines += header_lines(c)
     head = ("mode", "step ms", "min ms", "CPU ms", "tokens/s", "TFLOP/s/rank", "MFU",
             "exposed ms", "vs split ms", "hidden", "speedup", "peak MiB")
     body = []

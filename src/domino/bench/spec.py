@@ -23,6 +23,7 @@ from domino.pipeline.partition import Layout, partition
 from domino.pipeline.schedules import check_schedule
 from domino.plan import Plan
 from domino.runtime import CP_COMM_TYPES, DEFAULT_PLAN, RuntimeConfig, check_compile
+from domino.transformer.attention_paths import AttentionShapes, measured_choice
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved,zero_bubble"
@@ -63,7 +64,23 @@ def build_runtime(spec: dict[str, Any], plan: Plan = DEFAULT_PLAN) -> RuntimeCon
     return RuntimeConfig(plan=plan, recompute_granularity=spec.get("recompute_granularity"),
                          compile=bool(spec.get("compile")),
                          compile_backend=spec.get("compile_backend", "inductor"),
-                         cp_comm_type=spec.get("cp_comm_type", "p2p"))
+                         cp_comm_type=spec.get("cp_comm_type", "p2p"),
+                         attention_backend=spec.get("attention_backend", "auto"),
+                         attention_measured=spec.get("attention"))
+
+
+def with_attention(spec: dict[str, Any], state: Any) -> dict[str, Any]:
+    """``spec`` with its attention paths (``"attention"``, what :func:`build_runtime` passes
+    on): ``--attention-backend auto`` measured by every rank of ``state`` at once, at the
+    unsplit micro-batch; a fixed backend, context parallelism (the ring's own kernels) or
+    ``--model moe`` (no attention runs) measures nothing."""
+    if (spec.get("attention_backend", "auto") != "auto" or state.cp.size > 1
+            or spec.get("model") == "moe"):
+        return spec
+    config = build_config({**spec, "model": "gpt"})  # (the pipeline bench's spec has no model)
+    shapes = AttentionShapes.of_run(config, spec["micro_batch_size"], state.tp.size, 1,
+                                    config.params_dtype, state.device)
+    return {**spec, "attention": measured_choice(shapes, state.world)}
 
 
 def compiled_runtime(spec: dict[str, Any]) -> RuntimeConfig:
@@ -151,7 +168,8 @@ def tp_spec(args: argparse.Namespace) -> tuple[dict[str, Any], list[Mode]]:
             "threads_per_rank", "dtype", "seed", "timeout", "recompute_granularity",
             "attention_dropout", "shared_memory_comm", "peak_tflops", "compile",
             "compile_backend", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-            "moe_aux_loss_coeff", "moe_router_force_load_balancing", "swiglu")}
+            "moe_aux_loss_coeff", "moe_router_force_load_balancing", "swiglu",
+            "attention_backend")}
     _check_moe(args)
     spec.update(expert_model_parallel_size=ep, context_parallel_size=cp,
                 cp_comm_type=args.cp_comm_type, world_size=world, hosts=world)
@@ -311,7 +329,7 @@ def pipeline_spec(args: argparse.Namespace) -> dict[str, Any]:
             "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "pipeline_micro_batches", "steps", "warmup", "threads_per_rank", "dtype", "seed",
             "timeout", "plan", "shared_memory_comm", "peak_tflops", "compile",
-            "compile_backend")}
+            "compile_backend", "attention_backend")}
     counts = None
     if args.pipeline_stage_layers:
         try:

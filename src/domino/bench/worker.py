@@ -25,7 +25,7 @@ from domino.bench.hooks import BenchHook, SimulatedLink
 from domino.bench.memory import quiet_fd2
 from domino.bench.modes import Mode, parse_mode
 from domino.bench.probe import probe_allreduce, probe_exchange
-from domino.bench.spec import build_config, build_runtime, compiled_runtime
+from domino.bench.spec import build_config, build_runtime, compiled_runtime, with_attention
 from domino.bench.timeline import Timeline
 from domino.context_parallel import shard_sequence
 from domino.distributed import init_distributed, shutdown_distributed
@@ -37,6 +37,7 @@ from domino.memory import peak_bytes, reset_peak
 from domino.parallel_state import ParallelState
 from domino.timing import time_rotated
 from domino.transformer import DominoTransformer
+from domino.transformer.attention_paths import attention_text
 from domino.transformer.stack import compile_cost, stacks_of, using_plan, using_runtime
 
 __all__ = ["main", "measure"]
@@ -276,6 +277,7 @@ def measure(spec: dict[str, Any], device: torch.device,
             state: ParallelState) -> dict[str, Any] | None:
     """Run the whole measurement on this rank; rank 0 returns the raw results."""
     modes = [parse_mode(name) for name in spec["modes"]]
+    spec = with_attention(spec, state)  # --attention-backend auto: measured, all ranks at once
     bench = _Bench(spec, state, compiled=any(m.compiled for m in modes))
     config = build_config(spec)
     tokens = spec["micro_batch_size"] * spec["seq_length"]  # per TP group
@@ -316,6 +318,8 @@ def measure(spec: dict[str, Any], device: torch.device,
         "peak_flops_per_s": (None if any(g["peak"] is None for g in gathered)
                              else sum(g["peak"] for g in gathered) / len(gathered)),
         "peak_what": peak_what,
+        "attention": (None if spec["model"] == "moe"  # (its attention never runs)
+                      else attention_text(build_runtime(spec), state.cp.size)),
         **compile_figures(gathered),
         "transports": state.transports(),
         "allreduce_8mib_s": None if allreduce is None else allreduce["seconds"],

@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` configs, each by its family (one module each, listed in
-:data:`domino.checkpoint.families.FAMILIES`; Gemma is read only to be refused with what stands
-in the way): our config from a ``config.json``, and the ``config.json`` of a model of ours.
+:data:`domino.checkpoint.families.FAMILIES`; a ``model_type`` none reads is refused naming what
+stands in the way): our config from a ``config.json``, and the ``config.json`` of a model of
+ours.
 
 Written from the formats' documented ``config.json`` keys, so neither direction needs
 ``transformers`` installed; the weights are :mod:`domino.checkpoint.hf`'s.

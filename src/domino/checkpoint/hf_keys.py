@@ -96,6 +96,16 @@ class HFKeys:
             self.wrong(key, value, text)
         return float(value)
 
+    def numbers(self, keys: str | tuple[str, ...], *, rule: str = "") -> list[float]:
+        """A required list of finite numbers, each one ``rule``."""
+        text = f"a list of numbers {rule}".strip()
+        key, value = self.value(keys, _REQUIRED, text)
+        if not isinstance(value, list) or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                and _RULES[rule](x) for x in value):
+            self.wrong(key, value, text)
+        return [float(x) for x in value]
+
     def flag(self, key: str, default: bool) -> bool:
         key, value = self.value(key, default, "true or false")
         if not isinstance(value, bool):

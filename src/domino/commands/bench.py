@@ -27,7 +27,7 @@ from domino.bench.spec import (
     tp_spec,
 )
 from domino.parallel_dims import SIZED
-from domino.runtime import COMPILE_BACKENDS, CP_COMM_TYPES
+from domino.runtime import ATTENTION_BACKENDS, COMPILE_BACKENDS, CP_COMM_TYPES
 from domino.training.flag_text import command_flags, flags_in_errors
 
 # The MoE flags and their defaults (add_arguments'): any other value needs --num-experts.
@@ -106,6 +106,10 @@ def _measurement_flags(a: Callable[..., Any]) -> None:
            "(compiled in the warm-up steps; the compile time is reported)")
     a("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
       help="torch.compile backend of --compile (aot_eager: the same graphs, no generated code)")
+    a("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+      help="the core attention's path: auto (the fastest measured on this machine at the "
+           "model's shapes and dtype, cached; the report names it), or flash, math, explicit, "
+           "explicit_fp32 for every mask (docs/performance.md#attention)")
     a("--seed", type=int, default=1234)
     a("--device", choices=("auto", "cpu", "cuda"), default="auto",
       help="auto: cuda when it has a GPU per rank, else cpu")

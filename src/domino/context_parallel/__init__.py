@@ -22,6 +22,7 @@ from domino.context_parallel.attention import (
     check_context_parallel,
     check_dropout,
     check_heads,
+    check_sinks,
     check_softcap,
     context_attention,
 )
@@ -41,7 +42,7 @@ from domino.context_parallel.sharding import (
 __all__ = [
     "KINDS", "Masking", "SequenceMask", "allgather_attention", "alltoall_attention",
     "check_context_parallel", "check_dropout", "check_heads", "check_sequence_length",
-    "check_softcap",
+    "check_sinks", "check_softcap",
     "chunk_ids", "context_attention", "dense_attention", "gather_sequence", "local_positions",
     "ring_attention", "shard_order", "shard_sequence", "unshard_sequence",
 ]

@@ -57,11 +57,23 @@ def check_softcap(attention_softcap: float | None, cp: int) -> None:
             "for this model.")
 
 
+def check_sinks(attention_sinks: bool, cp: int) -> None:
+    """Raise ValueError for attention sinks, which context-parallel attention lacks (its
+    blockwise softmax has no extra logit in the denominator)."""
+    if attention_sinks:
+        raise ValueError(
+            "attention_sinks=True (GPT-OSS's learned logit per head in the softmax) is not "
+            f"supported with context parallelism (context_parallel_size={cp}): "
+            "context-parallel attention has no sink in its softmax. Use "
+            "context_parallel_size=1 for this model.")
+
+
 def check_context_parallel(*, seq_length: int, context_parallel_size: int,
                            num_attention_heads: int, num_query_groups: int | None = None,
                            attention_dropout: float = 0.0, kind: str = "ring",
                            tensor_model_parallel_size: int = 1,
-                           attention_softcap: float | None = None) -> None:
+                           attention_softcap: float | None = None,
+                           attention_sinks: bool = False) -> None:
     """Every configuration rule of context-parallel attention (ValueError naming the setting
     to change: its config field); nothing to check at ``context_parallel_size`` 1."""
     cp = context_parallel_size
@@ -71,6 +83,7 @@ def check_context_parallel(*, seq_length: int, context_parallel_size: int,
     check_sequence_length(seq_length, cp)
     check_dropout(attention_dropout, cp)
     check_softcap(attention_softcap, cp)
+    check_sinks(attention_sinks, cp)
     if kind == "alltoall":
         check_heads(num_attention_heads, num_query_groups or num_attention_heads, cp,
                     tensor_model_parallel_size)

@@ -8,6 +8,7 @@ import torch
 from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.transformer import InferenceParams
+from domino.transformer.rope_longrope import switch_length
 
 
 @torch.no_grad()
@@ -26,7 +27,9 @@ def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int]
     longer equal ``transformers``' output); without it that is a ValueError (`domino generate`
     refuses such a request before it starts: :func:`position_problem`). ``banned`` ids (e.g.
     EOD) are never chosen; generation ends after a ``stop`` id (kept in the output). Without
-    ``use_cache`` every step recomputes the whole window (a check of the cache).
+    ``use_cache`` every step recomputes the whole window (a check of the cache). With LongRoPE
+    the cache is recomputed once, when the text first grows past the model's original context
+    (its keys were rotated with the short factors), as transformers' Phi-3 does.
     """
     was_training = model.training
     model.eval()
@@ -39,6 +42,7 @@ def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int]
     new: list[int] = []
     params: InferenceParams | None = None
     window_start = fed = 0  # tokens[window_start:] sit at positions 0.. ; the cache holds `fed`
+    switch = switch_length(model)
     try:
         while len(new) < max_new_tokens:
             if params is None or len(tokens) - window_start > max_context:
@@ -51,6 +55,9 @@ def generate(model: torch.nn.Module, state: ParallelState, prompt_ids: list[int]
                 fed = 0
             if not use_cache:  # the whole window, every step, no cache
                 fed = 0
+            elif switch is not None and 0 < fed <= switch < len(tokens) - window_start:
+                params = InferenceParams(max_batch_size=1, max_sequence_length=max_context)
+                fed = 0  # past LongRoPE's original context: every key with the long factors
             chunk = tokens[window_start + fed:]
             ids = torch.tensor([chunk], dtype=torch.long, device=device)
             pos = torch.arange(fed, fed + len(chunk), device=device).unsqueeze(0)

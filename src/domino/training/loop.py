@@ -26,6 +26,7 @@ from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig
 from domino.tensor_parallel import placement_of
 from domino.training import report
 from domino.training.data import state_batches
@@ -44,6 +45,7 @@ from domino.training.plan_choice import choose_plan
 from domino.training.prepare import Run
 from domino.training.progress import Progress, StopRequest
 from domino.training.step import StepOutcome, TrainResult, evaluate, train_step
+from domino.transformer.attention_paths import AttentionShapes, resolve_attention
 from domino.transformer.stack import plan_of
 
 
@@ -87,6 +89,7 @@ class Trainer:
         self.progress = progress if progress is not None else Progress()
         torch.manual_seed(args.seed)  # same on every rank: TP-invariant init, equal DP replicas
         state.rng.seed(args.seed)
+        self.runtime = self._resolve_attention()
         self._build_model()
         self._build_optimizer()
         self.rank0 = state.world.rank == 0
@@ -105,7 +108,7 @@ class Trainer:
             batching = report.batching_text(run, state, self.plan, pipeline)
             for line in [*notes, *report.startup_lines(run, state, parameters, batching,
                                                        self.flops_per_step, self.peak,
-                                                       self.peak_what)]:
+                                                       self.peak_what, self.runtime)]:
                 self.log.print(line)
 
     def _build_model(self) -> None:
@@ -115,15 +118,26 @@ class Trainer:
         if state.pp.size > 1:
             layout = args.pipeline_layout()
             self.model: torch.nn.Module = PipelineModel(run.config, state, layout,
-                                                        runtime=run.runtime)
+                                                        runtime=self.runtime)
             self.pipeline_micro_batches = args.global_batch_size // (
                 args.micro_batch_size * state.dp.size)
             self.runner = PipelineRunner(self.model, args.schedule(),
                                          self.pipeline_micro_batches, args.seq_length,
                                          args.micro_batch_size)
         else:
-            self.model = GPTModel(run.config, parallel_state=state, runtime=run.runtime)
+            self.model = GPTModel(run.config, parallel_state=state, runtime=self.runtime)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _resolve_attention(self) -> RuntimeConfig:
+        """The run's runtime with ``--attention-backend auto`` measured at the run's attention
+        shapes (every rank at once, one choice for all: attention_paths); under context
+        parallelism the ring's own kernels run instead, and nothing is measured."""
+        run, args, state = self.run, self.args, self.state
+        shapes = None if state.cp.size > 1 else AttentionShapes.of_run(
+            run.config, args.micro_batch_size, state.tp.size, run.runtime.plan.micro_batches,
+            args.compute_dtype() or run.config.params_dtype, state.device,
+            masked=args.reset_attention_mask)
+        return resolve_attention(run.runtime, shapes, state.world)
 
     def _build_optimizer(self) -> None:
         """The gradient reduction (overlapped or not: make_reducer decides), the optimiser

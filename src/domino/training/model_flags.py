@@ -72,6 +72,26 @@ def _layer_list(name: str) -> Callable[[Any], tuple[int, ...]]:
     return parse
 
 
+def _float_list(name: str) -> Callable[[Any], tuple[float, ...]]:
+    """Flag ``--name``'s comma-separated numbers as a tuple of floats."""
+
+    def parse(args: Any) -> tuple[float, ...]:
+        text = getattr(args, name).strip()
+        try:
+            return tuple(float(x) for x in text.split(",")) if text else ()
+        except ValueError:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)!r} must be "
+                             "comma-separated numbers, e.g. 1.0,1.2,2.5, or empty") from None
+
+    return parse
+
+
+def _factor_flag(name: str, help_: str) -> Renamed:
+    """A longrope factor list as a comma-separated flag (each float written exactly)."""
+    return Renamed((Flag(name, str, "", help_),), _float_list(name),
+                   lambda v: {name: ",".join(map(repr, v))}, f"--{name.replace('_', '-')}")
+
+
 RENAMED: dict[str, Renamed] = {
     "activation": Renamed(
         (Flag("swiglu", bool, False, "Use the SwiGLU activation in the MLP instead of GeLU."),
@@ -106,6 +126,13 @@ RENAMED: dict[str, Renamed] = {
         _layer_list("full_attention_layers"),
         lambda v: {"full_attention_layers": ",".join(map(str, v))},
         "--full-attention-layers"),
+    "rope_short_factor": _factor_flag(
+        "rope_short_factor", "With --rope-scaling-type longrope: the factor of each rotated "
+        "channel pair (rotary dim / 2, comma-separated) for a forward within "
+        "--rope-original-max-position-embeddings (Phi-3's short_factor)."),
+    "rope_long_factor": _factor_flag(
+        "rope_long_factor", "With --rope-scaling-type longrope: the factors for a forward "
+        "past it (Phi-3's long_factor)."),
 }
 
 # Fields no flag sets: the run gives them (label), a GPT run keeps the config's default, or only

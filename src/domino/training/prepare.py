@@ -187,7 +187,8 @@ def _check_context_parallel(args: TrainArgs) -> None:
                            num_query_groups=args.num_query_groups,
                            attention_dropout=args.attention_dropout,
                            kind=CP_COMM_TYPES[args.cp_comm_type], tensor_model_parallel_size=tp,
-                           attention_softcap=args.attention_softcap)
+                           attention_softcap=args.attention_softcap,
+                           attention_sinks=args.attention_sinks)
     if cp == 1:
         return
     if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:

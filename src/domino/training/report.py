@@ -13,11 +13,13 @@ from domino.parallel_dims import DIMS
 from domino.parallel_state import ParallelState
 from domino.pipeline.partition import Layout
 from domino.plan import Plan
+from domino.runtime import RuntimeConfig
 from domino.safe_files import write_atomic
 from domino.training.data import data_sources
 from domino.training.logging import RunLogger
 from domino.training.prepare import Run
 from domino.training.step import TrainResult
+from domino.transformer.attention_paths import attention_text
 from domino.transformer.stack import compile_cost
 
 # How the start-up line names the groups of ParallelState.transports().
@@ -54,8 +56,10 @@ def batching_text(run: Run, state: ParallelState, plan: Plan,
 
 
 def startup_lines(run: Run, state: ParallelState, parameters: int, batching: str,
-                  flops_per_step: float, peak: float | None, peak_what: str) -> list[str]:
-    """The lines a run starts with: model and layout, FLOPs and MFU's denominator, data."""
+                  flops_per_step: float, peak: float | None, peak_what: str,
+                  runtime: RuntimeConfig | None = None) -> list[str]:
+    """The lines a run starts with: model and layout, FLOPs and MFU's denominator, the
+    attention's paths (``runtime``'s), data."""
     args = run.args
     transports = "".join(f" | {_GROUP_NAMES[k]} over {v}"
                          for k, v in state.transports().items() if v != "-")
@@ -66,6 +70,8 @@ def startup_lines(run: Run, state: ParallelState, parameters: int, batching: str
     rate = "" if peak is None else f" ({peak / 1e12:.3g} TFLOP/s per rank)"
     lines.append(f"model FLOPs: {flops_per_step / 1e12:.4g} TFLOP per step (3 x forward: GEMMs, "
                  f"attention, LM head; docs/performance.md); MFU {peak_what}{rate}")
+    if runtime is not None:
+        lines.append(f"attention {attention_text(runtime, state.cp.size)}")
     sources = data_sources(args)
     if sources is not None:
         lines.append(f"data: {sources.describe()}")

@@ -36,6 +36,12 @@ SAME_NAMED: dict[str, tuple[str, str]] = {
         "dropout, residuals, RoPE, attention, activations; never across a collective, so the "
         "Domino overlap stays). Compiling costs tens of seconds at start (reported once); "
         "docs/compile.md says when it pays."),
+    "attention_backend": (
+        "model", "The core attention's path: auto (the fastest measured on this machine at the "
+        "run's shapes, dtype and masks, once per machine, torch version and threads; cached in "
+        "$DOMINO_CACHE_DIR and printed at start), or flash, math, explicit, explicit_fp32 for "
+        "every mask (docs/performance.md#attention). Dropout, a soft-cap and sinks always run "
+        "an explicit one."),
     "compile_backend": (
         "model", "torch.compile backend of --compile: inductor (fused generated code; a C++ "
         "compiler on CPU, Triton on CUDA) or aot_eager (the same graphs, no generated code)."),
@@ -72,6 +78,9 @@ FROM_FLAGS: dict[str, FromFlags] = {
         lambda a: Plan(a.domino_micro_batches, a.domino_overlap, a.domino_column_chunks),
         "the Domino plan (--domino-micro-batches, --domino-overlap, --domino-column-chunks)"),
     "compute_dtype": FromFlags((), lambda a: a.compute_dtype(), "the precision (--bf16, --fp16)"),
+    # Measured at start (Trainer), where the ranks and the shapes are known.
+    "attention_measured": FromFlags((), lambda a: None, "the measured attention paths "
+                                    "(--attention-backend auto)"),
 }
 
 _RUNTIME_FIELDS = {f.name: f for f in dataclasses.fields(RuntimeConfig)}

@@ -26,6 +26,7 @@ from domino.context_parallel import (
     SequenceMask,
     check_dropout,
     check_heads,
+    check_sinks,
     check_softcap,
     context_attention,
 )
@@ -33,12 +34,13 @@ from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
 from domino.tensor_parallel.mappings import sum_grads_over
+from domino.tensor_parallel.placement import Placement, place
 from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
 from domino.transformer.kernels import Kernels, attention_keep
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.norms import ShardedRMSNorm, build_norm
 from domino.transformer.ring_entry import RingEntry
-from domino.transformer.rope import layer_angles
+from domino.transformer.rope import cos_sin_scale, layer_angles
 from domino.utils import divide
 
 if TYPE_CHECKING:
@@ -96,6 +98,7 @@ class _AttentionBase(nn.Module):
         self.softmax_fp32 = config.attention_softmax_in_fp32
         self.softmax_scale = config.softmax_scale  # None: 1/sqrt(head_dim)
         self.softcap = config.attention_softcap
+        self.sinks: nn.Parameter | None = None  # (SelfAttention's, when the model has them)
         self.recompute = recompute  # selective recomputation of the core attention
         self.cp = state.cp
         self.dense = RowParallelLinear(
@@ -122,7 +125,7 @@ class _AttentionBase(nn.Module):
             keep = attention_keep(q, k.shape[0], self.dropout_p, self.training, gen, v.dtype)
             return kernels.attention(q, k, v, mask, causal, keep, self.dropout_p,
                                      self.softmax_fp32, self.q_per_group, window,
-                                     self.softmax_scale, self.softcap)
+                                     self.softmax_scale, self.softcap, self.sinks)
 
         if self.recompute and torch.is_grad_enabled():
             return _recomputed(attend, gen, q, k, v)
@@ -143,6 +146,7 @@ class SelfAttention(_AttentionBase):
         if self.cp.size > 1:
             check_dropout(config.attention_dropout, self.cp.size)
             check_softcap(config.attention_softcap, self.cp.size)
+            check_sinks(config.attention_sinks, self.cp.size)
             if cp_kind == "alltoall":
                 check_heads(config.num_attention_heads, config.num_query_groups,
                             self.cp.size, state.tp.size)
@@ -151,6 +155,10 @@ class SelfAttention(_AttentionBase):
             config.hidden_size, width, group=state.tp,
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=config.init_method, params_dtype=config.params_dtype, device=device)
+        if config.attention_sinks:  # GPT-OSS's: a logit per head, sharded with the heads
+            self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=config.params_dtype,
+                                                  device=device))
+            place(self.sinks, Placement("tp", 0))
         # A sliding window unless this layer is one of the model's full-attention layers.
         self.window = (None if layer_number - 1 in config.full_attention_layers
                        else config.window_size)
@@ -158,6 +166,10 @@ class SelfAttention(_AttentionBase):
         # sliding layer's own where the model has them (Gemma 3's).
         self.rope = layer_number - 1 not in config.nope_layers
         self.local_rope = self.window is not None
+        # A RoPE scaling's attention factor, or 1 (sliding layers with their own base have no
+        # scaling).
+        self.rope_scale = (1.0 if self.local_rope and config.local_rotary_base is not None
+                           else cos_sin_scale(config))
         self.qk_full_width = config.qk_layernorm_full_width  # (implies qk_layernorm)
         if self.qk_full_width:  # over all heads (OLMoE): sharded like the heads
             args = (config.layernorm_epsilon, config.params_dtype, device, state.tp,
@@ -210,9 +222,10 @@ class SelfAttention(_AttentionBase):
             rotary = layer_angles(mb.rotary, self.local_rope)
         if self.qk_full_width:
             return kernels.split_qkv(self._full_width_norms(qkv), rotary, self.groups,
-                                     self.q_per_group, self.head_dim)
+                                     self.q_per_group, self.head_dim,
+                                     rotary_scale=self.rope_scale)
         return kernels.split_qkv(qkv, rotary, self.groups, self.q_per_group, self.head_dim,
-                                 *self._qk_norms())
+                                 *self._qk_norms(), rotary_scale=self.rope_scale)
 
     def _full_width_norms(self, qkv: torch.Tensor) -> torch.Tensor:
         """The GEMM's output with its queries and keys normalised over all heads (OLMoE's

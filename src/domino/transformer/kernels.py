@@ -23,6 +23,7 @@ compiled ones with a :class:`CompileLog` of what compiling cost.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -32,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from domino.transformer.rope import apply_rotary
+from domino.runtime import AttentionChoice
+from domino.transformer.rope import apply_rotary, rotary_cos_sin
 
+PYTORCHS_CHOICE = AttentionChoice()  # attention's paths where none were measured
 # A norm as a kernel reads it: (weight, bias or None, eps, rms).
 NormArgs = tuple[torch.Tensor, torch.Tensor | None, float, bool]
 
@@ -80,11 +83,12 @@ def local(out: torch.Tensor | None, bias: torch.Tensor | None, keep: torch.Tenso
 
 
 def split_qkv(qkv: torch.Tensor, rotary: torch.Tensor | None, groups: int, q_per_group: int,
-              head_dim: int, q_norm: NormArgs | None = None, k_norm: NormArgs | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              head_dim: int, q_norm: NormArgs | None = None, k_norm: NormArgs | None = None,
+              rotary_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused QKV GEMM's output [s, b, groups * (q_per_group + 2) * d] -> q [s, b, heads, d]
     and k, v [s, b, groups, d]; each head's q and k normalised by ``q_norm`` / ``k_norm`` when
-    given (Qwen3's), then rotated by ``rotary`` (RoPE angles) when given."""
+    given (Qwen3's), then rotated by ``rotary`` (RoPE angles) when given, the rotated channels
+    times ``rotary_scale`` (a RoPE scaling's attention factor: YaRN's, LongRoPE's)."""
     sq, b = qkv.shape[0], qkv.shape[1]
     qkv = qkv.view(sq, b, groups, q_per_group + 2, head_dim)
     q = qkv[:, :, :, :q_per_group].reshape(sq, b, groups * q_per_group, head_dim)
@@ -92,7 +96,8 @@ def split_qkv(qkv: torch.Tensor, rotary: torch.Tensor | None, groups: int, q_per
     if q_norm is not None:
         q, k = norm(q, q_norm), norm(k, k_norm)
     if rotary is not None:
-        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        cos_sin = rotary_cos_sin(rotary, q.dtype, rotary_scale)  # once for q and k
+        q, k = apply_rotary(q, rotary, cos_sin=cos_sin), apply_rotary(k, rotary, cos_sin=cos_sin)
     return q, k, v
 
 
@@ -118,36 +123,52 @@ def merge_masks(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
     return c if mask is None else (mask | c)
 
 
+def mask_kind(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
+              window: int | None) -> str:
+    """Which :class:`~domino.runtime.AttentionChoice` entry an attention call takes:
+    ``windowed`` (a sliding window shorter than the keys), ``causal`` (the causal rule alone,
+    as many queries as keys: SDPA's ``is_causal``) or ``masked`` (an additive mask, or none)."""
+    if window is not None and causal and window < sk:
+        return "windowed"
+    return "causal" if mask is None and causal and sq == sk else "masked"
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool, keep: torch.Tensor | None, p: float,
               softmax_fp32: bool, q_per_group: int = 1,
               window: int | None = None, softmax_scale: float | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None,
+              paths: AttentionChoice = PYTORCHS_CHOICE) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v for q [sq, b, n, d], k/v [sk, b, n / q_per_group, d]
     -> [sq, b, n*d]; ``keep`` [b, n, sq, sk] (with ``p``): the dropout mask of the
     probabilities (see :func:`attention_keep`), None without dropout. ``softmax_scale``, when
     given, replaces 1/sqrt(d) (Granite's attention_multiplier); ``softcap`` caps the scaled
-    scores at cap * tanh(scores / cap) before the mask (Gemma 2's).
+    scores at cap * tanh(scores / cap) before the mask (Gemma 2's); ``sinks`` [n] (GPT-OSS's
+    attention sinks): a logit per head that joins each query's softmax denominator, then is
+    dropped (a query may so attend to less than one whole key).
 
     ``mask`` is bool (True = masked out); ``causal`` adds the causal rule, and ``window`` (with
     ``causal``) masks keys ``window`` or more positions before the query. Masked scores take the
     dtype's minimum rather than -inf: a row whose keys are all masked (e.g. a padding query) stays
-    finite instead of turning into NaN. Without dropout or a cap this runs PyTorch's fused
-    scaled_dot_product_attention (no s x s tensor kept for backward); with dropout the masks come
-    from our TP-aware generator, and a cap has no fused kernel, so the softmax is explicit.
+    finite instead of turning into NaN. Without dropout, a cap or sinks this runs the path
+    ``paths`` names for the mask (PyTorch's scaled_dot_product_attention, fused or on its math
+    backend, or explicit matmuls); with dropout the masks come from our TP-aware generator, and
+    a cap or sinks have no fused kernel, so the softmax is explicit. ``paths`` (an
+    :class:`~domino.runtime.AttentionChoice`, measured on the machine by
+    :mod:`~domino.transformer.attention_paths`) names the path of each kind of mask
+    (:func:`mask_kind`), and the explicit variant (matmuls in the dtype or in fp32) where only
+    the explicit path can run.
     """
     if q_per_group > 1:  # grouped-query attention: each K/V head serves q_per_group queries
         k, v = k.repeat_interleave(q_per_group, dim=2), v.repeat_interleave(q_per_group, dim=2)
     sq, b, n, d = q.shape
     sk = k.shape[0]
     qh, kh, vh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b,n,s,d]
-    # bf16 / fp16 on a CPU: PyTorch's batched matmuls and its fused (flash) SDPA kernel are
-    # several times slower there than its math SDPA backend, and than fp32 batched matmuls
-    # (scripts/attention_paths.py; docs/performance.md#attention).
-    low_cpu = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     if window is not None and window >= sk:
         window = None  # it covers every key: plain causal attention
-    if keep is None and softcap is None:
+    explicit = keep is not None or softcap is not None or sinks is not None
+    path = paths.explicit if explicit else paths.path(mask_kind(mask, causal, sq, sk, window))
+    if not explicit and path in ("flash", "math"):
         kwargs: dict = {"is_causal": True}
         if not (mask is None and causal and sq == sk and window is None):
             merged = merge_masks(mask, causal, sq, sk, q.device, window)
@@ -158,13 +179,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             kwargs = {"attn_mask": bias}
         if softmax_scale is not None:
             kwargs["scale"] = softmax_scale
-        with sdpa_kernel(SDPBackend.MATH) if low_cpu else contextlib.nullcontext():
+        with sdpa_kernel(SDPBackend.MATH) if path == "math" else contextlib.nullcontext():
             ctx = F.scaled_dot_product_attention(qh, kh, vh, **kwargs)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
-    # On a CPU in low precision the two batched matmuls run in fp32 (the dropout mask is still
-    # drawn on the bf16/fp16 probabilities: the same draws).
+    # explicit_fp32: the two batched matmuls in fp32 (the dropout mask is still drawn on the
+    # compute-dtype probabilities: the same draws).
+    fp32 = path == "explicit_fp32" and q.dtype != torch.float32
+
     def mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(x.float(), y.float()) if low_cpu else torch.matmul(x, y)
+        return torch.matmul(x.float(), y.float()) if fp32 else torch.matmul(x, y)
 
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     scores = mm(qh, kh.transpose(-1, -2)) * scale
@@ -175,11 +198,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     merged = merge_masks(mask, causal, sq, sk, q.device, window)
     if merged is not None:
         scores = scores.masked_fill(merged, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = _softmax(scores, sinks).to(v.dtype)
     if keep is not None:
         probs = probs * keep * (1.0 / (1.0 - p))
     ctx = mm(probs, vh).to(v.dtype)  # [b, n, sq, d]
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the keys of scores [b, n, sq, sk]; with ``sinks`` [n], each head's sink
+    logit joins every row's denominator (one more column, dropped after)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    b, n, sq, _ = scores.shape
+    sink = sinks.to(scores.dtype).view(1, n, 1, 1).expand(b, n, sq, 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def attention_keep(q: torch.Tensor, sk: int, p: float, training: bool,
@@ -194,14 +227,28 @@ def attention_keep(q: torch.Tensor, sk: int, p: float, training: bool,
         1.0 - p, generator=generator)
 
 
-def activation(h: torch.Tensor, swiglu: bool, approximate: str,
-               geglu: bool = False) -> torch.Tensor:
+def activation(h: torch.Tensor, swiglu: bool, approximate: str, geglu: bool = False,
+               alpha: float = 1.0, offset: float = 0.0,
+               clamp: float | None = None) -> torch.Tensor:
     """The MLP's activation of fc1's output: SwiGLU of its [gate; up] halves, GeGLU (a GELU
-    gate, ``approximate`` as GELU's: Gemma's) when ``geglu``, or GELU."""
+    gate, ``approximate`` as GELU's: Gemma's) when ``geglu``, or GELU. A gated one as GPT-OSS's
+    (:func:`glu_args`): the gate clamped to at most ``clamp`` and up to [-clamp, clamp], SwiGLU's
+    gate g * sigmoid(``alpha`` g), times (up + ``offset``)."""
     if swiglu or geglu:
         gate, up = h.chunk(2, dim=-1)
-        return (F.gelu(gate, approximate=approximate) if geglu else F.silu(gate)) * up
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        if geglu:
+            act = F.gelu(gate, approximate=approximate)
+        else:
+            act = F.silu(gate) if alpha == 1.0 else gate * torch.sigmoid(gate * alpha)
+        return act * (up + offset if offset else up)
     return F.gelu(h, approximate=approximate)
+
+
+def glu_args(config) -> tuple[float, float, float | None]:
+    """A config's (alpha, offset, clamp) of :func:`activation` (GPT-OSS's gated activation)."""
+    return (config.swiglu_alpha, config.glu_linear_offset, config.activation_func_clamp_value)
 
 
 @dataclass
@@ -226,10 +273,12 @@ KERNELS = ("local", "split_qkv", "attention", "activation")
 class Kernels:
     """The piece functions a model runs: eager (``backend`` None) or compiled by
     ``torch.compile`` with ``backend`` (``inductor`` generates fused code; ``aot_eager``
-    traces and differentiates the same graphs without generating code, which tests use)."""
+    traces and differentiates the same graphs without generating code, which tests use);
+    ``attention`` runs the attention ``paths`` (a static argument of its graphs)."""
 
     backend: str | None = None
     log: CompileLog = field(default_factory=CompileLog, compare=False)
+    paths: AttentionChoice = PYTORCHS_CHOICE
     eager: Kernels = field(init=False, compare=False, repr=False)  # see serving()
     local: Callable = field(init=False, compare=False)
     split_qkv: Callable = field(init=False, compare=False)
@@ -237,9 +286,12 @@ class Kernels:
     activation: Callable = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eager", self if self.backend is None else Kernels())
+        object.__setattr__(self, "eager", self if self.backend is None
+                           else Kernels(paths=self.paths))
         for name in KERNELS:
             fn = globals()[name]
+            if name == "attention":
+                fn = functools.partial(fn, paths=self.paths)
             if self.backend is not None:
                 fn = _Compiled(torch.compile(fn, fullgraph=True, dynamic=False,
                                              backend=self.backend), self.log)
@@ -252,9 +304,11 @@ class Kernels:
         return self.eager if inference else self
 
     @classmethod
-    def of(cls, compile: bool, backend: str) -> Kernels:
-        """The kernels a runtime asks for (``RuntimeConfig.compile`` / ``compile_backend``)."""
-        return cls(backend if compile else None)
+    def of(cls, compile: bool, backend: str,
+           paths: AttentionChoice = PYTORCHS_CHOICE) -> Kernels:
+        """The kernels a runtime asks for (``RuntimeConfig.compile`` / ``compile_backend``,
+        ``attention_paths``)."""
+        return cls(backend if compile else None, paths=paths)
 
 
 # Graphs one kernel may hold. Each is one kernel's variant: grad or no-grad (training,
@@ -271,7 +325,7 @@ class _Compiled:
     def __init__(self, fn: Callable, log: CompileLog) -> None:
         self.fn, self.log = fn, log
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         import torch._dynamo
 
         before = _graphs_compiled()
@@ -283,7 +337,7 @@ class _Compiled:
         limit = getattr(config, name)
         setattr(config, name, RECOMPILE_LIMIT)
         try:
-            out = self.fn(*args)
+            out = self.fn(*args, **kwargs)
         finally:
             setattr(config, name, limit)
         done = _graphs_compiled() - before

@@ -12,7 +12,7 @@ from domino.parallel_state import ParallelState
 from domino.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from domino.tensor_parallel.layers import WgradStash
 from domino.transformer.exits import ColumnParallelEntry, RowParallelExit
-from domino.transformer.kernels import Kernels
+from domino.transformer.kernels import Kernels, glu_args
 from domino.transformer.microbatch import MicroBatch
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class MLP(nn.Module):
         self.gelu_approximate = ("tanh" if config.activation in ("gelu_tanh", "geglu_tanh")
                                  else "none")
         gated = self.swiglu or self.geglu
+        self.glu = glu_args(config)  # (GPT-OSS's gate scale, offset and clamp)
         width = config.ffn_hidden_size * (2 if gated else 1)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, width, group=state.tp, bias=config.add_bias_linear,
@@ -70,4 +71,4 @@ class MLP(nn.Module):
         if poll is not None:  # a schedule's work between the GEMM and the activation
             poll()
         kernels = self.kernels.serving(mb.inference_params is not None)
-        return kernels.activation(h, self.swiglu, self.gelu_approximate, self.geglu)
+        return kernels.activation(h, self.swiglu, self.gelu_approximate, self.geglu, *self.glu)

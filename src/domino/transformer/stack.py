@@ -102,7 +102,8 @@ class DominoTransformer(nn.Module):
         # numbers (KV-cache keys) and their weights are the full model's.
         self.layer_offset = layer_offset
         # One set of piece functions for every layer: compiled, they share their graphs.
-        self.kernels = Kernels.of(runtime.compile, runtime.compile_backend)
+        self.kernels = Kernels.of(runtime.compile, runtime.compile_backend,
+                                  runtime.attention_paths)
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with init_scope(f"{layer_type.name}.layer{i}"):

@@ -18,7 +18,8 @@ from domino.config import TransformerConfig
 # expresses it: where two express the same model (a Mistral without a window is a Llama) the
 # earlier one is chosen.
 MODULES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe",
-           "olmo2", "phi3", "granite", "starcoder2", "smollm3", "gemma")
+           "olmo2", "flex_olmo", "phi3", "granite", "gpt_oss", "starcoder2", "smollm3", "gemma",
+           "gemma2", "gemma3")
 FAMILIES: list[Family] = [importlib.import_module(f"{__name__}.{name}").FAMILY
                           for name in MODULES]
 

@@ -23,17 +23,64 @@ def obstacles(config: TransformerConfig) -> list[str]:
 
 
 def scalars(config: TransformerConfig) -> list[str]:
-    """Granite's scalars, where they change something (only Granite has them)."""
+    """Granite's scalars, where they change something (only Granite has them all; Gemma
+    scales its embeddings by sqrt(hidden_size) and Gemma 2/3 their attention scores)."""
     out = []
     if config.embedding_multiplier != 1.0:
-        out.append(f"the embeddings multiplied by {config.embedding_multiplier}")
+        out.append(f"the embeddings multiplied by {config.embedding_multiplier} (only Granite "
+                   "and Gemma have it)")
     if config.residual_multiplier != 1.0:
-        out.append(f"each sublayer's output multiplied by {config.residual_multiplier}")
+        out.append(f"each sublayer's output multiplied by {config.residual_multiplier} (only "
+                   "Granite has it)")
     if config.softmax_scale is not None:
-        out.append(f"attention scores scaled by {config.softmax_scale}, not 1/sqrt(head size)")
+        out.append(f"attention scores scaled by {config.softmax_scale}, not 1/sqrt(head size) "
+                   "(only Granite and Gemma 2/3 have it)")
     if config.logits_scaling != 1.0:
-        out.append(f"the logits divided by {config.logits_scaling}")
-    return [f"{what} (only Granite has it)" for what in out]
+        out.append(f"the logits divided by {config.logits_scaling} (only Granite has it)")
+    return out
+
+
+def gemma(config: TransformerConfig) -> list[str]:
+    """Gemma's settings, where they change something (only the Gemma families have them)."""
+    out = []
+    if config.layernorm_zero_centered_gamma:
+        out.append("norms scaling by (1 + weight) (only Gemma has them)")
+    if config.sandwich_norms:
+        out.append("norms before and after each sublayer (only Gemma 2 and 3 have them)")
+    if config.attention_softcap is not None:
+        out.append(f"attention scores soft-capped at {config.attention_softcap} (only Gemma 2 "
+                   "and 3 have it)")
+    if config.output_softcap is not None:
+        out.append(f"logits soft-capped at {config.output_softcap} (only Gemma 2 and 3 have "
+                   "it)")
+    if config.local_rotary_base is not None:
+        out.append(f"a RoPE base of {config.local_rotary_base} on the sliding-window layers "
+                   "(only Gemma 3 has it)")
+    return out
+
+
+def local_global(config: TransformerConfig) -> list[str]:
+    """Full-attention layers among sliding-window ones (Gemma 2/3's and GPT-OSS's)."""
+    if not config.full_attention_layers:
+        return []
+    layers = ", ".join(map(str, config.full_attention_layers))
+    return [f"full attention on layers {layers} among sliding-window ones (only Gemma 2, "
+            "Gemma 3 and GPT-OSS have them)"]
+
+
+def gpt_oss(config: TransformerConfig) -> list[str]:
+    """GPT-OSS's settings, where they change something (only GPT-OSS has them)."""
+    out = []
+    if config.attention_sinks:
+        out.append("attention sinks")
+    if config.moe_router_bias or config.moe_expert_linear_bias:
+        out.append("biases on the router or the experts")
+    if (config.activation_func_clamp_value is not None or config.glu_linear_offset
+            or config.swiglu_alpha != 1.0):
+        out.append("a clamped, scaled or offset gated activation")
+    if config.position_embedding_type == "rope" and config.rope_scaling_type == "yarn":
+        out.append("yarn RoPE scaling")
+    return [f"{what} (only GPT-OSS has them)" for what in out]
 
 
 def norms_after(config: TransformerConfig) -> list[str]:
@@ -41,6 +88,13 @@ def norms_after(config: TransformerConfig) -> list[str]:
     if not config.norm_after_sublayer:
         return []
     return ["norms after each sublayer instead of before (only OLMo 2 has them)"]
+
+
+def longrope(config: TransformerConfig) -> list[str]:
+    """LongRoPE scaling (only Phi-3 has it)."""
+    if config.position_embedding_type != "rope" or config.rope_scaling_type != "longrope":
+        return []
+    return ["longrope RoPE scaling (only Phi-3 has it)"]
 
 
 def nope(config: TransformerConfig) -> list[str]:

@@ -10,7 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from domino.checkpoint.families.common import nope, norms_after, scalars
+from domino.checkpoint.families.common import (
+    gemma,
+    gpt_oss,
+    local_global,
+    longrope,
+    nope,
+    norms_after,
+    scalars,
+)
 from domino.checkpoint.families.weights import Link
 from domino.checkpoint.hf_keys import HFKeys
 from domino.config import TransformerConfig
@@ -62,6 +70,10 @@ class Family:
     scalars: bool = False  # it has Granite's embedding, residual, attention and logit scalars
     nope: bool = False  # its models may leave RoPE out on some layers (SmolLM3's NoPE layers)
     norms_after: bool = False  # its norms run after each sublayer (OLMo 2's)
+    gemma: bool = False  # it has Gemma's settings: (1 + weight) norms, soft-caps, local layers
+    longrope: bool = False  # its RoPE may have LongRoPE scaling (Phi-3's)
+    # GPT-OSS's settings: sinks, router and expert biases, the clamped SwiGLU, yarn RoPE.
+    gpt_oss: bool = False
 
     def obstacles(self, config: TransformerConfig) -> list[str]:
         """What of ``config`` this family cannot express (empty: it expresses the model)."""
@@ -70,11 +82,16 @@ class Family:
 
     def own_obstacles(self, config: TransformerConfig) -> list[str]:
         """What of ``config`` this family, but not every one of its group, cannot express:
-        :attr:`own`, Granite's scalars where it has none, SmolLM3's NoPE layers and OLMo 2's
-        norms after the sublayers."""
+        :attr:`own`, Granite's scalars where it has none, SmolLM3's NoPE layers, OLMo 2's
+        norms after the sublayers, Gemma's settings, Phi-3's LongRoPE, GPT-OSS's settings and
+        (Gemma's and GPT-OSS's) full-attention layers among sliding ones."""
         return (self.own(config) + ([] if self.scalars else scalars(config))
                 + ([] if self.nope else nope(config))
-                + ([] if self.norms_after else norms_after(config)))
+                + ([] if self.norms_after else norms_after(config))
+                + ([] if self.gemma else gemma(config))
+                + ([] if self.longrope else longrope(config))
+                + ([] if self.gpt_oss else gpt_oss(config))
+                + ([] if self.gemma or self.gpt_oss else local_global(config)))
 
     def key(self, name: str, rope: str = "rope_scaling") -> str:
         """The ``config.json`` key our config's field ``name`` comes from (``name`` itself when

@@ -260,9 +260,11 @@ def read_heads(keys: HFKeys) -> dict[str, Any]:
                 kv_channels=size)
 
 
-def read_rope(keys: HFKeys, name: str) -> tuple[str, float, dict[str, Any]]:
-    """(the key holding the RoPE settings, rope_theta, our scaling settings)."""
-    rope = "rope_parameters" if keys.raw.get("rope_parameters") else "rope_scaling"
+def read_rope(keys: HFKeys, name: str, rope: str | None = None,
+              ) -> tuple[str, float, dict[str, Any]]:
+    """(the key holding the RoPE settings, rope_theta, our scaling settings); ``rope``: that
+    key (default: rope_parameters, else rope_scaling; Gemma 3's are per kind of layer)."""
+    rope = rope or ("rope_parameters" if keys.raw.get("rope_parameters") else "rope_scaling")
     kind = keys.text((f"{rope}.rope_type", f"{rope}.type"), "default")
     theta = keys.number((f"{rope}.rope_theta", "rope_theta"), 10000.0, rule="> 1")
     extra: dict[str, Any] = {}
@@ -281,7 +283,8 @@ def read_rope(keys: HFKeys, name: str) -> tuple[str, float, dict[str, Any]]:
         extra = dict(rotary_seq_len_interpolation_factor=keys.number(f"{rope}.factor",
                                                                      rule="> 0"))
     elif kind != "default":
-        keys.refuse(f"{name} RoPE type {kind!r} is not supported (default, linear, llama3)")
+        keys.refuse(f"{name} RoPE type {kind!r} is not supported (default, linear, llama3), "
+                    f'set in "{rope}.rope_type"')
     if keys.number(f"{rope}.partial_rotary_factor", None) not in (None, 1.0):
         keys.refuse(f"{name} partial_rotary_factor != 1 is not supported")
     return rope, theta, extra

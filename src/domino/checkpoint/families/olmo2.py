@@ -27,7 +27,7 @@ def _own(config: TransformerConfig) -> list[str]:
     return out
 
 
-def _bias(keys: HFKeys, bias: bool, name: str) -> bool:
+def refuse_attention_bias(keys: HFKeys, bias: bool, name: str) -> bool:
     """OLMo 2's attention_bias puts biases on Q, K, V and the output only (its MLP has none)."""
     if bias:
         keys.refuse(f"{name} attention_bias=true is not supported: a bias on the attention's "
@@ -37,7 +37,8 @@ def _bias(keys: HFKeys, bias: bool, name: str) -> bool:
 
 
 def _read(keys: HFKeys) -> TransformerConfig:
-    config = llama_like.read_config(keys, FAMILY, window=llama_like.no_window, bias=_bias)
+    config = llama_like.read_config(keys, FAMILY, window=llama_like.no_window,
+                                    bias=refuse_attention_bias)
     if "rms_norm_eps" not in keys.raw:  # Olmo2Config's default, not Llama's
         config = dataclasses.replace(config, layernorm_epsilon=1e-5)
     return config
@@ -49,14 +50,19 @@ def _write(config: TransformerConfig) -> dict[str, Any]:
                               "pretraining_tp", "head_dim")
 
 
-def _weights(config: TransformerConfig) -> list[Link]:
-    """Llama's map with OLMo 2's norms: ``post_attention_layernorm`` (ours: the attention
-    block's, after it) and ``post_feedforward_layernorm`` (the MLP's), no input norm."""
-    out = [link for link in llama_like.layout(config)
+def norms_after(links: list[Link], config: TransformerConfig) -> list[Link]:
+    """A Llama-layout map with OLMo 2's norms: ``post_attention_layernorm`` (ours: the
+    attention block's, after it) and ``post_feedforward_layernorm`` (the MLP's), no input
+    norm (FlexOlmo's too)."""
+    out = [link for link in links
            if not (isinstance(link, Same) and ".input_layernorm." in link.ours)]
     return out + [Same(f"{layer(i)}post_feedforward_layernorm.weight",
                        f"model.layers.{i}.post_feedforward_layernorm.weight")
                   for i in range(config.num_layers)]
+
+
+def _weights(config: TransformerConfig) -> list[Link]:
+    return norms_after(llama_like.layout(config), config)
 
 
 FAMILY = Family(

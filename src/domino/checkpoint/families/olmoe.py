@@ -22,7 +22,7 @@ def _own(config: TransformerConfig) -> list[str]:
     return out
 
 
-def _experts(keys: HFKeys, name: str, layers: int) -> dict[str, Any]:
+def experts(keys: HFKeys, name: str, layers: int) -> dict[str, Any]:
     """Every layer MoE; intermediate_size is the experts'."""
     out = llama_like.read_experts(keys, ("num_experts",))
     out["moe_router_pre_softmax"] = not keys.flag("norm_topk_prob", False)
@@ -31,10 +31,10 @@ def _experts(keys: HFKeys, name: str, layers: int) -> dict[str, Any]:
 
 def _read(keys: HFKeys) -> TransformerConfig:
     return llama_like.read_config(keys, FAMILY, window=llama_like.every_layer_window,
-                                  bias=llama_like.refuse_bias, experts=_experts)
+                                  bias=llama_like.refuse_bias, experts=experts)
 
 
-def _write(config: TransformerConfig) -> dict[str, Any]:
+def write(config: TransformerConfig) -> dict[str, Any]:
     """No head_dim key: OLMoE's query norm spans hidden_size."""
     out = llama_like.without(llama_like.config_json(config, FAMILY), "mlp_bias",
                              "pretraining_tp", "head_dim")
@@ -45,9 +45,10 @@ def _write(config: TransformerConfig) -> dict[str, Any]:
             "router_aux_loss_coef": config.moe_aux_loss_coeff}
 
 
+weights = partial(llama_like.layout, experts=("mlp", "gate_proj", "up_proj", "down_proj"))
+
 FAMILY = Family(
     model_type="olmoe", name="OLMoE", classes=("OlmoeForCausalLM",), group=llama_like.GROUP,
-    read=_read, write=_write,
-    weights=partial(llama_like.layout, experts=("mlp", "gate_proj", "up_proj", "down_proj")),
+    read=_read, write=write, weights=weights,
     own=_own, features={"qk_layernorm": True, "qk_layernorm_full_width": True}, experts=True,
     keys={**llama_like.KEYS, "moe_ffn_hidden_size": "intermediate_size"})

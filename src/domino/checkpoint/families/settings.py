@@ -91,8 +91,8 @@ def _layer_types(value: Any, raw: Raw) -> str:
 
 
 def _layer_types_lack(value: Any, raw: Raw) -> bool:
-    kinds = _layer_kinds(value)
-    return len(kinds) > 1 or any(k not in _KINDS for k in kinds)
+    """Kinds of layer other than full and sliding attention (Gemma 2/3 mix those two)."""
+    return any(k not in _KINDS for k in _layer_kinds(value))
 
 
 def rope_dict(value: Any) -> Raw:
@@ -106,6 +106,10 @@ def _rope_per_layer(rope: Raw) -> bool:
     return bool(rope) and all(isinstance(v, dict) or v is None for v in rope.values())
 
 
+# RoPE types some family reads (Phi-3's su is its longrope; GPT-OSS reads yarn).
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su", "yarn")
+
+
 def _rope_type(rope: Raw) -> str:
     return str(rope.get("rope_type") or "default")
 
@@ -113,18 +117,36 @@ def _rope_type(rope: Raw) -> str:
 def _rope_inert(value: Any, raw: Raw) -> bool:
     """RoPE settings some family reads: one RoPE for all layers, rotating whole heads."""
     rope = rope_dict(value)
-    return not (_rope_per_layer(rope) or _rope_type(rope) not in ("default", "linear", "llama3")
+    return not (_rope_per_layer(rope) or _rope_type(rope) not in _ROPE_TYPES
                 or rope.get("rope_interleave")) and rope.get("partial_rotary_factor") in (
         None, 1, 1.0)
+
+
+def _rope_lacks(value: Any, raw: Raw) -> bool:
+    """RoPE settings no family reads: those per kind of layer are Gemma 3's when the kinds
+    are full and sliding attention and each kind's settings are read."""
+    rope = rope_dict(value)
+    if not _rope_per_layer(rope):
+        return not _rope_inert(value, raw)
+    return not set(rope) <= _KINDS or not all(v is not None and _rope_inert(v, raw)
+                                              for v in rope.values())
 
 
 def _rope(value: Any, raw: Raw) -> str:
     rope = rope_dict(value)
     if _rope_per_layer(rope):
-        return (f"RoPE settings per kind of layer: {', '.join(rope)}; domino has one RoPE "
-                "for every layer")
-    if _rope_type(rope) not in ("default", "linear", "llama3"):
-        return f"{_rope_type(rope)} RoPE scaling; domino has linear and llama3"
+        odd = [v for v in rope.values() if v is not None and not _rope_inert(v, raw)]
+        bare = [k for k, v in rope.items() if v is None]
+        if bare:  # (Ergo's: its full-attention layers have no RoPE)
+            return f"no RoPE on {', '.join(bare)} layers"
+        if set(rope) <= _KINDS:
+            return (f"{', '.join(rope)} layers' RoPE with {_rope(odd[0], raw)}" if odd else
+                    f"RoPE settings per kind of layer: {', '.join(rope)} (Gemma 3's)")
+        return (f"RoPE settings per kind of layer: {', '.join(rope)}; domino has them only for "
+                "full_attention and sliding_attention layers (Gemma 3's)")
+    if _rope_type(rope) not in _ROPE_TYPES:
+        return (f"{_rope_type(rope)} RoPE scaling; domino has linear, llama3, longrope and "
+                "yarn")
     if rope.get("rope_interleave"):
         return "RoPE on interleaved channel pairs"
     return f"RoPE on {_fraction(rope.get('partial_rotary_factor'))} of each head"
@@ -210,8 +232,8 @@ SETTINGS: dict[str, Setting] = {
     "scale_depth": _lacking("each sublayer's output scaled by scale_depth / sqrt(layers)"),
     "attention_multiplier": _ours(lambda value, raw: f"attention scores scaled by {value}, "
                                   "not 1/sqrt(head_dim)", _head_scale),
-    "query_pre_attn_scalar": _lacking("attention scaled by 1/sqrt(query_pre_attn_scalar), "
-                                      "not 1/sqrt(head_dim)", _query_scalar),
+    "query_pre_attn_scalar": _ours("attention scaled by 1/sqrt(query_pre_attn_scalar), "
+                                   "not 1/sqrt(head_dim)", _query_scalar),  # (Gemma 2/3's)
     "logits_scaling": _ours(_scaled("the logits divided by"), _unit),
     "logit_scale": _lacking(_scaled("the logits multiplied by"), _unit),
     "lm_head_multiplier": _lacking(_scaled("the logits multiplied by"), _unit),
@@ -219,12 +241,12 @@ SETTINGS: dict[str, Setting] = {
     "mup_enabled": _lacking("muP multipliers"),
     "attn_temperature_tuning": _lacking("attention temperature tuning on long inputs"),
     "attention_value_scale": _lacking(_scaled("attention values scaled by"), _unit),
-    # soft-capping
-    "attn_logit_softcapping": _lacking("attention logit soft-capping"),
-    "final_logit_softcapping": _lacking("final logit soft-capping"),
-    "logit_softcapping": _lacking("final logit soft-capping"),
-    "logits_soft_cap": _lacking("final logit soft-capping"),
-    "output_logit_soft_cap": _lacking("final logit soft-capping"),
+    # soft-capping (Gemma 2/3's are read)
+    "attn_logit_softcapping": _ours("attention logit soft-capping"),
+    "final_logit_softcapping": _ours("final logit soft-capping"),
+    "logit_softcapping": _ours("final logit soft-capping"),
+    "logits_soft_cap": _ours("final logit soft-capping"),
+    "output_logit_soft_cap": _ours("final logit soft-capping"),
     "mlp_gate_softcap": _lacking("MLP soft-capping"),
     "moe_router_logit_softcapping": _lacking("router logit soft-capping"),
     # norms
@@ -247,8 +269,8 @@ SETTINGS: dict[str, Setting] = {
     "mlp_bias": _ours("biases in the MLP"),
     "use_bias": _ours("biases"),
     # attention and positions
-    "rope_parameters": _lacking(_rope, _rope_inert),
-    "rope_scaling": _lacking(_rope, _rope_inert),
+    "rope_parameters": Setting(_rope, _rope_inert, _rope_lacks),
+    "rope_scaling": Setting(_rope, _rope_inert, _rope_lacks),
     "partial_rotary_factor": _lacking(_partial, lambda value, raw: _unit(value, raw) or (
         "partial_rotary_factor" in rope_dict(raw.get("rope_parameters")))),  # (named there)
     "rotary_pct": _lacking(_partial, _unit),
@@ -260,9 +282,9 @@ SETTINGS: dict[str, Setting] = {
         lambda value, raw: "no_rope_layers" in raw or not value),
     "layer_types": Setting(_layer_types, lambda value, raw: _layer_kinds(value) in (
         [], ["full_attention"]), _layer_types_lack),
-    "sliding_window_pattern": _lacking("local and global attention alternating",
-                                       lambda value, raw: "layer_types" in raw or _unit(value,
-                                                                                        raw)),
+    "sliding_window_pattern": _ours("local and global attention alternating",
+                                    lambda value, raw: "layer_types" in raw or _unit(value,
+                                                                                     raw)),
     "attention_types": _lacking("local attention on some layers",
                                 lambda value, raw: "local" not in str(value)),
     "attn_layers": _lacking("Reformer's LSH and local attention"),
@@ -298,8 +320,8 @@ SETTINGS: dict[str, Setting] = {
     "hidden_act": Setting("the MLP's activation", lacks=_activation),
     "hidden_activation": Setting("the MLP's activation", lacks=_activation),
     "activation_function": Setting("the MLP's activation", lacks=_activation),
-    "swiglu_limit": _lacking("SwiGLU clamped"),
-    "swiglu_alpha": _lacking("SwiGLU with a scaled gate", _unit),
+    "swiglu_limit": _ours("SwiGLU clamped"),  # (GPT-OSS's)
+    "swiglu_alpha": _ours("SwiGLU with a scaled gate", _unit),
     "activation_sparsity_pattern": _lacking(
         "activation sparsity", lambda value, raw: not value or isinstance(value, list)
         and not any(value)),

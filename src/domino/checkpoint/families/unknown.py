@@ -30,8 +30,6 @@ _POST_LN = "norms after each residual add (post-LN)"
 _PARALLEL = "attention and the MLP side by side on one norm"
 _INTERLEAVED = "RoPE on interleaved channel pairs"
 _NO_GATE = "an MLP without a gate (up_proj, down_proj)"
-_POST_NORMS = ("norms after attention and after the MLP instead of before them "
-               "(post_attention_layernorm, post_feedforward_layernorm)")
 _GRANITE_MOE = ("Mixture-of-Experts layers with each layer's experts in two fused weights "
                 "(block_sparse_moe.input_linear, output_linear)")
 STRUCTURE: dict[str, tuple[str, ...]] = {
@@ -52,14 +50,11 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "ernie4_5_moe": (_INTERLEAVED,),
     "exaone": ("Llama's layout under EXAONE's weight names (transformer.h.N.attn.attention.*, "
                "mlp.c_fc_0)",),
-    "flex_olmo": (_POST_NORMS, "RMSNorm over all heads' queries and keys (q_norm, k_norm)"),
     "glm": ("the MLP's gate and up projections fused (gate_up_proj)", _INTERLEAVED),
     "glm4": ("the MLP's gate and up projections fused (gate_up_proj)", _INTERLEAVED,
              "norms after attention and after the MLP as well (post_self_attn_layernorm, "
              "post_mlp_layernorm)"),
     "glm4_moe": (_INTERLEAVED,),
-    "gpt_oss": ("attention sinks (a learned logit per head)", "biases on the router and the "
-                "experts"),
     "gptj": (_INTERLEAVED, _PARALLEL),
     "granitemoe": (_GRANITE_MOE,),
     "granitemoeshared": (_GRANITE_MOE, "a shared MLP beside the experts (shared_mlp)"),
@@ -82,6 +77,8 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "phi": (_PARALLEL,),
     "phimoe": ("LayerNorm (with bias) in Mixtral's layout", "SparseMixer routing"),
     "stablelm": ("LayerNorm (with bias) with a SwiGLU MLP",),
+    "vaultgemma": ("Gemma 2's layers without its norms after attention and the MLP "
+                   "(input_layernorm and pre_feedforward_layernorm only)",),
 }
 
 # Keys a family writes that a config.json of the same model may leave out (derived from others
@@ -204,7 +201,10 @@ def _rope_same(value: Any, raw: Raw, written: Raw) -> bool:
 
 
 def _layers_same(value: Any, raw: Raw, written: Raw) -> bool:
-    """One kind of layer, sliding exactly where the family's config has a window."""
+    """The family's own layer kinds (Gemma 2/3's), or one kind of layer, sliding exactly where
+    the family's config has a window."""
+    if isinstance(written.get("layer_types"), list):
+        return value == written["layer_types"]
     kinds = set(value) if isinstance(value, list) else set()
     window = written.get("sliding_window") is not None and written.get(
         "use_sliding_window", True) is not False
@@ -225,7 +225,7 @@ _ALIASES.update({a: (key,) for key, names in list(_ALIASES.items()) for a in nam
 
 _COMPARE = {"rope_parameters": _rope_same, "rope_scaling": _rope_same,
             "layer_types": _layers_same, "hidden_act": _act_same,
-            "activation_function": _act_same}
+            "hidden_activation": _act_same, "activation_function": _act_same}
 
 
 def _accounted(key: str, raw: Raw, written: Raw) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from domino.precision import compute
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import WgradStash, init_sharded
 from domino.tensor_parallel.placement import Placement, place
@@ -146,17 +147,21 @@ def unpermute(y: torch.Tensor, permuted: Permuted, num_tokens: int) -> torch.Ten
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` MLPs h -> ffn -> h (GELU or SwiGLU), no biases, as stacked weights; with
+    """``num_experts`` MLPs h -> ffn -> h (GELU or SwiGLU) as stacked weights; with
     expert parallelism, the ``ep.size``-th share of them this rank holds (``ep.rank``'s, in
-    order), initialised as that slice of the unsharded experts (the same model at any EP)."""
+    order), initialised as that slice of the unsharded experts (the same model at any EP).
+    ``bias``: each expert's fc1 and fc2 have a bias (``fc1_bias`` [E, f'], ``fc2_bias`` [E, h],
+    zeros at first: GPT-OSS's); ``glu``: the activation's (alpha, offset, clamp)
+    (:func:`~domino.transformer.kernels.activation`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  swiglu: bool, gelu_approximate: str = "none", init_method_std: float = 0.02,
                  output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, ep: CommGroup | None = None) -> None:
+                 device: torch.device | None = None, ep: CommGroup | None = None,
+                 bias: bool = False, glu: tuple = (1.0, 0.0, None)) -> None:
         super().__init__()
         ep = ep if ep is not None else CommGroup()
-        self.swiglu, self.gelu_approximate = swiglu, gelu_approximate
+        self.swiglu, self.gelu_approximate, self.glu = swiglu, gelu_approximate, glu
         self.num_experts = divide(num_experts, ep.size)  # this rank's
         width = ffn_hidden_size * (2 if swiglu else 1)
         std2 = init_method_std if output_std is None else output_std
@@ -164,17 +169,37 @@ class GroupedExperts(nn.Module):
             init_method_std), 0, ep, params_dtype, device))
         self.fc2 = nn.Parameter(init_sharded((num_experts, ffn_hidden_size, hidden_size),
                                              _normal(std2), 0, ep, params_dtype, device))
-        for p in (self.fc1, self.fc2):  # reduced over expert-DP, sharded over EP by expert
-            place(p, Placement(shard="ep" if ep.size > 1 else None, grad_group="expert_dp"))
+        self.fc1_bias = self.fc2_bias = None
+        if bias:
+            local = self.num_experts
+            self.fc1_bias = nn.Parameter(torch.zeros(local, width, dtype=params_dtype,
+                                                     device=device))
+            self.fc2_bias = nn.Parameter(torch.zeros(local, hidden_size, dtype=params_dtype,
+                                                     device=device))
+        for p in (self.fc1, self.fc2, self.fc1_bias, self.fc2_bias):
+            if p is not None:  # reduced over expert-DP, sharded over EP by expert
+                place(p, Placement(shard="ep" if ep.size > 1 else None,
+                                   grad_group="expert_dp"))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, stash: WgradStash | None = None,
                 experts: slice = slice(None)) -> torch.Tensor:
         """x [N, h] sorted by expert, ``counts`` rows per expert of ``experts`` (this rank's;
         all of them by default) -> [N, h]; ``stash`` defers the weight-gradient GEMMs."""
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = activation(grouped_linear(x, self.fc1, offs, experts, stash), self.swiglu,
-                       self.gelu_approximate)
-        return grouped_linear(h, self.fc2, offs, experts, stash)
+        h = self._biased(grouped_linear(x, self.fc1, offs, experts, stash), self.fc1_bias,
+                         counts, experts)
+        h = activation(h, self.swiglu, self.gelu_approximate, False, *self.glu)
+        return self._biased(grouped_linear(h, self.fc2, offs, experts, stash), self.fc2_bias,
+                            counts, experts)
+
+    @staticmethod
+    def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor,
+                experts: slice) -> torch.Tensor:
+        """y [N, n] (rows sorted by expert, ``counts`` each) + each row's expert's bias."""
+        if bias is None:
+            return y
+        rows = compute(bias)[experts].to(y.dtype)
+        return y + rows.repeat_interleave(counts, dim=0, output_size=y.shape[0])
 
 
 def _normal(std: float):

@@ -44,9 +44,9 @@ class SharedExpert(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, swiglu: bool,
                  gelu_approximate: str = "none", gate: bool = False,
                  init_method_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, glu: tuple = (1.0, 0.0, None)) -> None:
         super().__init__()
-        self.swiglu, self.gelu_approximate = swiglu, gelu_approximate
+        self.swiglu, self.gelu_approximate, self.glu = swiglu, gelu_approximate, glu
         width = ffn_hidden_size * (2 if swiglu else 1)
 
         def param(*shape: int) -> nn.Parameter:
@@ -60,7 +60,8 @@ class SharedExpert(nn.Module):
         self.gate = param(1, hidden_size) if gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = activation(F.linear(x, compute(self.fc1)), self.swiglu, self.gelu_approximate)
+        h = activation(F.linear(x, compute(self.fc1)), self.swiglu, self.gelu_approximate,
+                       False, *self.glu)
         out = F.linear(h, compute(self.fc2))
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, compute(self.gate)))
@@ -70,7 +71,9 @@ class SharedExpert(nn.Module):
 class MoEMLP(nn.Module):
     """Router + ``num_experts`` grouped experts (+ a shared expert); see the module docstring.
     ``capacity_factor`` None routes dropless; ``pad_to_capacity`` pads every expert's rows to its
-    capacity (a fixed shape)."""
+    capacity (a fixed shape). ``router_bias``: a learned bias on the router's logits;
+    ``expert_linear_bias``: biases on each expert's fc1 and fc2; ``glu``: the gated activation's
+    (alpha, offset, clamp) (GPT-OSS's three)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int, *,
                  swiglu: bool = True, gelu_approximate: str = "none",
@@ -81,7 +84,8 @@ class MoEMLP(nn.Module):
                  shared_gate: bool = False, init_method_std: float = 0.02,
                  output_std: float | None = None, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, ep: CommGroup | None = None,
-                 force_balance: bool = False) -> None:
+                 force_balance: bool = False, router_bias: bool = False,
+                 expert_linear_bias: bool = False, glu: tuple = (1.0, 0.0, None)) -> None:
         super().__init__()
         self.ep = ep if ep is not None else CommGroup()
         if num_experts % self.ep.size:
@@ -100,17 +104,18 @@ class MoEMLP(nn.Module):
                                  renormalize=renormalize, scaling=scaling,
                                  expert_bias=expert_bias, init_method_std=init_method_std,
                                  params_dtype=params_dtype, device=device,
-                                 force_balance=force_balance)
+                                 force_balance=force_balance, bias=router_bias)
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, swiglu=swiglu,
                                       gelu_approximate=gelu_approximate,
                                       init_method_std=init_method_std, output_std=output_std,
-                                      params_dtype=params_dtype, device=device, ep=self.ep)
+                                      params_dtype=params_dtype, device=device, ep=self.ep,
+                                      bias=expert_linear_bias, glu=glu)
         self.shared = None
         if shared_ffn_hidden_size:
             self.shared = SharedExpert(hidden_size, shared_ffn_hidden_size, swiglu=swiglu,
                                        gelu_approximate=gelu_approximate, gate=shared_gate,
                                        init_method_std=init_method_std,
-                                       params_dtype=params_dtype, device=device)
+                                       params_dtype=params_dtype, device=device, glu=glu)
 
     def route(self, x: torch.Tensor, shards: TokenShards | None = None
               ) -> tuple[torch.Tensor, Permuted, RouterStats]:

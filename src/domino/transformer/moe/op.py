@@ -40,6 +40,7 @@ from domino.config import TransformerConfig
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel.comm import CommGroup
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer.kernels import glu_args
 from domino.transformer.microbatch import MicroBatch
 from domino.transformer.moe.edges import MoEEntry, MoEExit, run_edges
 from domino.transformer.moe.layer import MoEMLP
@@ -118,7 +119,9 @@ class MoEOp(nn.Module):
             init_method_std=config.init_method_std,
             output_std=config.init_method_std / math.sqrt(2.0 * config.num_layers),
             params_dtype=config.params_dtype, device=device, ep=state.ep,
-            force_balance=config.moe_router_force_load_balancing)
+            force_balance=config.moe_router_force_load_balancing,
+            router_bias=config.moe_router_bias, expert_linear_bias=config.moe_expert_linear_bias,
+            glu=glu_args(config))
         balance = config.moe_router_load_balancing_type == "aux_loss"
         self.aux_coeff = config.moe_aux_loss_coeff if balance else 0.0
         self.z_coeff = config.moe_z_loss_coeff or 0.0
@@ -219,7 +222,8 @@ class MoEOp(nn.Module):
         """Parameters replicated over TP whose gradients are partial under sequence
         parallelism (each rank's tokens): the router's and the shared expert's."""
         shared = list(self.moe.shared.parameters()) if self.moe.shared is not None else []
-        return [self.moe.router.weight, *shared]
+        router = self.moe.router
+        return [router.weight, *([] if router.bias is None else [router.bias]), *shared]
 
 
 def moe_ops(model: nn.Module) -> list[MoEOp]:

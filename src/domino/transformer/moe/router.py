@@ -13,6 +13,10 @@ functions:
   experts only, never to the weights; it is updated outside autograd from the tokens each expert
   received (:func:`update_expert_bias`).
 
+A ``bias`` (GPT-OSS's router bias) is another thing: a learned parameter added to the logits,
+so it shifts the scores, the choice and the weights alike (GPT-OSS's softmax over the top-k
+logits is the softmax over all experts re-normalised over the top k).
+
 The auxiliary losses are not computed here but from :class:`RouterStats`, which add up over the
 pieces of a micro-batch: the load-balancing loss of a whole micro-batch is a product of two means
 over its tokens, so a schedule that splits the micro-batch (Domino) sums the pieces' statistics
@@ -56,13 +60,15 @@ class RouterStats:
 
 class TopKRouter(nn.Module):
     """Scores ``num_experts`` experts for each token and keeps the ``topk`` best (see the
-    module docstring). ``weight`` [E, h] is replicated on every rank of a TP group."""
+    module docstring). ``weight`` [E, h] (and ``bias`` [E], with ``bias=True``) is replicated
+    on every rank of a TP group."""
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *,
                  score_function: str = "softmax", renormalize: bool = True,
                  scaling: float = 1.0, expert_bias: bool = False,
                  init_method_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, force_balance: bool = False) -> None:
+                 device: torch.device | None = None, force_balance: bool = False,
+                 bias: bool = False) -> None:
         super().__init__()
         self.force_balance = force_balance  # benchmarks: random logits, even loads on average
         if score_function not in SCORE_FUNCTIONS:
@@ -77,6 +83,8 @@ class TopKRouter(nn.Module):
         if not self.weight.is_meta:
             with torch.no_grad():
                 self.weight.normal_(0.0, init_method_std)
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=params_dtype, device=device)) \
+            if bias else None
         # Aux-loss-free balancing: moved by update_expert_bias, never by gradients; a frozen
         # parameter (not a buffer) so that checkpoints hold it and a resume continues exactly.
         self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32,
@@ -86,6 +94,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[Routing, RouterStats]:
         """x [T, h] -> the routing of its T tokens and their statistics."""
         logits = x.float() @ self.weight.float().t()  # [T, E]
+        if self.bias is not None:
+            logits = logits + self.bias.float()
         if self.force_balance:
             logits = torch.randn_like(logits)
         if self.score_function == "softmax":

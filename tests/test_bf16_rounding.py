@@ -1,7 +1,8 @@
-"""In bf16 our RMSNorms round where transformers' do: Llama's (and most families') rounds the
-normalised activations, then multiplies by the weight; OLMo 2's (``norm_scale_in_fp32``) and
-Gemma's (``layernorm_zero_centered_gamma``: 1 + weight) multiply in fp32, then round. Checked
-bit for bit against transformers' own norm classes on the same weights and inputs."""
+"""In bf16 our RMSNorms and Gemma's embedding scale round where transformers' do: Llama's
+(and most families') norm rounds the normalised activations, then multiplies by the weight;
+OLMo 2's (``norm_scale_in_fp32``) and Gemma's (``layernorm_zero_centered_gamma``: 1 + weight)
+multiply in fp32, then round; Gemma's sqrt(hidden) is rounded before it scales the embeddings.
+Checked bit for bit against transformers' own classes on the same weights and inputs."""
 
 from __future__ import annotations
 
@@ -64,3 +65,29 @@ def test_scale_in_fp32_changes_nothing_in_fp32() -> None:
         plain.weight.uniform_(0.5, 1.5)
         fp32.weight.copy_(plain.weight)
         assert torch.equal(plain(x), fp32(x))
+
+
+def test_bf16_gemma_embedding_scale_rounds_as_transformers() -> None:
+    """Gemma's normaliser sqrt(hidden) is rounded to the embeddings' dtype before it scales them
+    (``embedding_multiplier_rounded``); sqrt(96) = 9.798 is 9.8125 in bf16."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from domino.models.embedding import Embedding
+    from domino.parallel_state import ParallelState
+
+    vocab, scale = 64, HIDDEN ** 0.5
+    cfg = _config(vocab_size=vocab, embedding_multiplier=scale, embedding_multiplier_rounded=True,
+                  hidden_dropout=0.0, position_embedding_type="rope")
+    ours = Embedding(HIDDEN, vocab, 16, 0.0, cfg, parallel_state=ParallelState.single())
+    theirs = Gemma3TextScaledWordEmbedding(vocab, HIDDEN, 0, embed_scale=scale).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs.weight.copy_(ours.word_embeddings.weight)
+        want = theirs(ids)  # [b, s, h]
+        got = ours(ids, None).transpose(0, 1)
+        assert torch.equal(got, want)
+        unrounded = Embedding(HIDDEN, vocab, 16, 0.0, _config(
+            vocab_size=vocab, embedding_multiplier=scale, hidden_dropout=0.0,
+            position_embedding_type="rope"), parallel_state=ParallelState.single())
+        unrounded.word_embeddings.weight.copy_(ours.word_embeddings.weight)
+        assert not torch.equal(unrounded(ids, None).transpose(0, 1), want)
