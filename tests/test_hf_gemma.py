@@ -1,4 +1,4 @@
-"""Gemma 1, 2 and 3 (text) against the real ``transformers`` (random weights from a config,
+"""Gemma 1, 2 and 3 (text) and VaultGemma against the real ``transformers`` (random weights from a config,
 nothing downloaded, every norm's weight moved off zero): imported at TP=1 and TP=2 they give
 the original's logits and greedy tokens (ours with and without the KV cache), export back to
 the same logits, and a model of ours with Gemma's settings exports as its Gemma with
@@ -45,9 +45,10 @@ from domino.models.gpt import GPTModel
 from domino.parallel_state import ParallelState
 
 S, F = "sliding_attention", "full_attention"
-TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
+         "vaultgemma": "vaultgemma"}
 CLASSES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-           "gemma3": "Gemma3ForCausalLM"}
+           "gemma3": "Gemma3ForCausalLM", "vaultgemma": "VaultGemmaForCausalLM"}
 # What each import must read (beyond every Gemma's norms, GeGLU and embedding scale).
 READ = {
     "gemma": dict(sandwich_norms=False, window_size=None, qk_layernorm=False,
@@ -60,6 +61,9 @@ READ = {
                    full_attention_layers=(1,), local_rotary_base=100.0, rotary_base=1e6,
                    rotary_seq_len_interpolation_factor=2.0, attention_softcap=None,
                    output_softcap=None, untie_embeddings_and_output_weights=False),
+    "vaultgemma": dict(sandwich_norms=False, window_size=6, full_attention_layers=(1, 3),
+                       softmax_scale=24 ** -0.5, attention_softcap=5.0, output_softcap=3.0,
+                       qk_layernorm=False, untie_embeddings_and_output_weights=False),
 }
 # Settings whose removal must change the logits (they were applied).
 BITES = {"gemma": [dict(layernorm_zero_centered_gamma=False)],
@@ -68,7 +72,9 @@ BITES = {"gemma": [dict(layernorm_zero_centered_gamma=False)],
                     dict(output_softcap=None), dict(softmax_scale=None)],
          "gemma3": [dict(window_size=None, full_attention_layers=(), local_rotary_base=None),
                     dict(local_rotary_base=None), dict(rotary_seq_len_interpolation_factor=None),
-                    dict(full_attention_layers=())]}
+                    dict(full_attention_layers=())],
+         "vaultgemma": [dict(full_attention_layers=()), dict(attention_softcap=None),
+                        dict(output_softcap=None), dict(softmax_scale=None)]}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +97,10 @@ def _hf_config(bpe: BPETokenizer, kind: str):
                               query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0, tie_word_embeddings=False,
                               attn_implementation="eager")
+    if kind == "vaultgemma":  # Gemma 2's layer kinds, no norms after the sublayers
+        return t.VaultGemmaConfig(**common, num_hidden_layers=4, sliding_window=6,
+                                  query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                  final_logit_softcapping=3.0, attn_implementation="eager")
     rope = {F: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             S: {"rope_type": "default", "rope_theta": 100.0}}
     return t.Gemma3TextConfig(**common, num_hidden_layers=4, layer_types=[S, F, S, S],
@@ -156,6 +166,9 @@ OURS = {
     "gemma3": dict(GEMMA, num_layers=3, sandwich_norms=True, qk_layernorm=True, window_size=7,
                    full_attention_layers=(2,), local_rotary_base=50.0, output_softcap=2.5,
                    rope_scaling_type="llama3", rotary_base=500000.0),
+    # Gemma 2's scores and layer kinds on pre-norm layers only.
+    "vaultgemma": dict(GEMMA, num_layers=3, window_size=7, full_attention_layers=(1,),
+                       softmax_scale=20 ** -0.5, attention_softcap=4.0, output_softcap=2.5),
 }
 
 

@@ -19,7 +19,7 @@ from domino.config import TransformerConfig
 # earlier one is chosen.
 MODULES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe",
            "olmo2", "flex_olmo", "phi3", "granite", "gpt_oss", "starcoder2", "smollm3", "gemma",
-           "gemma2", "gemma3")
+           "gemma2", "gemma3", "vaultgemma")
 FAMILIES: list[Family] = [importlib.import_module(f"{__name__}.{name}").FAMILY
                           for name in MODULES]
 

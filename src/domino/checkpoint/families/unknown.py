@@ -77,8 +77,6 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "phi": (_PARALLEL,),
     "phimoe": ("LayerNorm (with bias) in Mixtral's layout", "SparseMixer routing"),
     "stablelm": ("LayerNorm (with bias) with a SwiGLU MLP",),
-    "vaultgemma": ("Gemma 2's layers without its norms after attention and the MLP "
-                   "(input_layernorm and pre_feedforward_layernorm only)",),
 }
 
 # Keys a family writes that a config.json of the same model may leave out (derived from others
