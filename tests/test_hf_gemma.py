@@ -1,5 +1,5 @@
-"""Gemma 1, 2 and 3 (text) and VaultGemma against the real ``transformers`` (random weights from a config,
-nothing downloaded, every norm's weight moved off zero): imported at TP=1 and TP=2 they give
+"""Gemma 1, 2 and 3 (text) and VaultGemma against the real ``transformers`` (random weights
+from a config, nothing downloaded, every norm's weight moved off zero): imported at TP=1 and TP=2 they give
 the original's logits and greedy tokens (ours with and without the KV cache), export back to
 the same logits, and a model of ours with Gemma's settings exports as its Gemma with
 transformers' logits and greedy output. The sizes make each feature bite (a window of 6 in a
