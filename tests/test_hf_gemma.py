@@ -1,11 +1,11 @@
-"""Gemma 1, 2 and 3 (text) and VaultGemma against the real ``transformers`` (random weights
-from a config, nothing downloaded, every norm's weight moved off zero): imported at TP=1 and TP=2 they give
-the original's logits and greedy tokens (ours with and without the KV cache), export back to
-the same logits, and a model of ours with Gemma's settings exports as its Gemma with
+"""Gemma 1, 2 and 3 (text) and VaultGemma against the real ``transformers`` (random weights from a
+config, nothing downloaded, every norm's weight moved off zero): imported at TP=1 and TP=2 they
+give the original's logits and greedy tokens (ours with and without the KV cache), export back
+to the same logits, and a model of ours with Gemma's settings exports as its Gemma with
 transformers' logits and greedy output. The sizes make each feature bite (a window of 6 in a
-30-token text, sliding and full layers, soft-caps small enough to cap, Gemma 3's local RoPE
-base apart from its global one, linear scaling on the global layers, GQA, head_dim 16 != 48 /
-4): each is shown to change the logits. A bf16 Gemma 3 exports as bf16, weight for weight. An
+30-token text, sliding and full layers, soft-caps small enough to cap, Gemma 3's local RoPE base
+apart from its global one, linear scaling on the global layers, GQA, head_dim 16 != 48 / 4):
+each is shown to change the logits. A bf16 Gemma 3 exports as bf16, weight for weight. An
 imported Gemma 2 and Gemma 3 train alike (losses of two steps) at DP=2, TP=2 with sequence
 parallelism under each Domino plan, PP=2, and (Gemma 3; Gemma 2's soft-capped attention is
 refused there) CP=2. The refusals name the key and its value. The features themselves are
