@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from domino.checkpoint.tokenizer_dir import find_tokenizer
+from domino.data.chat import ChatOptions, tokenizer_template, write_chat_dataset
+from domino.data.loss_mask import loss_mask_prefix
 from domino.data.preprocess import (
     DEFAULT_PATTERNS,
     PreprocessStats,
@@ -41,6 +43,8 @@ EPILOG = """examples:
   domino preprocess --input train-00000-of-00002.parquet train-00001-of-00002.parquet \\
       --json-keys text --output-prefix data/hub
   domino preprocess --input saved_dataset/ --output-prefix data/saved   # datasets' save_to_disk
+  domino preprocess --format chat --input chats.jsonl --output-prefix data/chats \
+      --tokenizer-type hf --tokenizer-dir runs/llama --max-tokens 2049 --truncate
 
 Inputs: text files (one document each), .jsonl/.json (also .jsonl.gz, .jsonl.zst: one document
 per line), .parquet and .arrow (one document per row of the --json-keys column), folders.
@@ -49,6 +53,12 @@ With one JSON key the dataset is written to exactly PREFIX.{bin,idx,json}; with 
 one dataset per key at PREFIX_<key>_document (Megatron's naming). Existing outputs are replaced
 only with --overwrite, and never when they are inputs. A JSON line or text file over
 --max-record-bytes (default 256M) is refused. A refused or failed run writes nothing.
+
+--format chat: rows holding `messages` (a list of {role, content}) or `prompt`/`completion`,
+rendered with the tokenizer's chat template (or --chat-template FILE); writes PREFIX.{bin,idx,
+json} and the loss mask PREFIX_loss_mask.{bin,idx,json} (1 = the token counts: the template's
+{% generation %} spans, else each assistant content and its closing special token; every token
+with --train-on-prompt). `domino train` and `domino eval` use the mask beside the tokens.
 """
 
 
@@ -85,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="JSONL field(s) or Parquet/Arrow column(s) holding the text. "
                         "[default: text]")
-    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                        help="End every document with the EOD token. [default: on]")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=None,
+                        help="End every document with the EOD token. [default: on; off for "
+                        "--format chat, whose template ends each turn itself]")
     parser.add_argument("--workers", type=int, default=1,
                         help="Tokenizer processes. [default: 1]")
     parser.add_argument("--patterns", default=",".join(DEFAULT_PATTERNS),
@@ -94,10 +105,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"[default: {','.join(DEFAULT_PATTERNS)}]")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="Show a progress bar. [default: on]")
+    chat = parser.add_argument_group("chat data (--format chat)")
+    chat.add_argument("--format", default="text", choices=("text", "chat"),
+                      help="text: one document per text/field; chat: conversations rendered "
+                      "with a chat template, plus a per-token loss mask. [default: text]")
+    chat.add_argument("--chat-template", metavar="FILE",
+                      help="A jinja chat template file, instead of the tokenizer folder's "
+                      "own (chat_template.jinja or tokenizer_config.json's chat_template).")
+    chat.add_argument("--train-on-prompt", action="store_true",
+                      help="Count every token for the loss, not only the assistant's.")
+    chat.add_argument("--max-tokens", type=int, metavar="N",
+                      help="Drop conversations longer than N tokens (e.g. --seq-length + 1), "
+                      "or cut them with --truncate; counted in the summary.")
+    chat.add_argument("--truncate", action="store_true",
+                      help="With --max-tokens: keep a long conversation's first N tokens "
+                      "instead of dropping it.")
 
 
 def _check_flags(args: argparse.Namespace) -> int:
     """Refuse flag values and combinations before any work; the record limit in bytes."""
+    _check_chat_flags(args)
     if args.workers < 1:
         raise ValueError(f"--workers={args.workers} must be >= 1")
     if args.train_bpe_vocab_size is not None and args.train_bpe_vocab_size < 257:
@@ -115,6 +142,34 @@ def _check_flags(args: argparse.Namespace) -> int:
             and not args.tokenizer_dir):
         raise ValueError("--tokenizer-type bpe needs both --vocab-file and --merge-file")
     return _byte_count(args.max_record_bytes)
+
+
+def _check_chat_flags(args: argparse.Namespace) -> None:
+    chat_only = [f for f, on in (("--chat-template", args.chat_template is not None),
+                                 ("--train-on-prompt", args.train_on_prompt),
+                                 ("--max-tokens", args.max_tokens is not None),
+                                 ("--truncate", args.truncate)) if on]
+    if args.format == "text" and chat_only:
+        raise ValueError(f"{', '.join(chat_only)} apply to --format chat only; add --format chat")
+    if args.format == "text":
+        return
+    if args.train_bpe_vocab_size is not None:
+        raise ValueError("--format chat does not train a BPE: give the model's tokenizer "
+                         "(--tokenizer-type hf --tokenizer-dir DIR)")
+    if args.workers != 1:
+        raise ValueError(f"--workers={args.workers}: --format chat renders in one process; "
+                         "drop --workers")
+    if args.json_keys != ["text"]:
+        raise ValueError("--json-keys: --format chat reads the 'messages' field (or 'prompt' "
+                         "and 'completion'); drop --json-keys")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens={args.max_tokens} must be >= 1")
+    if args.truncate and args.max_tokens is None:
+        raise ValueError("--truncate cuts conversations to --max-tokens N; pass --max-tokens "
+                         "(e.g. --seq-length + 1)")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template {args.chat_template} is not a file; pass a jinja "
+                         "chat template file")
 
 
 def _byte_count(text: str) -> int:
@@ -191,6 +246,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no input files found in {' '.join(args.input)} "
                          f"(folder patterns: {', '.join(patterns)})")
     keys = list(dict.fromkeys(args.json_keys))
+    if args.format == "chat":
+        outputs = [("--output-prefix", p) for prefix in
+                   (args.output_prefix, loss_mask_prefix(args.output_prefix))
+                   for p in dataset_files(prefix)]
+        _check_outputs(files, outputs, args.overwrite)
+        with removed_on_error(parent):
+            _write_chat(args, files, limit)
+        return 0
     _check_outputs(files, _outputs(args.output_prefix, keys, tok_dir), args.overwrite)
     check_inputs(files, keys, limit)  # a wrong key or a damaged file fails before any work
     with removed_on_error(parent), removed_on_error(tok_dir):
@@ -212,8 +275,10 @@ def _datasets(prefix: str, keys: list[str]) -> list[tuple[str, str]]:
 
 def _outputs(prefix: str, keys: list[str], tok_dir: str | None) -> list[tuple[str, str]]:
     """(flag, path) of every file the command writes."""
+    # A loss mask left beside a prefix by a chat run would apply to the new tokens: replaced
+    # (removed) only with --overwrite, like the dataset's own files.
     out = [("--output-prefix", path) for _, ds in _datasets(prefix, keys)
-           for path in dataset_files(ds)]
+           for path in (*dataset_files(ds), *dataset_files(loss_mask_prefix(ds)))]
     if tok_dir is not None:
         out += [("--tokenizer-dir", os.path.join(tok_dir, name))
                 for name in (VOCAB_FILE, MERGES_FILE)]
@@ -249,9 +314,9 @@ def _write(args: argparse.Namespace, files: list[str], keys: list[str], limit: i
         moves: list[tuple[str, str]] = []
         for i, (key, prefix) in enumerate(_datasets(args.output_prefix, keys)):
             staged, t0 = os.path.join(stage, f"dataset{i}"), time.perf_counter()
-            stats = write_dataset(files, staged, tokenizer, key, append_eod=args.append_eod,
-                                  workers=args.workers, progress=args.progress,
-                                  max_record_bytes=limit)
+            stats = write_dataset(files, staged, tokenizer, key,
+                                  append_eod=args.append_eod is not False, workers=args.workers,
+                                  progress=args.progress, max_record_bytes=limit)
             done.append((prefix, stats, time.perf_counter() - t0))
             moves += zip(dataset_files(staged), dataset_files(prefix))
         if tok_dir is not None and tok_stage is not None:
@@ -259,6 +324,10 @@ def _write(args: argparse.Namespace, files: list[str], keys: list[str], limit: i
             moves += [(os.path.join(tok_stage, n), os.path.join(tok_dir, n))
                       for n in (VOCAB_FILE, MERGES_FILE)]
         commit(moves, overwrite=args.overwrite)
+        for _, prefix in _datasets(args.output_prefix, keys):  # a stale chat run's mask
+            for path in dataset_files(loss_mask_prefix(prefix)):
+                if os.path.lexists(path):
+                    os.remove(path)
     if tok_dir is not None:
         print(f"saved the tokenizer to {tok_dir}/")
     for prefix, stats, dt in done:
@@ -267,3 +336,32 @@ def _write(args: argparse.Namespace, files: list[str], keys: list[str], limit: i
               f"({stats.empty_skipped} empty skipped)")
         cmd = ["domino", "train", "--data-path", os.fspath(prefix), *train_flags]
         print(f"train on it with: {shlex.join(cmd)}")
+
+
+def _write_chat(args: argparse.Namespace, files: list[str], limit: int) -> None:
+    """Conversations into PREFIX and PREFIX_loss_mask: staged, renamed into place together."""
+    tokenizer, train_flags = _tokenizer(args, files, limit, None)
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template, origin = f.read(), args.chat_template
+    else:
+        template, origin = tokenizer_template(tokenizer, args.tokenizer_dir or
+                                              f"the {tokenizer.name} tokenizer")
+    options = ChatOptions(template, origin, train_on_prompt=args.train_on_prompt,
+                          max_tokens=args.max_tokens, truncate=args.truncate,
+                          append_eod=bool(args.append_eod))
+    prefix, mask = args.output_prefix, loss_mask_prefix(args.output_prefix)
+    parent = Path(prefix).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with staging(parent) as stage:
+        staged = os.path.join(stage, "dataset")
+        stats = write_chat_dataset(files, staged, tokenizer, options, limit=limit,
+                                   progress=args.progress)
+        moves = [*zip(dataset_files(staged), dataset_files(prefix)),
+                 *zip(dataset_files(loss_mask_prefix(staged)), dataset_files(mask))]
+        commit(moves, overwrite=args.overwrite)
+    print(f"wrote {prefix}.bin/.idx and the loss mask {mask}.bin/.idx from {len(files)} "
+          f"file(s) in {time.perf_counter() - t0:.1f} s: {stats.summary()}")
+    cmd = ["domino", "train", "--data-path", os.fspath(prefix), *train_flags]
+    print(f"train on it with: {shlex.join(cmd)}")

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from domino.data.indexed_dataset import IndexedDataset, data_path, index_path
+from domino.data.loss_mask import open_loss_mask
 from domino.data.tokenizer import Tokenizer
 
 
@@ -29,6 +30,10 @@ def open_dataset(prefix: str, flag: str = "--data-path") -> IndexedDataset:
     if ds.num_tokens == 0 or ds.num_documents == 0:
         raise ValueError(f"{flag} {prefix}: the dataset is empty (0 tokens); preprocess "
                          "some non-empty text into it")
+    try:
+        open_loss_mask(ds)  # a loss mask beside it must fit it: refused here, naming the flag
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"{flag} {prefix}: {err}") from None
     return ds
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from domino.data.indexed_dataset import IndexedDataset
+from domino.data.loss_mask import open_loss_mask
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -59,6 +60,8 @@ class GPTDataset(Dataset):
     rank or size: shard by global sample index.
 
     `split` is a (start_doc, end_doc) tuple, an array of document indices, or None (all).
+    `loss_mask`: the per-token mask dataset (``"auto"``: ``PREFIX_loss_mask`` beside the
+    tokens when it exists); the mask of token t+1 decides whether predicting it counts.
     """
 
     def __init__(
@@ -75,12 +78,14 @@ class GPTDataset(Dataset):
         reset_attention_mask: bool = False,
         eod_mask_loss: bool = False,
         create_attention_mask: bool = True,
+        loss_mask: IndexedDataset | None | str = "auto",
     ) -> None:
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         if (num_samples is None) == (epochs is None):
             raise ValueError("pass exactly one of num_samples or epochs")
         self.indexed_dataset = indexed_dataset
+        self.loss_mask = open_loss_mask(indexed_dataset) if loss_mask == "auto" else loss_mask
         self.seq_length = seq_length
         self.seed = seed
         self.eod_token = eod_token
@@ -137,6 +142,10 @@ class GPTDataset(Dataset):
 
     def sample_tokens(self, i: int) -> np.ndarray:
         """The raw seq_length+1 tokens of (shuffled) sample `i`, as int64."""
+        return self._window(self.indexed_dataset, i)
+
+    def _window(self, source: IndexedDataset, i: int) -> np.ndarray:
+        """Sample `i`'s seq_length+1 entries of ``source`` (the tokens, or their loss mask)."""
         if not -self.num_samples <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
         pos = int(self._shuffle[i]) * self.seq_length
@@ -148,14 +157,14 @@ class GPTDataset(Dataset):
             seq = int(self._seq_order[k])
             take = min(need, int(self._seq_start[k + 1] - self._seq_start[k]) - offset)
             if take > 0:
-                parts.append(self.indexed_dataset.get(seq, offset, take))
+                parts.append(source.get(seq, offset, take))
                 need -= take
             k, offset = k + 1, 0
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         sample = self.sample_tokens(i)
-        return build_sample(
+        out = build_sample(
             sample,
             self.eod_token,
             reset_position_ids=self.reset_position_ids,
@@ -163,6 +172,10 @@ class GPTDataset(Dataset):
             eod_mask_loss=self.eod_mask_loss,
             create_attention_mask=self.create_attention_mask,
         )
+        if self.loss_mask is not None:  # labels are tokens 1..s: their mask entries decide
+            counts = self._window(self.loss_mask, i)[1:].astype(np.float32)
+            out["loss_mask"] = out["loss_mask"] * torch.from_numpy(counts)
+        return out
 
 
 def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
