@@ -62,7 +62,7 @@ def generate_rank(spec: dict[str, Any], state) -> None:
 
 def eval_rank(spec: dict[str, Any], state) -> None:
     from domino.data.blend import build_blended, component_seed, parse_blend
-    from domino.data.gpt_dataset import GPTDataset, split_documents
+    from domino.data.gpt_dataset import split_documents
 
     model, config, tokenizer, meta = _load(spec, state)
     saved = meta.args or {}
@@ -87,8 +87,6 @@ def eval_rank(spec: dict[str, Any], state) -> None:
             ranges[p] = split_documents(ds.num_documents, split, required=need)[which]
         except ValueError as err:
             raise ValueError(f"--data-path {p}: {err}") from None
-    options = {k: bool(saved.get(k, False)) for k in ("reset_position_ids",
-                                                      "reset_attention_mask", "eod_mask_loss")}
     dp = state.dp
     if spec["eval_iters"] is not None:
         g = pick("global_batch_size", micro * dp.size)
@@ -99,12 +97,11 @@ def eval_rank(spec: dict[str, Any], state) -> None:
     else:
         size = {"num_samples": None, "epochs": 1}
 
-    def part(k: int, count: int | None, seed: int) -> GPTDataset:
+    def part(k: int, count: int | None, seed: int):
         ds = opened[blend.prefixes[k]]
         amount = size if count is None else {"num_samples": count}
-        return GPTDataset(ds, seq, **amount, seed=seed, eod_token=eod_of(ds, tokenizer),
-                          split=ranges[blend.prefixes[k]],
-                          create_attention_mask=options["reset_attention_mask"], **options)
+        return _samples(ds, seq, amount, seed, ranges[blend.prefixes[k]],
+                        eod_of(ds, tokenizer), saved)
 
     if len(blend) == 1:
         samples: Any = part(0, None, seed)
@@ -133,6 +130,20 @@ def eval_rank(spec: dict[str, Any], state) -> None:
               f"{mean:.4f}, perplexity {math.exp(min(mean, 50.0)):.3f} over {int(total[1]):,} "
               f"tokens ({len(samples):,} samples of {seq}; checkpoint step {meta.step}, TP="
               f"{state.tp.size} x DP={dp.size}, {spec.get('precision', 'fp32')})", flush=True)
+
+
+def _samples(ds, seq: int, amount: dict[str, Any], seed: int, split, eod: int,
+             saved: dict[str, Any]):
+    """The samples of one dataset as the run made them (packed, or cut at its EOD flags)."""
+    from domino.data.gpt_dataset import GPTDataset
+    from domino.data.packed import PackedDataset
+
+    if saved.get("pack_documents"):
+        return PackedDataset(ds, seq, **amount, seed=seed, split=split, pad_token=eod)
+    options = {k: bool(saved.get(k, False)) for k in ("reset_position_ids",
+                                                      "reset_attention_mask", "eod_mask_loss")}
+    return GPTDataset(ds, seq, **amount, seed=seed, eod_token=eod, split=split,
+                      create_attention_mask=options["reset_attention_mask"], **options)
 
 
 def eval_split(given: str | None, saved: dict[str, Any], which: int) -> str:

@@ -180,6 +180,9 @@ class TrainArgs(RuntimeArgs):
     reset_position_ids: bool = _f(False, "Restart position ids after each EOD.", "data")
     reset_attention_mask: bool = _f(False, "Do not attend across EOD boundaries.", "data")
     eod_mask_loss: bool = _f(False, "No loss on EOD input tokens.", "data")
+    pack_documents: bool = _f(
+        False, "Pack whole documents (e.g. conversations) into samples, greedy in order, "
+        "padding the rest; each attends only to itself, positions restart at 0.", "data")
     # evaluation, output, sampling
     log_interval: int = _f(10, "Steps per log line / metrics.jsonl record.", "output")
     eval_interval: int = _f(100, "Steps between validation runs (0 = only at the end).", "output")

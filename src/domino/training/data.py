@@ -275,17 +275,24 @@ def _split_dataset(args: TrainArgs, blend: Blend, which: int, num_samples: int,
                    datasets: Mapping[str, IndexedDataset], ranges: dict, eod: int,
                    folder: Path | None):
     from domino.data.gpt_dataset import GPTDataset
+    from domino.data.packed import PackedDataset
 
     options = dict(eod_token=eod, reset_position_ids=args.reset_position_ids,
                    reset_attention_mask=args.reset_attention_mask,
                    eod_mask_loss=args.eod_mask_loss,
                    create_attention_mask=args.reset_attention_mask)
+    kind = GPTDataset
+    if args.pack_documents:  # padding is EOD (never counted, never attended by real tokens)
+        kind, options = PackedDataset, dict(pad_token=eod, create_attention_mask=True)
 
-    def make(k: int, count: int, seed: int) -> GPTDataset:
+    def make(k: int, count: int, seed: int) -> GPTDataset | PackedDataset:
         prefix = blend.prefixes[k]
         part = ranges[prefix][which] if prefix in ranges else None
-        return GPTDataset(datasets[prefix], args.seq_length, count, seed=seed, split=part,
-                          **options)
+        try:
+            return kind(datasets[prefix], args.seq_length, count, seed=seed, split=part,
+                        **options)
+        except ValueError as err:
+            raise ValueError(f"{prefix}: {err}") from None
 
     if len(blend) == 1:  # exactly the samples of a run before blends existed
         return make(0, num_samples, args.seed)

@@ -136,7 +136,7 @@ class Trainer:
         shapes = None if state.cp.size > 1 else AttentionShapes.of_run(
             run.config, args.micro_batch_size, state.tp.size, run.runtime.plan.micro_batches,
             args.compute_dtype() or run.config.params_dtype, state.device,
-            masked=args.reset_attention_mask)
+            masked=args.reset_attention_mask or args.pack_documents)
         return resolve_attention(run.runtime, shapes, state.world)
 
     def _build_optimizer(self) -> None:

@@ -319,6 +319,14 @@ def _prepare_data(args: TrainArgs, progress: bool) -> None:
         user_bpe = bool(args.vocab_file or args.merge_file or args.tokenizer_dir)
         own_data = args.data_path is not None or args.train_data_path is not None
         args.tokenizer_type = "byte" if own_data and not user_bpe else "bpe"
+    eod_flags = [f"--{n.replace('_', '-')}" for n in
+                 ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+                 if getattr(args, n)]
+    if args.pack_documents and eod_flags:
+        raise ValueError(f"--pack-documents already keeps each document apart (positions, "
+                         f"attention and labels, by the dataset's document boundaries); "
+                         f"{', '.join(eod_flags)} would cut samples again at EOD tokens: drop "
+                         f"{'it' if len(eod_flags) == 1 else 'them'}")
     sources = data_sources(args)  # the blend flags' syntax, before anything is built
     if sources is None:
         scratch = Path(args.save) if args.save else default_run_dir()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from domino.data.packed import packing_text
 from domino.inference.sampling import generate
 from domino.memory import method as memory_method
 from domino.parallel_dims import DIMS
@@ -75,6 +76,9 @@ def startup_lines(run: Run, state: ParallelState, parameters: int, batching: str
     sources = data_sources(args)
     if sources is not None:
         lines.append(f"data: {sources.describe()}")
+    packing = packing_text(run.train_ds) if args.pack_documents else None
+    if packing is not None:
+        lines.append(packing)
     return lines
 
 
