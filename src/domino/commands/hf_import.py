@@ -18,6 +18,7 @@ from domino.checkpoint.layout import CheckpointError, Meta
 from domino.commands.convert import write_run_config
 from domino.config import TransformerConfig
 from domino.training import model_flags
+from domino.training.finetune import FINE_TUNE  # (the same defaults as --finetune's)
 from domino.utils import check_output_dir, removed_on_error
 
 
@@ -30,11 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing OUT/checkpoints")
 
 
-# Fine-tuning, not pre-training from scratch (TrainArgs' defaults): a learning rate about a
-# hundredth of theirs, a short warm-up and run, no weight decay pulling the weights towards
-# zero, and a short sample at the end.
-FINE_TUNE: dict[str, Any] = {"lr": 2e-5, "min_lr": 2e-6, "lr_warmup_iters": 10,
-                             "train_iters": 100, "weight_decay": 0.0, "sample_tokens": 32}
 
 
 def train_settings(config: TransformerConfig, tokenizer_dir: Path, tp: int) -> dict[str, Any]:
@@ -80,6 +76,7 @@ def run(ns: argparse.Namespace) -> int:
     print(f"tokenizer: {new / layout.TOKENIZER_DIR} (--tokenizer-dir takes it, {out} or "
           f"{folder}); tokenize fine-tuning data with `domino preprocess --tokenizer-type hf "
           f"--tokenizer-dir {out} ...`")
-    print(f"fine-tune with `domino train --config {out}/config.toml --load {out} --data-path "
-          f"...`; its settings for fine-tuning: {_fine_tune_line()} (flags override them)")
+    print(f"fine-tune with `domino train --load {out} --finetune --data-path ...` (or "
+          f"--config {out}/config.toml --load {out}); its settings for fine-tuning: "
+          f"{_fine_tune_line()} (flags override them)")
     return 0

@@ -12,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from domino.training import arguments
+from domino.training import arguments, finetune
 from domino.training.prepare import default_run_dir, prepare_run, under_torchrun
 
 EPILOG = """examples:
   domino train                                   # built-in default (stdlib corpus, TP=2, CPU)
   domino train --config run.toml --train-iters 1000
+  domino train --load runs/imported --finetune --data-path data/chats --pack-documents
   domino train --data-path data/my_text_document --tokenizer-type bpe \\
       --vocab-file vocab.json --merge-file merges.txt --nproc 4 --tensor-model-parallel-size 2
   torchrun --nproc-per-node 8 -m domino.cli train --tensor-model-parallel-size 4 ...
@@ -32,13 +33,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    args = arguments.resolve_args(ns)
+    notes: list[str] = []
+    if finetune.wanted(ns):
+        args, notes = finetune.resolve(ns)  # the checkpoint's model, fine-tuning defaults
+    else:
+        args = arguments.resolve_args(ns)
     torchrun = under_torchrun()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     run_dir = None if torchrun else Path(args.save) if args.save else default_run_dir()
     if torchrun and rank0 and "--nproc" in sys.argv:
         print("domino train: under torchrun the world comes from torchrun; --nproc is ignored",
               file=sys.stderr)
+    if rank0:
+        for line in notes:
+            print(f"domino train: {line}")
     run = prepare_run(args, progress=rank0, run_dir=run_dir)  # raises before any spawn
     from domino.training.launch import launch_local, write_config
 

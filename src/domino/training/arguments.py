@@ -192,6 +192,9 @@ class TrainArgs(RuntimeArgs):
     load: str | None = _f(None, "Run, checkpoints or step folder to resume from (a checkpoint "
                           "without optimizer state, e.g. from `domino import`, starts a fresh "
                           "run from its weights).", "output")
+    finetune: bool = _f(False, "With --load: a new run from its weights only (not its optimizer, "
+                        "step, data position or RNG), its model and tokenizer, and fine-tuning "
+                        "defaults (docs/finetune.md).", "output")
     load_fallback: bool = _f(False, "When the --load checkpoint is damaged, resume from the "
                              "newest intact one instead of stopping.", "output")
     overwrite: bool = _f(False, "--save may hold an earlier run: delete its checkpoints and "
@@ -393,10 +396,12 @@ def _check_retired(path: str | os.PathLike, key: str, value: Any) -> None:
                          f"{model_flags.flag_label(name)}; remove it")
 
 
-def resolve_args(ns: argparse.Namespace | dict[str, Any]) -> TrainArgs:
-    """Layer built-in defaults < TOML (``config`` key) < explicitly given flags."""
+def resolve_args(ns: argparse.Namespace | dict[str, Any],
+                 base: dict[str, Any] | None = None) -> TrainArgs:
+    """Layer built-in defaults < ``base`` (``--finetune``: the checkpoint's model) < TOML
+    (``config`` key) < explicitly given flags."""
     given = dict(vars(ns)) if isinstance(ns, argparse.Namespace) else dict(ns)
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(base or {})
     config = given.pop("config", None)
     if config:
         values.update(load_toml(config))

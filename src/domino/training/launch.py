@@ -17,6 +17,7 @@ from pathlib import Path
 from domino.safe_files import write_atomic
 from domino.supervisor import Interrupted, RankFailed, local_env, run_ranks
 from domino.training.arguments import TrainArgs, to_toml
+from domino.training.finetune import resume_toml
 from domino.utils import free_port
 
 # After Ctrl-C / SIGTERM the ranks get this long to reach a step boundary and checkpoint.
@@ -74,7 +75,8 @@ def _run(commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float
 def write_config(run_dir: Path, args: TrainArgs) -> Path:
     """Save the effective settings as config.json (read by the workers) and config.toml."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.toml", to_toml(args))  # (a link there: replaced)
+    # (a link there: replaced). A fine-tune's record resumes it, not its base.
+    write_atomic(run_dir / "config.toml", resume_toml(args) if args.finetune else to_toml(args))
     path = run_dir / "config.json"
     write_atomic(path, json.dumps(args.to_dict(), indent=2) + "\n")
     return path

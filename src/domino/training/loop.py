@@ -191,8 +191,9 @@ class Trainer:
         assert resume is not None
         load_model(resume.step_dir, resume.meta, self.model, self.state, self.optimizer)
         if resume.weights_only:
-            return [f"initialised from the weights of {resume.step_dir} (no optimizer state): a "
-                    "new run from step 0"]
+            why = "--finetune: weights only" if resume.finetune else "no optimizer state"
+            return [f"initialised from the weights of {resume.step_dir} ({why}): a new run "
+                    "from step 0"]
         load_optimizer(resume.step_dir, resume.meta, self.optimizer, self.model, self.state)
         load_rng(resume.step_dir, resume.meta, self.state)
         if self.scaler is not None and resume.meta.scaler:

@@ -30,11 +30,13 @@ class Resume:
     step_dir: Path
     meta: Meta
     notes: list[str] = field(default_factory=list)
+    finetune: bool = False  # --finetune: its weights only, whatever else it holds
 
     @property
     def weights_only(self) -> bool:
-        """No optimizer state (an imported or converted model): a new run from its weights."""
-        return not self.meta.has_optimizer
+        """No optimizer state (an imported or converted model), or --finetune: a new run from
+        its weights."""
+        return self.finetune or not self.meta.has_optimizer
 
     @property
     def start_step(self) -> int:
@@ -58,7 +60,7 @@ def open_resume(args: TrainArgs, hashes: bool, progress: bool) -> Resume:
         for note in notes:
             print(f"domino train: {note}")
     args.load = str(step_dir.resolve())
-    return Resume(step_dir.resolve(), meta, notes)
+    return Resume(step_dir.resolve(), meta, notes, finetune=args.finetune)
 
 
 def check_save_dir(args: TrainArgs, resume: Resume | None) -> None:
@@ -80,6 +82,7 @@ def check_save_dir(args: TrainArgs, resume: Resume | None) -> None:
     held = [n for n in RUN_MARKERS if (save / n).exists()
             and not (n == layout.CHECKPOINTS and not any(root.iterdir()))]
     continuing = resume is not None and save.resolve() in resume.step_dir.parents
+    _check_not_the_base(save, resume if continuing else None)
     if held and args.overwrite:
         if continuing:
             raise ValueError(f"--overwrite would delete {resume.step_dir}, the checkpoint --load "
@@ -107,6 +110,14 @@ def check_save_dir(args: TrainArgs, resume: Resume | None) -> None:
     if removed:
         print(f"domino train: removed {len(removed)} interrupted save(s) in {root}: "
               + ", ".join(p.name for p in removed))
+
+
+def _check_not_the_base(save: Path, resume: Resume | None) -> None:
+    """A fine-tune never writes into the run it starts from (``resume``: one ``save`` holds)."""
+    if resume is not None and resume.finetune:
+        raise ValueError(f"--save {save} is the run --finetune starts from ({resume.step_dir}); "
+                         "a fine-tune writes a new run and never touches the base: pass "
+                         "another --save")
 
 
 def check_compatible(args: TrainArgs, run, resume: Resume) -> None:
