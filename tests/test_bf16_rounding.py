@@ -2,12 +2,15 @@
 (and most families') norm rounds the normalised activations, then multiplies by the weight;
 OLMo 2's (``norm_scale_in_fp32``) and Gemma's (``layernorm_zero_centered_gamma``: 1 + weight)
 multiply in fp32, then round; Gemma's sqrt(hidden) is rounded before it scales the embeddings.
-Checked bit for bit against transformers' own classes on the same weights and inputs."""
+Checked bit for bit against transformers' own classes on the same weights and inputs (older
+releases round otherwise in two places, each checked as that release rounds: OLMo 2's norm as
+Llama's before 4.52, Gemma 3's unrounded sqrt(hidden) in 4.50)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hf_compat import hf_version, needs_model_type
 
 from domino.config import TransformerConfig
 from domino.transformer.norms import build_norm
@@ -23,20 +26,25 @@ def _config(**over) -> TransformerConfig:
 
 
 def _theirs(kind: str) -> torch.nn.Module:
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    """transformers' RMSNorm of ``kind`` (skipped where the installed version lacks it)."""
+    import importlib
 
-    cls = {"llama": LlamaRMSNorm, "olmo2": Olmo2RMSNorm, "gemma3": Gemma3RMSNorm}[kind]
+    needs_model_type({"gemma3": "gemma3_text"}.get(kind, kind))
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    cls = getattr(module, {"llama": "LlamaRMSNorm", "olmo2": "Olmo2RMSNorm",
+                           "gemma": "GemmaRMSNorm", "gemma3": "Gemma3RMSNorm"}[kind])
     return cls(HIDDEN, eps=1e-6).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind, over", [
     ("llama", {}),
     ("olmo2", {"norm_scale_in_fp32": True}),
+    ("gemma", {"layernorm_zero_centered_gamma": True}),  # (Gemma 1, in every transformers)
     ("gemma3", {"layernorm_zero_centered_gamma": True}),
 ])
 def test_bf16_rmsnorm_rounds_as_transformers(kind: str, over: dict) -> None:
+    if kind == "olmo2" and hf_version() < (4, 52):
+        over = {}  # (Olmo2RMSNorm rounded before the weight, as Llama's, until 4.52)
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 7, HIDDEN, generator=gen) * 3).to(torch.bfloat16)
     weight = (torch.randn(HIDDEN, generator=gen) * 0.5 + (0.0 if over.get(
@@ -70,14 +78,17 @@ def test_scale_in_fp32_changes_nothing_in_fp32() -> None:
 def test_bf16_gemma_embedding_scale_rounds_as_transformers() -> None:
     """Gemma's normaliser sqrt(hidden) is rounded to the embeddings' dtype before it scales them
     (``embedding_multiplier_rounded``); sqrt(96) = 9.798 is 9.8125 in bf16."""
+    needs_model_type("gemma3_text")
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
     from domino.models.embedding import Embedding
     from domino.parallel_state import ParallelState
 
     vocab, scale = 64, HIDDEN ** 0.5
-    cfg = _config(vocab_size=vocab, embedding_multiplier=scale, embedding_multiplier_rounded=True,
-                  hidden_dropout=0.0, position_embedding_type="rope")
+    rounded = hf_version() >= (4, 51)  # (4.50 multiplied by the unrounded float)
+    cfg = _config(vocab_size=vocab, embedding_multiplier=scale,
+                  embedding_multiplier_rounded=rounded, hidden_dropout=0.0,
+                  position_embedding_type="rope")
     ours = Embedding(HIDDEN, vocab, 16, 0.0, cfg, parallel_state=ParallelState.single())
     theirs = Gemma3TextScaledWordEmbedding(vocab, HIDDEN, 0, embed_scale=scale).to(torch.bfloat16)
     ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(2))
@@ -86,8 +97,9 @@ def test_bf16_gemma_embedding_scale_rounds_as_transformers() -> None:
         want = theirs(ids)  # [b, s, h]
         got = ours(ids, None).transpose(0, 1)
         assert torch.equal(got, want)
-        unrounded = Embedding(HIDDEN, vocab, 16, 0.0, _config(
+        other = Embedding(HIDDEN, vocab, 16, 0.0, _config(
             vocab_size=vocab, embedding_multiplier=scale, hidden_dropout=0.0,
-            position_embedding_type="rope"), parallel_state=ParallelState.single())
-        unrounded.word_embeddings.weight.copy_(ours.word_embeddings.weight)
-        assert not torch.equal(unrounded(ids, None).transpose(0, 1), want)
+            embedding_multiplier_rounded=not rounded, position_embedding_type="rope"),
+            parallel_state=ParallelState.single())
+        other.word_embeddings.weight.copy_(ours.word_embeddings.weight)
+        assert not torch.equal(other(ids, None).transpose(0, 1), want)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hf_compat import needs_model_type, rope_kwargs
 from test_bad_inputs import _refused
 
 from domino.checkpoint.families.llama_like import KEYS as LLAMA_KEYS
@@ -33,11 +34,12 @@ INTERNAL = ("num_layers", "num_query_groups", "kv_channels", "ffn_hidden_size", 
 
 @pytest.fixture(scope="module")
 def configs() -> dict[str, dict[str, Any]]:
-    """Each family's config.json as transformers saves it."""
+    """Each family's config.json as the installed transformers saves it (the families it has)."""
     import transformers as t
 
+    t = _Present(t)  # (4.x: the families this version has)
     built = {
-        "llama": t.LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3)),
+        "llama": t.LlamaConfig(**SMALL, **rope_kwargs(LLAMA3)),
         "mistral": t.MistralConfig(**SMALL),
         "qwen2": t.Qwen2Config(**SMALL),
         "mixtral": t.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
@@ -52,7 +54,18 @@ def configs() -> dict[str, dict[str, Any]]:
         "phi3": t.Phi3Config(**SMALL, partial_rotary_factor=0.75, sliding_window=16,
                              pad_token_id=0),
     }
-    return {name: json.loads(cfg.to_json_string()) for name, cfg in built.items()}
+    return {name: json.loads(cfg.to_json_string()) for name, cfg in built.items()
+            if cfg is not None}
+
+
+class _Present:
+    """transformers, where a config class it lacks builds None."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name, lambda **_: None)
 
 
 def _pop(*path: str) -> Callable[[dict], None]:
@@ -67,16 +80,40 @@ def _set(**values: Any) -> Callable[[dict], None]:
     return lambda raw: raw.update(values)
 
 
+def _as_v5(raw: dict) -> dict:
+    """``raw``'s RoPE in transformers 5's spelling, ``rope_parameters`` (as 5.x saves it)."""
+    if not raw.get("rope_parameters"):
+        rope = raw.pop("rope_scaling", None) or {"rope_type": "default"}
+        raw["rope_parameters"] = {**rope, "rope_theta": raw.pop("rope_theta", 10000.0)}
+    return raw
+
+
+def _as_v4(raw: dict) -> dict:
+    """``raw``'s RoPE in transformers 4's spelling: ``rope_theta`` on top, the scaling's
+    settings in ``rope_scaling`` (as 4.x saves it)."""
+    if raw.get("rope_parameters"):
+        rope = dict(raw.pop("rope_parameters"))
+        raw["rope_theta"] = rope.pop("rope_theta")
+        raw["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    return raw
+
+
 def _rope(**values: Any) -> Callable[[dict], None]:
-    return lambda raw: raw["rope_parameters"].update(values)
+    return lambda raw: _as_v5(raw)["rope_parameters"].update(values)
+
+
+def _legacy(**values: Any) -> Callable[[dict], None]:
+    return lambda raw: _as_v4(raw).update(values)
+
+
+def _pop_any(*keys: str) -> Callable[[dict], None]:
+    """Remove each of ``keys`` (transformers 5 and 4 name some settings differently)."""
+    return lambda raw: [raw.pop(key, None) for key in keys]
 
 
 def _old_llama3_without_factor(raw: dict) -> None:
     """The transformers 4 spelling: rope_theta on top, llama3 settings in rope_scaling."""
-    rope = raw.pop("rope_parameters")
-    raw["rope_theta"] = rope.pop("rope_theta")
-    del rope["factor"]
-    raw["rope_scaling"] = rope
+    del _as_v4(raw)["rope_scaling"]["factor"]
 
 
 MISSING, NULL = "is missing", "is null"
@@ -94,11 +131,12 @@ CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
                         ('"num_hidden_layers"', MISSING, POSITIVE, FIX)),
     "olmo2-bias": ("olmo2", _set(attention_bias=True), ("OLMo 2 attention_bias=true",)),
     "olmo2-eps": ("olmo2", _set(rms_norm_eps=0), ('"rms_norm_eps"', "> 0")),
-    "qwen3_moe-no-experts": ("qwen3_moe", _pop("num_local_experts"),
+    "qwen3_moe-no-experts": ("qwen3_moe", _pop_any("num_local_experts", "num_experts"),
                              ('"num_local_experts"', MISSING, POSITIVE)),
     "llama3-rope_scaling-no-factor": ("llama", _old_llama3_without_factor,
                                       ('"rope_scaling.factor"', MISSING, "a number > 0", FIX)),
-    "llama3-rope_parameters-no-factor": ("llama", _pop("rope_parameters", "factor"),
+    "llama3-rope_parameters-no-factor": ("llama", lambda raw: _as_v5(raw)["rope_parameters"]
+                                         .pop("factor"),
                                          ('"rope_parameters.factor"', MISSING, NUMBER)),
     "null-hidden_size": ("llama", _set(hidden_size=None), ('"hidden_size"', NULL, POSITIVE, FIX)),
     "null-topk": ("mixtral", _set(num_experts_per_tok=None),
@@ -110,6 +148,7 @@ CASES: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
     "string-eps": ("qwen2", _set(rms_norm_eps="abc"), ('"rms_norm_eps"', NUMBER, FIX)),
     "string-theta": ("llama", _rope(rope_theta="abc"),
                      ('"rope_parameters.rope_theta"', "a number > 1")),
+    "string-rope_theta": ("llama", _legacy(rope_theta="abc"), ('"rope_theta"', "a number > 1")),
     "zero-experts": ("mixtral", _set(num_local_experts=0), ('"num_local_experts"', "is 0",
                                                             POSITIVE)),
     "bool-vocab": ("llama", _set(vocab_size=True), ('"vocab_size"', POSITIVE)),
@@ -210,6 +249,7 @@ def test_the_saved_configs_import(configs: dict[str, dict[str, Any]]) -> None:
 def test_a_bad_key_is_named_in_one_line(case: str, configs: dict[str, dict[str, Any]],
                                         tmp_path: Path, capfd) -> None:
     family, damage, wanted = CASES[case]
+    needs_model_type(family)
     raw = json.loads(json.dumps(configs[family]))
     damage(raw)
     argv, path, out = _import(tmp_path, raw)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_distributed
+from hf_compat import hf_class, rope_kwargs
 from test_hf_interop import TEXT, _hf, _hf_logits, _llama_config, _moe_parallel, _perturb
 
 from domino.checkpoint.families import family_for
@@ -36,14 +37,13 @@ def bpe() -> BPETokenizer:
 
 def _flex_folder(tmp: Path, bpe: BPETokenizer) -> tuple[Path, torch.nn.Module]:
     """A FlexOlmoForCausalLM: 4 experts of width 24, top-2 as scored, GQA, untied."""
-    t = _hf()
-    cfg = t.FlexOlmoConfig(
+    cfg = hf_class("FlexOlmoConfig")(
         vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **rope_kwargs({"rope_type": "default", "rope_theta": 10000.0}),
         bos_token_id=bpe.eod, eos_token_id=bpe.eod, pad_token_id=bpe.eod)
-    model = t.FlexOlmoForCausalLM(cfg)
+    model = _hf().AutoModelForCausalLM.from_config(cfg)
     _perturb(model, 7)
     folder = tmp / "hf-flex"
     model.save_pretrained(folder)

@@ -21,6 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 from dist import fit, run_distributed
+from hf_compat import (
+    SOFT_CAPPED,
+    dtype_kwarg,
+    hf_class,
+    hf_version,
+    is_v5,
+    load_hf,
+    needs_model_type,
+    sdpa_skips_softcap,
+)
 from test_bad_inputs import _refused
 from test_hf_interop import (
     TEXT,
@@ -98,13 +108,21 @@ def _hf_config(bpe: BPETokenizer, kind: str):
                               final_logit_softcapping=3.0, tie_word_embeddings=False,
                               attn_implementation="eager")
     if kind == "vaultgemma":  # Gemma 2's layer kinds, no norms after the sublayers
-        return t.VaultGemmaConfig(**common, num_hidden_layers=4, sliding_window=6,
+        return hf_class("VaultGemmaConfig")(**common, num_hidden_layers=4, sliding_window=6,
                                   query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                   final_logit_softcapping=3.0, attn_implementation="eager")
     rope = {F: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             S: {"rope_type": "default", "rope_theta": 100.0}}
-    return t.Gemma3TextConfig(**common, num_hidden_layers=4, layer_types=[S, F, S, S],
-                              sliding_window=6, query_pre_attn_scalar=24, rope_parameters=rope)
+    if not is_v5():  # 4.x: the full layers' RoPE at the top level, the local base apart
+        rope = dict(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                    rope_local_base_freq=100.0)
+    else:
+        rope = {"rope_parameters": rope}
+    # (before 4.53 Gemma 3 has no layer_types: every sliding_window_pattern-th layer is full)
+    kinds = dict(layer_types=[S, F, S, S]) if hf_version() >= (4, 53) else dict(
+        sliding_window_pattern=2)
+    return hf_class("Gemma3TextConfig")(**common, num_hidden_layers=4, **kinds,
+                                        sliding_window=6, query_pre_attn_scalar=24, **rope)
 
 
 def _folder(tmp: Path, bpe: BPETokenizer, kind: str,
@@ -112,6 +130,7 @@ def _folder(tmp: Path, bpe: BPETokenizer, kind: str,
     """A Gemma of ``kind`` with random weights, saved as the Hub holds models."""
     torch.manual_seed(0)
     model = _hf().AutoModelForCausalLM.from_config(_hf_config(bpe, kind))
+    assert model.config._attn_implementation == "eager" or kind not in SOFT_CAPPED
     _perturb(model, 3)
     model = model.to(dtype)
     folder = tmp / f"hf-{kind}"
@@ -139,7 +158,10 @@ def test_gemma_imports_and_exports_with_transformers_logits(
     assert config.layernorm_zero_centered_gamma and config.activation == "geglu_tanh"
     assert config.embedding_multiplier == 48 ** 0.5 and config.kv_channels == 16
     assert config.num_query_groups == 2 and not config.add_bias_linear
-    assert {k: getattr(config, k) for k in READ[kind]} == READ[kind]
+    want = dict(READ[kind])
+    if kind == "gemma3" and hf_version() < (4, 53):  # (sliding_window_pattern 2: S, F, S, F)
+        want["full_attention_layers"] = (1, 3)
+    assert {k: getattr(config, k) for k in want} == want
     prompt = bpe.encode("def forward")
     for cache in (True, False):
         assert generate(got.model, got.state, prompt, 10, config.vocab_size, 32,
@@ -174,20 +196,31 @@ OURS = {
 
 @pytest.mark.parametrize("kind", list(OURS))
 def test_our_gemma_exports_as_its_family(tmp_path: Path, bpe: BPETokenizer, kind: str) -> None:
+    needs_model_type(TYPES[kind])
     config = _llama_config(bpe.vocab_size, **OURS[kind])
     assert family_for(config).model_type == TYPES[kind]
     ours, folder = _ours(tmp_path / "run", config, bpe)
     out = tmp_path / "hf"
     assert export_hf(folder, open_checkpoint(folder)[1], out) == TYPES[kind]
-    export_matches(ours, config, out, bpe)
+    ids, mine = export_matches(ours, config, out, bpe)
+    if kind in SOFT_CAPPED and sdpa_skips_softcap():
+        # transformers 4.48 to 4.57 load it with SDPA unless told otherwise, which skips the
+        # attention soft-cap: other logits (export_matches loads it with eager attention).
+        default = _hf().AutoModelForCausalLM.from_pretrained(out, **dtype_kwarg(torch.float32))
+        assert default.config._attn_implementation == "sdpa"
+        with torch.no_grad():
+            assert not torch.allclose(default.eval()(ids).logits, mine, atol=1e-3)
     # Read back, the export is the model it came from.
-    assert config_from_hf(json.loads((out / "config.json").read_text()))[1].architecture() \
-        == config.architecture()
+    saved = json.loads((out / "config.json").read_text())
+    assert config_from_hf(saved)[1].architecture() == config.architecture()
+    if kind == "gemma3":  # the same layer kinds for transformers 4.50-4.52, which read this
+        p = saved["sliding_window_pattern"]
+        kinds = [F if (i + 1) % p == 0 else S for i in range(config.num_layers)]
+        assert kinds == saved["layer_types"] == [S, S, F], (p, saved["layer_types"])
 
 
 def test_bf16_gemma3_exports_as_bf16_weight_for_weight(tmp_path: Path, bpe: BPETokenizer,
                                                        capfd) -> None:
-    t = _hf()
     folder, _ = _folder(tmp_path, bpe, "gemma3", torch.bfloat16)
     run, back = tmp_path / "run", tmp_path / "back"
     assert main(["import", str(folder), str(run)]) == 0
@@ -195,8 +228,8 @@ def test_bf16_gemma3_exports_as_bf16_weight_for_weight(tmp_path: Path, bpe: BPET
     assert open_checkpoint(run)[1].extra["dtype"] == "bfloat16"
     assert main(["export", "--format", "hf", str(run), str(back)]) == 0
     assert json.loads((back / "config.json").read_text())["dtype"] == "bfloat16"
-    first = t.AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
-    again = t.AutoModelForCausalLM.from_pretrained(back, dtype="auto").eval()
+    assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"  # 4.x
+    first, again = load_hf(folder, "auto"), load_hf(back, "auto")
     assert again.dtype == first.dtype == torch.bfloat16
     weights = first.state_dict()
     assert weights.keys() == again.state_dict().keys()
@@ -212,14 +245,14 @@ def test_bf16_gemma3_exports_as_bf16_weight_for_weight(tmp_path: Path, bpe: BPET
 def test_older_gemma3_keys_read_as_transformers_reads_them(bpe: BPETokenizer) -> None:
     """rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern (the keys of
     Gemma 3's first config.json files) read as transformers 5 completes them."""
-    t = _hf()
     raw = _hf_config(bpe, "gemma3").to_dict()
     for key in ("rope_parameters", "layer_types"):
-        del raw[key]
+        raw.pop(key, None)  # (4.x has no rope_parameters)
     raw.update(rope_theta=5e5, rope_local_base_freq=20.0, sliding_window_pattern=3,
                rope_scaling={"rope_type": "linear", "factor": 8.0})
-    theirs = json.loads(t.Gemma3TextConfig.from_dict(raw).to_json_string())
-    assert theirs["layer_types"] == [S, S, F, S]
+    theirs = json.loads(hf_class("Gemma3TextConfig").from_dict(raw).to_json_string())
+    if hf_version() >= (4, 53):  # (older ones keep the pattern only)
+        assert theirs["layer_types"] == [S, S, F, S]
     config = config_from_hf(raw)[1]
     assert config.architecture() == config_from_hf(theirs)[1].architecture()
     assert (config.full_attention_layers, config.local_rotary_base, config.rotary_base,

@@ -11,12 +11,14 @@ reference under TP / EP in ``test_gpt_tp.py`` (``gpt_oss_sinks_yarn_clamped_swig
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from dist import run_distributed
+from hf_compat import hf_class, is_v5, needs_model_type, rope_kwargs
 from test_hf_interop import (
     TEXT,
     _hf,
@@ -45,18 +47,24 @@ def bpe() -> BPETokenizer:
     return BPETokenizer.train(corpus, vocab_size=300)
 
 
+def _limit() -> float:
+    """The SwiGLU limit the tests give GPT-OSS: 0.5, which clamps; 7.0 on transformers 4.x,
+    whose GPT-OSS experts compute with limit 7.0 and alpha 1.702 whatever config.json says."""
+    return 0.5 if is_v5() else 7.0
+
+
 def _gpt_oss_folder(tmp: Path, bpe: BPETokenizer) -> tuple[Path, torch.nn.Module]:
     """A GptOssForCausalLM: 4 experts of width 40, GQA with head size 16 (not 48 / 4), a
     window of 6 on layers 0 and 2, full attention on 1, a limit that clamps, yarn, untied."""
     t = _hf()
-    cfg = t.GptOssConfig(
+    cfg = hf_class("GptOssConfig")(
         vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=6, max_position_embeddings=64,
-        swiglu_limit=0.5, rope_parameters=YARN, bos_token_id=bpe.eod, eos_token_id=bpe.eod,
+        swiglu_limit=_limit(), **rope_kwargs(YARN), bos_token_id=bpe.eod, eos_token_id=bpe.eod,
         pad_token_id=bpe.eod)
     torch.manual_seed(0)
-    model = t.GptOssForCausalLM(cfg)
+    model = t.AutoModelForCausalLM.from_config(cfg)
     _perturb(model, 3)
     folder = tmp / "hf-gpt-oss"
     model.save_pretrained(folder)
@@ -71,7 +79,7 @@ def test_gpt_oss_imports_at_tp_and_ep_and_exports_back(tmp_path: Path, bpe: BPET
     config = got.config
     assert got.ids.shape[1] > config.window_size  # the window bites
     assert config.full_attention_layers == (1,) and config.attention_sinks
-    assert config.rope_scaling_type == "yarn" and config.activation_func_clamp_value == 0.5
+    assert config.rope_scaling_type == "yarn" and config.activation_func_clamp_value == _limit()
     assert config.moe_router_bias and config.moe_expert_linear_bias
     step_dir, meta, _ = open_checkpoint(got.two)
     assert export_hf(step_dir, meta, tmp_path / "back") == "gpt_oss"
@@ -100,11 +108,28 @@ OURS = dict(num_layers=3, num_experts=4, moe_ffn_hidden_size=40, moe_router_topk
 
 def test_our_gpt_oss_model_exports_with_transformers_logits(tmp_path: Path,
                                                            bpe: BPETokenizer) -> None:
+    needs_model_type("gpt_oss")
     config = _llama_config(bpe.vocab_size, **OURS)
     ours, folder = _ours(tmp_path / "run", config, bpe)
     out = tmp_path / "hf"
     assert export_hf(folder, open_checkpoint(folder)[1], out) == "gpt_oss"
+    if not is_v5():  # 4.x computes with limit 7.0, not the 0.5 config.json says: other logits
+        ids = torch.tensor([bpe.encode(TEXT)[:30]])
+        with torch.no_grad():
+            mine = ours(ids, None, None)[..., :config.vocab_size]
+        assert not torch.allclose(_hf_logits(out, ids), mine, atol=1e-3)
+        config = _llama_config(bpe.vocab_size, **{**OURS, "activation_func_clamp_value": 7.0})
+        ours, folder = _ours(tmp_path / "run7", config, bpe)
+        out = tmp_path / "hf7"
+        assert export_hf(folder, open_checkpoint(folder)[1], out) == "gpt_oss"
     export_matches(ours, config, out, bpe)
+    # Without yarn: rope_scaling null, which transformers 4.x reads as none (not its default
+    # yarn), 5.x from rope_parameters.
+    plain = dataclasses.replace(config, rope_scaling_type=None)
+    ours, folder = _ours(tmp_path / "plain", plain, bpe)
+    assert export_hf(folder, open_checkpoint(folder)[1], tmp_path / "hf-plain") == "gpt_oss"
+    assert json.loads((tmp_path / "hf-plain" / "config.json").read_text())["rope_scaling"] is None
+    export_matches(ours, plain, tmp_path / "hf-plain", bpe)
 
 
 def test_what_gpt_oss_cannot_express_is_refused(bpe: BPETokenizer) -> None:
@@ -147,3 +172,23 @@ def test_gpt_oss_config_json_is_read_or_refused_in_its_keys() -> None:
     with pytest.raises(ValueError, match="mscale_all_dim"):
         config_from_hf({**RAW, "rope_parameters": mscale})
     assert config_from_hf({**RAW, "rope_parameters": {**mscale, "attention_factor": 1.0}})[1]
+
+
+def test_yarn_without_its_original_length_reads_as_transformers_computes_it() -> None:
+    """A yarn ``rope_scaling`` without ``original_max_position_embeddings`` (GptOssConfig's
+    default as transformers 4.55 saved it) is read with max_position_embeddings there, as
+    transformers computes it: the same inverse frequencies and cos/sin factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from domino.transformer.rope import RotaryEmbedding, cos_sin_scale
+
+    rope = {k: v for k, v in YARN.items() if k not in ("rope_theta",
+                                                       "original_max_position_embeddings")}
+    raw = {**RAW, "max_position_embeddings": 256, "rope_theta": 1000.0, "rope_scaling": rope}
+    config = config_from_hf(raw)[1]
+    assert (config.rope_scaling_type, config.rope_original_max_position_embeddings) == (
+        "yarn", 256)
+    theirs = hf_class("GptOssConfig").from_dict(dict(raw))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    torch.testing.assert_close(RotaryEmbedding.of(config).inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert cos_sin_scale(config) == pytest.approx(factor, rel=1e-12)

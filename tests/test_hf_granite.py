@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_compat import hf_version, rope_kwargs
 from test_hf_interop import (
     TEXT,
+    _as_old_transformers_runs,
     _hf,
     _hf_logits,
     _llama_config,
@@ -42,12 +44,14 @@ SCALARS = dict(embedding_multiplier=12.0, residual_multiplier=0.22,
 
 
 def _granite_folder(tmp: Path, bpe: BPETokenizer, **kw) -> tuple[Path, torch.nn.Module]:
-    """A GraniteForCausalLM as granite-3 has it (scaled, GQA, head_dim 16 != 48 / 4)."""
+    """A GraniteForCausalLM as granite-3 has it (scaled, GQA, head_dim 16 != 48 / 4; 12 before
+    transformers 4.48, whose Granite takes hidden size / heads whatever head_dim says)."""
     t = _hf()
     cfg = t.GraniteConfig(
         vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        head_dim=16 if hf_version() >= (4, 48) else 12, rms_norm_eps=1e-6,
+        **rope_kwargs({"rope_type": "default", "rope_theta": 10000.0}),
         bos_token_id=bpe.eod, eos_token_id=bpe.eod, **{**SCALARS, **kw})
     model = t.GraniteForCausalLM(cfg)
     _perturb(model, 3)
@@ -79,6 +83,7 @@ def test_our_scaled_model_exports_as_granite(tmp_path: Path, bpe: BPETokenizer) 
     config = _llama_config(bpe.vocab_size, rope_scaling_type=None, rotary_base=10000.0,
                            embedding_multiplier=3.0, residual_multiplier=0.5,
                            softmax_scale=0.2, logits_scaling=2.0)
+    config = _as_old_transformers_runs(config, tmp_path / "old", bpe)
     ours, folder = _ours(tmp_path / "run", config, bpe)
     out = tmp_path / "hf"
     assert export_hf(folder, open_checkpoint(folder)[1], out) == "granite"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_compat import hf_class, needs_model_type, rope_kwargs
 from test_hf_interop import (
     TEXT,
     _hf,
@@ -43,13 +44,12 @@ def bpe() -> BPETokenizer:
 
 def _olmo2_folder(tmp: Path, bpe: BPETokenizer, **kw) -> tuple[Path, torch.nn.Module]:
     """An Olmo2ForCausalLM (GQA, every norm's weight perturbed)."""
-    t = _hf()
-    cfg = t.Olmo2Config(
+    cfg = hf_class("Olmo2Config")(
         vocab_size=bpe.vocab_size, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6, **rope_kwargs({"rope_type": "default", "rope_theta": 10000.0}),
         bos_token_id=bpe.eod, eos_token_id=bpe.eod, pad_token_id=bpe.eod, **kw)
-    model = t.Olmo2ForCausalLM(cfg)
+    model = _hf().AutoModelForCausalLM.from_config(cfg)
     _perturb(model, 3)
     folder = tmp / "hf-olmo2"
     model.save_pretrained(folder)
@@ -76,6 +76,7 @@ def test_olmo2_imports_and_exports_with_transformers_logits(
     assert generate(got.model, got.state, prompt, 10, config.vocab_size, 32) == got.hf_ids
 
 def test_our_post_norm_model_exports_as_olmo2(tmp_path: Path, bpe: BPETokenizer) -> None:
+    needs_model_type("olmo2")
     config = _llama_config(bpe.vocab_size, **OLMO2)
     ours, folder = _ours(tmp_path / "run", config, bpe)
     out = tmp_path / "hf"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_compat import needs_phi3_partial_rotary
 from test_hf_interop import (
     TEXT,
     _hf_logits,
@@ -80,6 +81,8 @@ def _phi3_folder(tmp: Path, bpe: BPETokenizer, name: str) -> tuple[Path, torch.n
 @pytest.mark.parametrize("name", list(MODELS))
 def test_import_matches_transformers(tmp_path: Path, bpe: BPETokenizer, name: str,
                                      capfd) -> None:
+    if MODELS[name]["partial_rotary_factor"] < 1:
+        needs_phi3_partial_rotary()
     folder, original = _phi3_folder(tmp_path, bpe, name)
     got = import_matches(tmp_path, folder, original, bpe, capfd, new_tokens=12)
     config, ids, expected, two = got.config, got.ids, got.expected, got.two
@@ -118,6 +121,7 @@ def _partial_config(vocab: int, **kw) -> TransformerConfig:
 def test_export_of_partial_rope_is_phi3(tmp_path: Path, bpe: BPETokenizer, case: str) -> None:
     """Our model with RoPE on 75% of each head (12 of 16 channels, GQA) exports as Phi-3:
     transformers' logits and greedy output equal ours, with and without the KV cache."""
+    needs_phi3_partial_rotary()
     extra = {} if case.startswith("partial-gqa") else dict(
         window_size=7, untie_embeddings_and_output_weights=False)
     config = _partial_config(bpe.vocab_size, **extra)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_distributed
+from hf_compat import is_v5, load_hf, needs_phi3_partial_rotary
 from test_hf_interop import TEXT, _hf, _ours, _perturb, export_matches
 
 from domino.checkpoint.families import family_for
@@ -63,13 +64,34 @@ def bpe() -> BPETokenizer:
     return BPETokenizer.train(corpus, vocab_size=300)
 
 
+def _settings(name: str) -> dict:
+    """MODELS[name] as the installed transformers takes it. 4.x's Phi3Config takes LongRoPE as
+    the Hub's three keys only (type, short_factor, long_factor; it refuses a fourth) and
+    derives the factor and the attention factor: there Phi-4-mini is saved so. Its Phi-3
+    rotates part of each head from 4.49 on (before: skipped)."""
+    settings = dict(MODELS[name])
+    if settings.get("partial_rotary_factor", 1.0) < 1:
+        needs_phi3_partial_rotary()
+    if not is_v5() and "rope_parameters" in settings:
+        rope = settings.pop("rope_parameters")
+        settings.update(rope_theta=rope["rope_theta"], rope_scaling={
+            "type": "longrope", "short_factor": rope["short_factor"],
+            "long_factor": rope["long_factor"]})
+    return settings
+
+
+def _given(name: str) -> bool:
+    """Whether the model's factor and attention factor are given (5.x), not derived."""
+    return name == "phi4-partial-given" and is_v5()
+
+
 def _folder(tmp: Path, bpe: BPETokenizer, name: str) -> tuple[Path, torch.nn.Module]:
     eod = bpe.eod
     config = _hf().Phi3Config(
         vocab_size=bpe.vocab_size, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=64,
         original_max_position_embeddings=ORIGINAL, rms_norm_eps=1e-5, bos_token_id=eod,
-        eos_token_id=eod, pad_token_id=eod, **MODELS[name])
+        eos_token_id=eod, pad_token_id=eod, **_settings(name))
     model = _hf().Phi3ForCausalLM(config)
     _perturb(model, 7)
     folder = tmp / "hf-phi3"
@@ -120,7 +142,7 @@ def test_longrope_imports_and_exports_with_transformers_logits(tmp_path: Path,
     ids, expected, prompt, hf_ids = _expected(original, bpe)
     state = ParallelState.single()
     model, config, _, _ = load_saved_model(import_hf(folder, tmp_path / "tp1", 1), state)
-    given = name == "phi4-partial-given"
+    given = _given(name)
     assert config.rope_scaling_type == "longrope"
     assert config.rope_original_max_position_embeddings == ORIGINAL
     assert (config.rope_scaling_factor, config.rope_attention_factor) == (
@@ -144,7 +166,7 @@ def test_longrope_imports_and_exports_with_transformers_logits(tmp_path: Path,
     written = json.loads((back / "config.json").read_text())
     assert written["original_max_position_embeddings"] == ORIGINAL
     assert written["rope_parameters"]["rope_type"] == "longrope"
-    again = _hf().AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    again = load_hf(back)
     with torch.no_grad():
         for n in LENGTHS:
             _close(again(ids[:, :n]).logits, expected[n])
@@ -168,6 +190,8 @@ def test_our_longrope_model_exports_as_phi3(tmp_path: Path, bpe: BPETokenizer,
     """With the factor transformers derives (64 / 16) and no attention factor, ``rope_scaling``
     holds the Hub's three keys; with others given, every key (transformers reads it first).
     Either way transformers' logits and greedy tokens across the boundary equal ours."""
+    if case == "derived":
+        needs_phi3_partial_rotary()
     extra = {} if case == "derived" else dict(rope_scaling_factor=2.5, rope_attention_factor=1.1,
                                               rotary_percent=1.0, rope_short_factor=(1.5,) * 8,
                                               rope_long_factor=_factors(8, 3.0, 0.5))
@@ -177,8 +201,14 @@ def test_our_longrope_model_exports_as_phi3(tmp_path: Path, bpe: BPETokenizer,
     assert export_hf(folder, open_checkpoint(folder)[1], out) == "phi3"
     legacy = json.loads((out / "config.json").read_text())["rope_scaling"]
     assert (set(legacy) == {"type", "short_factor", "long_factor"}) == (case == "derived")
+    if case == "given" and not is_v5():
+        # 4.x's Phi3Config derives both factors and refuses a rope_scaling of more keys: such
+        # a model is transformers 5's only, and 4.x says so rather than compute another.
+        with pytest.raises(ValueError, match="must be a dictionary with three fields"):
+            load_hf(out)
+        return
     export_matches(ours, config, out, bpe, cache_tokens=64)  # (30 tokens: long factors)
-    theirs = _hf().AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    theirs = load_hf(out)
     ids, _, prompt, hf_ids = _expected(theirs, bpe)
     with torch.no_grad():
         for n in LENGTHS:
@@ -250,7 +280,7 @@ def test_the_factor_set_is_transformers_choice_for_a_whole_batch(bpe: BPETokeniz
     hf_config = _hf().Phi3Config(
         vocab_size=64, hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
         original_max_position_embeddings=ORIGINAL, pad_token_id=None,
-        **MODELS["phi4-partial-given"])
+        **_settings("phi4-partial-given"))
     theirs = _hf().models.phi3.modeling_phi3.Phi3RotaryEmbedding(hf_config)
     config = config_from_hf({**json.loads(hf_config.to_json_string()),
                              "model_type": "phi3"})[1]

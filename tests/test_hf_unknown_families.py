@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_compat import is_v5
 from test_bad_inputs import _refused
 
 from domino.checkpoint.families import family_named, readable
@@ -56,7 +57,8 @@ def defaults() -> dict[str, dict[str, Any]]:
             out[model_type] = json.loads(CONFIG_MAPPING[model_type]().to_json_string())
         except Exception:  # (a class whose defaults do not validate)
             failed.append(model_type)
-    assert len(out) >= 100 and len(failed) <= len(out) // 10, failed
+    # (transformers 4.45 knows 84 causal-LM types, 5.x over 100)
+    assert len(out) >= (100 if is_v5() else 80) and len(failed) <= len(out) // 10, failed
     return out
 
 
@@ -92,7 +94,8 @@ def test_every_causal_lm_type_is_read_or_refused_by_what_it_has(
         defaults: dict[str, dict[str, Any]], tmp_path: Path, capfd) -> None:
     read = 0
     for model_type, raw in defaults.items():
-        if model_type in readable() or model_type == "gpt-sw3":  # (GPT-2's config class)
+        # (gpt-sw3 and 4.x's code_llama are built by GPT-2's and Llama's config classes)
+        if raw["model_type"] in readable() or model_type == "gpt-sw3":
             assert config_from_hf(raw)[0] == raw["model_type"], model_type
             read += 1
             continue
@@ -100,7 +103,8 @@ def test_every_causal_lm_type_is_read_or_refused_by_what_it_has(
         assert f"model_type {model_type!r} is not" in line, line
         assert not BARE.search(line), line
         assert _names_something(line, raw, model_type), line
-    assert read >= len(readable()) - 1  # (gemma's types are refused)
+    # (gemma's types are refused; 4.x lacks the newer families' types)
+    assert read >= len(set(readable()) & set(defaults)) - 1
     # What a type's code hides is listed only for types no family reads (a new family's
     # entry goes with it).
     assert not [t for t in STRUCTURE if (f := family_named(t)) is not None and f.read], STRUCTURE
@@ -111,7 +115,9 @@ def test_a_damaged_value_is_still_refused_in_one_line(
     """Any key of a file no family reads, at a value of the wrong type, is refused as a
     ValueError (one line at the command line), never another exception."""
     values = ["x", -1, True, [1, "a"], {"a": 1}, None, 1e30, [], 3.5]
-    for model_type in ("helium", "cohere", "ministral", "deepseek_v3"):
+    types = [t for t in ("helium", "cohere", "ministral", "deepseek_v3") if t in defaults]
+    assert "cohere" in types  # (the others are newer than transformers 4.45)
+    for model_type in types:
         raw = defaults[model_type]
         for key in raw:
             for value in values:
@@ -179,7 +185,7 @@ def test_each_family_a_refusal_names_is_the_model(defaults: dict[str, dict[str, 
     transformers' logits (so the match is real, and STRUCTURE lists what the settings hide)."""
     cases = {mt: _small(raw, bpe.vocab_size) for mt, raw in defaults.items()
              if mt not in readable() and _matched(raw)}
-    assert {"ministral"} <= set(cases), sorted(cases)
+    assert {"ministral"} & set(defaults) <= set(cases), sorted(cases)  # (4.57 on)
     for model_type, raw in cases.items():
         family = _matched(raw)
         assert family is not None, model_type
@@ -197,29 +203,40 @@ def _saved(name: str, **kw: Any) -> dict[str, Any]:
     return json.loads(config.to_json_string())
 
 
+def _has(*names: str) -> bool:
+    """Whether the installed transformers has these classes (4.x lacks the newer families)."""
+    return all(hasattr(_hf(), name) for name in names)
+
+
 def _reason(line: str) -> str:
     return line.split(" is not supported: ", 1)[1].split("; `domino import` reads ")[0]
 
 
 def test_the_refusals_name_each_setting_in_the_files_keys(tmp_path: Path, capfd) -> None:
+    """(Each family the installed transformers has: 4.x lacks the newer ones.)"""
     t = _hf()
-    vision = json.loads(t.Gemma3Config(text_config=t.Gemma3TextConfig(**TINY)).to_json_string())
-    assert _reason(_refusal(tmp_path, capfd, vision, "gemma3")) == (
-        "it has a model in several parts (text_config, vision_config; domino import reads a "
-        "text decoder's own config.json), which no family domino reads has")
-    vault = config_from_hf(_saved("VaultGemmaConfig"))[1]  # read now (test_hf_gemma.py)
-    assert not vault.sandwich_norms and vault.full_attention_layers == (1, 3)
+    if _has("Gemma3Config"):
+        vision = json.loads(t.Gemma3Config(text_config=t.Gemma3TextConfig(**TINY))
+                            .to_json_string())
+        assert _reason(_refusal(tmp_path, capfd, vision, "gemma3")) == (
+            "it has a model in several parts (text_config, vision_config; domino import reads "
+            "a text decoder's own config.json), which no family domino reads has")
+    if _has("VaultGemmaConfig"):
+        vault = config_from_hf(_saved("VaultGemmaConfig"))[1]  # read now (test_hf_gemma.py)
+        assert not vault.sandwich_norms and vault.full_attention_layers == (1, 3)
     gemma2 = config_from_hf(_saved("Gemma2Config"))[1]  # read now (test_hf_gemma.py)
     assert gemma2.sandwich_norms and gemma2.full_attention_layers == (1, 3)
-    olmo2 = config_from_hf(_saved("Olmo2Config"))[1]  # read now (test_hf_olmo2.py)
-    assert olmo2.norm_after_sublayer and olmo2.qk_layernorm_full_width
+    if _has("Olmo2Config"):
+        olmo2 = config_from_hf(_saved("Olmo2Config"))[1]  # read now (test_hf_olmo2.py)
+        assert olmo2.norm_after_sublayer and olmo2.qk_layernorm_full_width
     granite = _saved("GraniteConfig", embedding_multiplier=12.0, residual_multiplier=0.22,
                      attention_multiplier=0.0078125, logits_scaling=8.0)
     assert config_from_hf(granite)[1].logits_scaling == 8.0  # read now (test_hf_granite.py)
     phi4 = _saved("Phi3Config", partial_rotary_factor=0.75)  # as Phi-4-mini: read now
     assert config_from_hf(phi4)[1].rotary_percent == 0.75
-    smollm3 = _saved("SmolLM3Config", no_rope_layer_interval=2)  # read now (test_hf_interop.py)
-    assert config_from_hf(smollm3)[1].nope_layers == (1, 3)
+    if _has("SmolLM3Config"):
+        smollm3 = _saved("SmolLM3Config", no_rope_layer_interval=2)  # (test_hf_interop.py)
+        assert config_from_hf(smollm3)[1].nope_layers == (1, 3)
 
 
 def test_a_renamed_family_is_named_and_an_unread_key_keeps_it_out(tmp_path: Path,
@@ -231,8 +248,10 @@ def test_a_renamed_family_is_named_and_an_unread_key_keeps_it_out(tmp_path: Path
         "config.json is one Qwen2 has: if the model is a Qwen2 under another name, set "
         '"model_type": "qwen2" in config.json to import it (the import then checks each '
         "weight's name and shape against Qwen2's)"), line
-    ministral = _saved("MinistralConfig", sliding_window=16)  # every layer sliding
-    assert 'set "model_type": "mistral"' in _refusal(tmp_path, capfd, ministral, "ministral")
+    if _has("MinistralConfig"):  # (4.57 on)
+        ministral = _saved("MinistralConfig", sliding_window=16)  # every layer sliding
+        assert 'set "model_type": "mistral"' in _refusal(tmp_path, capfd, ministral,
+                                                          "ministral")
     # A key no family reads keeps the match out, named with its value.
     odd = {**qwen2, "frobnicate_heads": 3}
     assert _reason(_refusal(tmp_path, capfd, odd, "odd")) == (

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_compat import load_hf
 from safetensors import safe_open
 
 from domino.checkpoint.layout import open_checkpoint
@@ -83,8 +84,6 @@ def test_bf16_model_exports_as_bf16(tmp_path: Path, bpe: BPETokenizer, capfd) ->
     """Imported from a bf16 folder, exported by default in bf16 (config.json says so, half the
     bytes of --dtype float32) with exactly the original's logits in transformers; a run that
     fine-tunes it keeps that dtype; --dtype float32 gives fp32."""
-    import transformers as t
-
     original = _llama(bpe, dtype=torch.bfloat16)
     folder = _save(original, bpe, tmp_path / "hf")
     run = tmp_path / "run"
@@ -105,14 +104,13 @@ def test_bf16_model_exports_as_bf16(tmp_path: Path, bpe: BPETokenizer, capfd) ->
     ids = torch.tensor([bpe.encode(TEXT)[:30]])
     # The original as transformers loads it (an in-memory `.to(bfloat16)` model also rounds
     # its RoPE frequencies to bf16, which a loaded one computes in fp32).
-    first = t.AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
-    back = t.AutoModelForCausalLM.from_pretrained(half, dtype="auto").eval()
+    first, back = load_hf(folder, "auto"), load_hf(half, "auto")  # (torch_dtype on 4.x)
     assert back.dtype == first.dtype == torch.bfloat16
     weights = first.state_dict()
     assert all(torch.equal(t, weights[k]) for k, t in back.state_dict().items())
     with torch.no_grad():
         assert torch.equal(back(ids).logits, first(ids).logits)
-    as_fp32 = t.AutoModelForCausalLM.from_pretrained(full, dtype="auto")
+    as_fp32 = load_hf(full, "auto")
     assert as_fp32.dtype == torch.float32
     # A fine-tune of it is still a bf16 model (its fp32 master weights exported as bf16).
     ft = tmp_path / "ft"

@@ -85,12 +85,20 @@ def _read(keys: HFKeys) -> TransformerConfig:
                       qk_layernorm=True, qk_layernorm_full_width=False)
 
 
+def _pattern(kinds: list[str]) -> dict[str, int]:
+    """``sliding_window_pattern`` p (layer i full when (i + 1) % p == 0), which transformers
+    4.50 to 4.52 read instead of ``layer_types``, where some p gives these layer kinds."""
+    n = len(kinds)
+    return next(({"sliding_window_pattern": p} for p in range(1, n + 2) if kinds == [
+        "full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(n)]), {})
+
+
 def _write(config: TransformerConfig) -> dict[str, Any]:
     out = {**gemma.config_json(config, FAMILY), **gemma.layers_json(config)}
     full, local = out["rope_parameters"], config.local_rotary_base
     sliding = dict(full) if local is None else {"rope_type": "default", "rope_theta": local}
     return {**out, "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
-            "rope_local_base_freq": sliding["rope_theta"]}
+            "rope_local_base_freq": sliding["rope_theta"], **_pattern(out["layer_types"])}
 
 
 FAMILY = Family(

@@ -103,8 +103,11 @@ def _read_rope(keys: HFKeys) -> dict[str, Any]:
     # (transformers reads a null or 0 beta as its default, 32 or 1)
     return {**out, "rope_scaling_type": "yarn",
             "rope_scaling_factor": keys.number(f"{rope}.factor", rule="> 0"),
+            # (absent, as transformers 4.55 saved its default: max_position_embeddings, as
+            # transformers reads it)
             "rope_original_max_position_embeddings": keys.integer(
-                f"{rope}.original_max_position_embeddings"),
+                f"{rope}.original_max_position_embeddings",
+                keys.integer("max_position_embeddings", 131072)),
             "rope_yarn_beta_fast": keys.number(f"{rope}.beta_fast", None, rule="> 0") or 32.0,
             "rope_yarn_beta_slow": keys.number(f"{rope}.beta_slow", None, rule="> 0") or 1.0,
             "rope_yarn_truncate": keys.flag(f"{rope}.truncate", True),
@@ -196,7 +199,11 @@ def _write(config: TransformerConfig) -> dict[str, Any]:
         "sliding_window": config.window_size if slides else config.max_position_embeddings,
         "layer_types": [SLIDING if slides and i not in config.full_attention_layers else FULL
                         for i in range(config.num_layers)],
-        "rope_parameters": _rope_json(config),
+        # rope_theta / rope_scaling for transformers 4.x, which ignores rope_parameters
+        # (its GptOssConfig would take its default yarn); null there is no scaling
+        "rope_parameters": _rope_json(config), "rope_theta": config.rotary_base,
+        "rope_scaling": {k: v for k, v in _rope_json(config).items() if k != "rope_theta"}
+        if config.rope_scaling_type == "yarn" else None,
         "router_aux_loss_coef": config.moe_aux_loss_coeff,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
         "torch_dtype": "float32",

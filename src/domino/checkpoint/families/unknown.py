@@ -77,6 +77,9 @@ STRUCTURE: dict[str, tuple[str, ...]] = {
     "phi": (_PARALLEL,),
     "phimoe": ("LayerNorm (with bias) in Mixtral's layout", "SparseMixer routing"),
     "stablelm": ("LayerNorm (with bias) with a SwiGLU MLP",),
+    # (transformers 4.x only)
+    "transfo-xl": ("relative-position attention over a memory of past segments (mem_len)",
+                   "adaptive input embeddings and softmax (cutoffs, div_val)"),
 }
 
 # Keys a family writes that a config.json of the same model may leave out (derived from others
