@@ -19,26 +19,40 @@ from domino.config import TransformerConfig
 NAME = "Gemma 2"
 
 
+def one_rope_obstacles(config: TransformerConfig, name: str) -> list[str]:
+    """What Gemma 2 and VaultGemma (``name``) both lack: query/key norms, a RoPE of the
+    sliding layers' own, a softmax scale that is not 1/sqrt of an integer."""
+    out = []
+    if config.qk_layernorm:
+        out.append(f"query/key norms ({name} has none)")
+    if config.local_rotary_base is not None:
+        out.append(f"a RoPE base of {config.local_rotary_base} on the sliding-window layers "
+                   f"({name}'s layers share one RoPE)")
+    return out + gemma.scale_obstacles(config, name)
+
+
 def _own(config: TransformerConfig) -> list[str]:
     out = []
     if not config.sandwich_norms:
         out.append(f"norms only before the sublayers ({NAME} has them before and after)")
-    if config.qk_layernorm:
-        out.append(f"query/key norms ({NAME} has none)")
-    if config.local_rotary_base is not None:
-        out.append(f"a RoPE base of {config.local_rotary_base} on the sliding-window layers "
-                   f"({NAME}'s layers share one RoPE)")
-    return out + gemma.scale_obstacles(config, NAME)
+    return out + one_rope_obstacles(config, NAME)
+
+
+def read_one_rope(keys: HFKeys, family: Family, **fields: Any) -> TransformerConfig:
+    """A Gemma 2-like config.json (Gemma 2's, VaultGemma's: ``family``): one RoPE, its query
+    scale, soft-caps (50 and 30 where the file leaves them out), sliding layers among full
+    ones (every other one from the first where layer_types is left out); plus ``fields``."""
+    base = gemma.read_base(keys, family.name, "hidden_activation", 8192)
+    gemma.one_rope(keys, family.name)
+    rope, theta, extra = llama_like.read_rope(keys, family.name)
+    window, full = gemma.read_layers(keys, family.name, base["num_layers"], 2)
+    return keys.build(family.names(rope), **base, rotary_base=theta, **extra,
+                      **gemma.read_scores(keys, base["kv_channels"], (50.0, 30.0)),
+                      window_size=window, full_attention_layers=full, **fields)
 
 
 def _read(keys: HFKeys) -> TransformerConfig:
-    base = gemma.read_base(keys, NAME, "hidden_activation", 8192)
-    gemma.one_rope(keys, NAME)
-    rope, theta, extra = llama_like.read_rope(keys, NAME)
-    window, full = gemma.read_layers(keys, NAME, base["num_layers"], 2)
-    return keys.build(FAMILY.names(rope), **base, rotary_base=theta, **extra,
-                      **gemma.read_scores(keys, base["kv_channels"], (50.0, 30.0)),
-                      window_size=window, full_attention_layers=full, sandwich_norms=True)
+    return read_one_rope(keys, FAMILY, sandwich_norms=True)
 
 
 def _write(config: TransformerConfig) -> dict[str, Any]:

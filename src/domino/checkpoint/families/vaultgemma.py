@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from domino.checkpoint.families import gemma, llama_like
+from domino.checkpoint.families import gemma, gemma2, llama_like
 from domino.checkpoint.families.family import Family
 from domino.checkpoint.families.weights import Link, Same
 from domino.checkpoint.hf_keys import HFKeys
@@ -22,22 +22,11 @@ def _own(config: TransformerConfig) -> list[str]:
     out = []
     if config.sandwich_norms:
         out.append(f"norms after the sublayers as well ({NAME} has them only before)")
-    if config.qk_layernorm:
-        out.append(f"query/key norms ({NAME} has none)")
-    if config.local_rotary_base is not None:
-        out.append(f"a RoPE base of {config.local_rotary_base} on the sliding-window layers "
-                   f"({NAME}'s layers share one RoPE)")
-    return out + gemma.scale_obstacles(config, NAME)
+    return out + gemma2.one_rope_obstacles(config, NAME)
 
 
 def _read(keys: HFKeys) -> TransformerConfig:
-    base = gemma.read_base(keys, NAME, "hidden_activation", 8192)
-    gemma.one_rope(keys, NAME)
-    rope, theta, extra = llama_like.read_rope(keys, NAME)
-    window, full = gemma.read_layers(keys, NAME, base["num_layers"], 2)
-    return keys.build(FAMILY.names(rope), **base, rotary_base=theta, **extra,
-                      **gemma.read_scores(keys, base["kv_channels"], (50.0, 30.0)),
-                      window_size=window, full_attention_layers=full)
+    return gemma2.read_one_rope(keys, FAMILY)
 
 
 def _write(config: TransformerConfig) -> dict[str, Any]:
