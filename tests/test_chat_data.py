@@ -236,9 +236,6 @@ def test_train_loss_is_the_mean_over_assistant_tokens(folder: Path, tmp_path: Pa
     """One `domino train` step (its learning rate too small to move fp32 weights) over every
     sample of an epoch: its loss is the saved model's per-token losses averaged over the
     labels whose mask entry is 1 (the mask file read here, aligned to the labels)."""
-    from domino.inference.loading import load_saved_model
-    from domino.parallel_state import ParallelState
-
     data = _jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CHATS * 4])
     prefix = tmp_path / "chats"
     assert _preprocess(folder, [data], prefix) == 0
@@ -255,8 +252,21 @@ def test_train_loss_is_the_mean_over_assistant_tokens(folder: Path, tmp_path: Pa
                  "--save", str(run)]) == 0
     loss = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     step_dir = sorted((run / "checkpoints").glob("step_*"))[-1]
+    masked, _, unmasked = masked_loss(step_dir, prefix, seq, samples, seed=7)
+    assert loss == pytest.approx(masked, rel=1e-5)
+    assert loss != pytest.approx(unmasked, rel=1e-4)
+
+
+def masked_loss(step_dir: Path, prefix: Path, seq: int, samples: int,
+                seed: int) -> tuple[float, int, float]:
+    """The saved model's per-token losses over ``samples`` samples of ``seq`` tokens (the
+    dataset's order for ``seed``): their mean over the labels whose loss-mask entry is 1 (the
+    mask file read here, aligned to the labels), how many that counts, and their plain mean."""
+    from domino.inference.loading import load_saved_model
+    from domino.parallel_state import ParallelState
+
     model = load_saved_model(step_dir, ParallelState.single())[0]
-    dataset = GPTDataset(IndexedDataset(prefix), seq, samples, seed=7, eod_token=3)
+    dataset = GPTDataset(IndexedDataset(prefix), seq, samples, seed=seed, eod_token=3)
     batch = {k: torch.stack([dataset[i][k] for i in range(samples)]) for k in
              ("tokens", "labels", "position_ids")}
     with torch.no_grad():
@@ -265,8 +275,8 @@ def test_train_loss_is_the_mean_over_assistant_tokens(folder: Path, tmp_path: Pa
     mask = torch.tensor(np.stack([dataset._window(mask_ds, i)[1:] for i in range(samples)]),
                         dtype=torch.float32)
     assert 0 < mask.sum() < mask.numel()
-    assert loss == pytest.approx(float((per_token * mask).sum() / mask.sum()), rel=1e-5)
-    assert loss != pytest.approx(float(per_token.mean()), rel=1e-4)
+    return (float((per_token * mask).sum() / mask.sum()), int(mask.sum()),
+            float(per_token.mean()))
 
 
 def test_text_over_a_chat_dataset_replaces_its_mask(folder: Path, tmp_path: Path,

@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from test_chat_data import masked_loss
 
 from domino.checkpoint.layout import open_checkpoint
 from domino.cli import main
 from domino.data import IndexedDataset
-from domino.data.gpt_dataset import GPTDataset
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<pad>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ ' ' }}"
@@ -88,21 +87,7 @@ def _epoch(prefix: Path) -> int:
 def _masked_loss(step_dir: Path, prefix: Path) -> tuple[float, int]:
     """The saved model's mean loss over the chat mask's tokens of one epoch (any order: the
     mean of all its samples), and how many tokens that counts."""
-    from domino.inference.loading import load_saved_model
-    from domino.parallel_state import ParallelState
-
-    samples = _epoch(prefix)
-    model = load_saved_model(step_dir, ParallelState.single())[0]
-    dataset = GPTDataset(IndexedDataset(prefix), SEQ, samples, seed=SEED, eod_token=3)
-    batch = {k: torch.stack([dataset[i][k] for i in range(samples)]) for k in
-             ("tokens", "labels", "position_ids")}
-    with torch.no_grad():
-        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    mask_ds = IndexedDataset(f"{prefix}_loss_mask")
-    mask = torch.tensor(np.stack([dataset._window(mask_ds, i)[1:] for i in range(samples)]),
-                        dtype=torch.float32)
-    assert 0 < mask.sum() < mask.numel()
-    return float((per_token * mask).sum() / mask.sum()), int(mask.sum())
+    return masked_loss(step_dir, prefix, SEQ, _epoch(prefix), SEED)[:2]
 
 
 def _finetune(load: Path, prefix: Path, save: Path, *extra: str) -> list[str]:

@@ -11,18 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist import run_distributed
 from hf_compat import hf_class, rope_kwargs
-from test_hf_interop import TEXT, _hf, _hf_logits, _llama_config, _moe_parallel, _perturb
+from test_hf_interop import TEXT, _hf, _llama_config, _perturb, moe_import_matches
 
 from domino.checkpoint.families import family_for
-from domino.checkpoint.hf_export import export_hf
-from domino.checkpoint.hf_import import import_hf
-from domino.checkpoint.layout import open_checkpoint
 from domino.data import BPETokenizer
-from domino.inference.loading import load_saved_model
-from domino.inference.sampling import generate
-from domino.parallel_state import ParallelState
 
 FLEX = dict(num_experts=4, qk_layernorm=True, qk_layernorm_full_width=True,
             norm_after_sublayer=True, norm_scale_in_fp32=True, rope_scaling_type=None,
@@ -54,33 +47,11 @@ def _flex_folder(tmp: Path, bpe: BPETokenizer) -> tuple[Path, torch.nn.Module]:
 def test_flex_olmo_imports_and_exports_with_transformers_logits(
         tmp_path: Path, bpe: BPETokenizer) -> None:
     folder, original = _flex_folder(tmp_path, bpe)
-    ids = torch.tensor([bpe.encode(TEXT)[:30]])
-    with torch.no_grad():
-        expected = original(ids).logits
-    step_dir = import_hf(folder, tmp_path / "run", 1)
-    state = ParallelState.single()
-    model, config, _, _ = load_saved_model(step_dir, state)
+    config = moe_import_matches(tmp_path, folder, original, bpe, "flex_olmo")
     assert config.num_experts == 4 and config.norm_after_sublayer and config.norm_scale_in_fp32
     assert config.qk_layernorm_full_width and config.moe_router_pre_softmax
-    with torch.no_grad():
-        got = model(ids, None, None)[..., :config.vocab_size]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    prompt = bpe.encode("def forward")
-    hf_ids = original.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                               pad_token_id=bpe.eod)[0, len(prompt):].tolist()
-    assert generate(model, state, prompt, 10, config.vocab_size, 32, stop=(bpe.eod,)) == hf_ids
-    meta = open_checkpoint(step_dir)[1]
-    assert export_hf(step_dir, meta, tmp_path / "back") == "flex_olmo"
     saved = json.loads((tmp_path / "back" / "config.json").read_text())
     assert saved["architectures"] == ["FlexOlmoForCausalLM"] and "head_dim" not in saved
-    torch.testing.assert_close(_hf_logits(tmp_path / "back", ids), expected, rtol=1e-5,
-                               atol=1e-5)
-    import_hf(folder, tmp_path / "tp2", 2)
-    for res in run_distributed(_moe_parallel, 4, str(tmp_path / "tp2"), ids, prompt,
-                               config.vocab_size):
-        for sizes in ((2, 2), (1, 4)):
-            torch.testing.assert_close(res[sizes], expected, rtol=1e-5, atol=1e-5)
-        assert res["generated"] == hf_ids
 
 
 def test_only_flex_olmo_expresses_experts_under_norms_after(bpe: BPETokenizer) -> None:

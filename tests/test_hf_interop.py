@@ -451,20 +451,18 @@ def _moe_parallel(rank: int, world: int, run: str, ids: torch.Tensor, prompt: li
     return out
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
-def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch: str) -> None:
-    """Mixtral, Qwen3-MoE and OLMoE (random weights, the Hub's per-expert files) import with the
-    original's logits and greedy generation, export back to the same logits; imported at TP=2
-    they give the same logits at TP=2 x EP=2 and TP=1 x EP=4, and the same greedy tokens."""
-    folder, original = _moe_folder(tmp_path, bpe, arch)
+def moe_import_matches(tmp_path: Path, folder: Path, original: torch.nn.Module,
+                       bpe: BPETokenizer, model_type: str) -> TransformerConfig:
+    """transformers' MoE ``original`` (saved in ``folder``) imported at TP=1 gives its logits
+    and greedy tokens and exports back (as ``model_type``, in ``tmp_path / "back"``) to the
+    same logits; imported at TP=2 it gives them at TP=2 x EP=2 and TP=1 x EP=4. Returns the
+    imported config."""
     ids = torch.tensor([bpe.encode(TEXT)[:30]])
     with torch.no_grad():
         expected = original(ids).logits
     step_dir = import_hf(folder, tmp_path / "run", 1)
     state = ParallelState.single()
     model, config, _, _ = load_saved_model(step_dir, state)
-    assert config.num_experts == 4 and config.moe_first_k_dense_layers == (arch == "qwen3_moe")
-    assert config.qk_layernorm_full_width == (arch == "olmoe")
     with torch.no_grad():
         got = model(ids, None, None)[..., :config.vocab_size]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -473,7 +471,7 @@ def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch:
                                pad_token_id=bpe.eod)[0, len(prompt):].tolist()
     assert generate(model, state, prompt, 10, config.vocab_size, 32, stop=(bpe.eod,)) == hf_ids
     meta = open_checkpoint(step_dir)[1]
-    assert export_hf(step_dir, meta, tmp_path / "back") == arch
+    assert export_hf(step_dir, meta, tmp_path / "back") == model_type
     torch.testing.assert_close(_hf_logits(tmp_path / "back", ids), expected, rtol=1e-5,
                                atol=1e-5)
     import_hf(folder, tmp_path / "tp2", 2)
@@ -482,6 +480,18 @@ def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch:
         for sizes in ((2, 2), (1, 4)):
             torch.testing.assert_close(res[sizes], expected, rtol=1e-5, atol=1e-5)
         assert res["generated"] == hf_ids
+    return config
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+def test_moe_families_import_and_export(tmp_path: Path, bpe: BPETokenizer, arch: str) -> None:
+    """Mixtral, Qwen3-MoE and OLMoE (random weights, the Hub's per-expert files) import with the
+    original's logits and greedy generation, export back to the same logits; imported at TP=2
+    they give the same logits at TP=2 x EP=2 and TP=1 x EP=4, and the same greedy tokens."""
+    folder, original = _moe_folder(tmp_path, bpe, arch)
+    config = moe_import_matches(tmp_path, folder, original, bpe, arch)
+    assert config.num_experts == 4 and config.moe_first_k_dense_layers == (arch == "qwen3_moe")
+    assert config.qk_layernorm_full_width == (arch == "olmoe")
 
 
 class _Boom:
