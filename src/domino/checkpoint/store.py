@@ -21,9 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from domino.checkpoint import layout
+from domino.checkpoint import layout, lora
 from domino.checkpoint.layout import CheckpointError, Meta
 from domino.checkpoint.shards import ShardReader, TensorSpec, describe
+from domino.models.lora import is_adapter_name
 from domino.parallel_state import ParallelState
 from domino.tensor_parallel.layers import gather_full, shard_of_full
 from domino.tensor_parallel.placement import placement_of
@@ -36,12 +37,21 @@ def _writes(state: ParallelState) -> bool:
 
 
 def named_model_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """The tensors a checkpoint holds for ``model``: its parameters under the full model's
-    names (``model.checkpoint_tensors()`` where a model - a pipeline stage - renames them)."""
+    """``model``'s parameters under the full model's names (``model.checkpoint_tensors()``
+    where a model - a pipeline stage - renames them)."""
     if hasattr(model, "checkpoint_tensors"):
         yield from model.checkpoint_tensors()
     else:
         yield from model.named_parameters()
+
+
+def saved_tensors(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The tensors a checkpoint of ``model`` holds: its parameters (:func:`named_model_tensors`)
+    or, for a model carrying LoRA adapters, the adapters only (``checkpoint.lora``)."""
+    named = list(named_model_tensors(model))
+    if any(is_adapter_name(n) for n, _ in named):
+        return [(n, p) for n, p in named if is_adapter_name(n)]
+    return named
 
 
 def optimizer_state(optimizer: Any) -> dict | None:
@@ -71,7 +81,7 @@ def _whole_experts(model: nn.Module, opt_state: dict | None, masters: dict,
     slots: dict = {}
     if state.ep.size == 1:
         return values, slots
-    for _, p in named_model_tensors(model):
+    for _, p in saved_tensors(model):
         if placement_of(p).shard != "ep":
             continue
         values[p] = gather_full(masters.get(p, p).detach(), p, state.ep)
@@ -92,7 +102,7 @@ def _rank_tensors(model: nn.Module, opt_state: dict | None, state: ParallelState
     model_files = [layout.model_file(r, pp) for r in range(tp.size)]
     optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
     weights, moments, specs = {}, {}, {}
-    for name, p in named_model_tensors(model):
+    for name, p in saved_tensors(model):
         placement = placement_of(p)
         if placement.tied_copy:
             continue  # the last stage's copy of the word table: the first stage writes it
@@ -299,12 +309,29 @@ def load_model(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelStat
                optimizer: Any = None) -> None:
     """Fill ``model``'s weights with this rank's part of the checkpoint's; an ``optimizer``
     holding the fp32 masters apart (``load_master``: a distributed optimizer under ``--bf16``)
-    takes them at the checkpoint's precision."""
+    takes them at the checkpoint's precision.
+
+    A LoRA checkpoint (``checkpoint.lora``) fills the base weights from its base checkpoint and
+    the adapters from itself; LoRA adapters a plain checkpoint lacks (a LoRA run starting from
+    a base) keep their start."""
+    if lora.spec_of(meta) is not None:
+        base_dir, base_meta = lora.base_of(step_dir, meta)
+        _load_tensors(base_dir, base_meta, model, state, optimizer, adapters=False)
+        _load_tensors(step_dir, meta, model, state, optimizer, adapters=True)
+    else:
+        _load_tensors(step_dir, meta, model, state, optimizer, adapters=False)
+
+
+def _load_tensors(step_dir: Path, meta: Meta, model: nn.Module, state: ParallelState,
+                  optimizer: Any, adapters: bool) -> None:
+    """The model's base weights (``adapters`` False) or its LoRA adapters from ``step_dir``."""
     reader = ShardReader(step_dir)
     names = set()
     load_master = getattr(optimizer, "load_master", None)
     with torch.no_grad():
         for name, p in named_model_tensors(model):
+            if is_adapter_name(name) != adapters:
+                continue
             value = read_part(reader, meta, name, p, state)
             if load_master is not None:
                 load_master(p, value)

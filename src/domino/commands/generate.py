@@ -1,9 +1,11 @@
 """``domino generate RUN_DIR --prompt TEXT``: continue a prompt with a saved model (KV cache;
-greedy, or sampled with temperature / top-k / top-p), at any TP size."""
+greedy, or sampled with temperature / top-k / top-p), at any TP size; with ``--chat`` the prompt
+is a user message rendered with the chat template, and the reply is printed."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from domino.inference.session import add_launch_arguments, launch
 from domino.inference.tasks import check_positions
@@ -11,7 +13,17 @@ from domino.inference.tasks import check_positions
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", required=True, help="text to continue (with --chat: the "
+                        "user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="the prompt is one user message, rendered with the checkpoint "
+                        "tokenizer's chat template and its generation prompt (as transformers' "
+                        "apply_chat_template(add_generation_prompt=True)); prints the reply")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="with --chat: a system message before the user's")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="with --chat: this jinja chat template instead of the "
+                        "tokenizer's own")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--greedy", action="store_true",
                         help="always the most likely token (ignores the sampling flags)")
@@ -47,5 +59,24 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"--top-p={ns.top_p} must be in (0, 1]")
     spec = {k: getattr(ns, k) for k in ("prompt", "max_new_tokens", "greedy", "temperature",
                                          "top_k", "top_p", "seed", "stop_at_eod", "use_cache",
-                                         "ids", "slide_context")}
+                                         "ids", "slide_context", "chat", "system")}
+    spec.update(_chat_template(ns))
     return launch("generate", ns, spec, check=check_positions)
+
+
+def _chat_template(ns: argparse.Namespace) -> dict[str, str]:
+    """The ``--chat-template`` text for the spec (none: the tokenizer's own); refuses the chat
+    flags without ``--chat``."""
+    if not ns.chat:
+        given = [f for f, v in (("--system", ns.system), ("--chat-template", ns.chat_template))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply to a chat prompt; add --chat")
+        return {}
+    if ns.chat_template is None:
+        return {}
+    if not os.path.isfile(ns.chat_template):
+        raise ValueError(f"--chat-template {ns.chat_template} is not a file; pass a jinja chat "
+                         "template file")
+    with open(ns.chat_template, encoding="utf-8") as f:
+        return {"chat_template": f.read(), "chat_template_origin": ns.chat_template}

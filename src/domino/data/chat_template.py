@@ -132,10 +132,11 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def render(template: Any, messages: list[dict[str, Any]],
-           variables: dict[str, str]) -> tuple[str, list[tuple[int, int]]]:
+def render(template: Any, messages: list[dict[str, Any]], variables: dict[str, str],
+           add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """(text, generation spans): the conversation rendered with ``variables`` (the special
-    tokens, as ``transformers`` passes them) and no generation prompt."""
+    tokens, as ``transformers`` passes them); with ``add_generation_prompt`` the template's
+    header of the assistant turn to come is written after it (`domino generate --chat`)."""
     import jinja2
 
     ext = next(e for e in template.environment.extensions.values() if hasattr(e, "recording"))
@@ -144,7 +145,8 @@ def render(template: Any, messages: list[dict[str, Any]],
     token = ext.recording.set((blocks, spans))
     try:
         for block in template.generate(messages=messages, tools=None, documents=None,
-                                       add_generation_prompt=False, **variables):
+                                       add_generation_prompt=add_generation_prompt,
+                                       **variables):
             blocks.append(block)
     except jinja2.TemplateError as err:
         raise ChatTemplateError(f"{type(err).__name__}: {err}") from None

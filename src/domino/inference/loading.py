@@ -7,10 +7,12 @@ from pathlib import Path
 import torch
 
 from domino.checkpoint import layout
+from domino.checkpoint import lora as checkpoint_lora
 from domino.checkpoint.layout import Meta
 from domino.checkpoint.store import load_model, load_tokenizer
 from domino.config import TransformerConfig
 from domino.models.gpt import GPTModel
+from domino.models.lora import apply_lora
 from domino.plan import Plan
 from domino.runtime import RuntimeConfig
 
@@ -30,6 +32,9 @@ def load_saved_model(step_dir: Path, state, plan: Plan | None = None,
     runtime = runtime.replace(compute_dtype=compute_dtype)
     torch.manual_seed(0)  # weights are overwritten; this only fixes the throwaway init
     model = GPTModel(config, parallel_state=state, runtime=runtime)
+    lora = checkpoint_lora.spec_of(meta)
+    if lora is not None:  # a LoRA run's: its base's weights and its adapters (load_model)
+        apply_lora(model, lora, state, seed=0)
     load_model(step_dir, meta, model, state)
     model.eval()
     return model, config, load_tokenizer(step_dir, meta), meta

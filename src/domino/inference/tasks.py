@@ -20,24 +20,33 @@ def _load(spec: dict[str, Any], state):
     return load_saved_model(Path(spec["step_dir"]), state, compute_dtype=dtype)
 
 
-def prompt_ids(tokenizer, text: str) -> list[int]:
-    """The ids `domino generate` feeds for ``text`` (an empty one: EOD alone)."""
-    return tokenizer.encode(text) or [tokenizer.eod]
+def prompt_ids(tokenizer, spec: dict[str, Any], step_dir: Path) -> list[int]:
+    """The ids `domino generate` feeds for ``spec``'s prompt: encoded as text (an empty one:
+    EOD alone), or with ``chat`` rendered as a conversation by the chat template
+    (:func:`~domino.inference.chat.chat_prompt_ids`; the checkpoint's own lies in
+    ``step_dir``'s tokenizer folder)."""
+    if spec.get("chat"):
+        from domino.checkpoint import layout
+        from domino.inference.chat import chat_prompt_ids
+
+        return chat_prompt_ids(tokenizer, spec, str(step_dir / layout.TOKENIZER_DIR))
+    return tokenizer.encode(spec["prompt"]) or [tokenizer.eod]
 
 
 def check_positions(step_dir: Path, meta, spec: dict[str, Any]) -> None:
-    """Before any rank starts: the prompt and ``max_new_tokens`` fit in the model's positions
+    """Before any rank starts: the prompt can be encoded (a chat template renders it) and with
+    ``max_new_tokens`` fits in the model's positions
     (:func:`~domino.inference.sampling.position_limit`), unless ``slide_context``; ValueError
     with the rule and the fix."""
     from domino.checkpoint.store import load_tokenizer
     from domino.config import TransformerConfig
 
+    prompt = prompt_ids(load_tokenizer(step_dir, meta), spec, step_dir)  # a chat's errors too
     if spec.get("slide_context"):
         return
     config = TransformerConfig.from_dict(meta.config)
     limit = position_limit(config)
     what = "max_position_embeddings" if limit == config.max_position_embeddings else "seq_length"
-    prompt = prompt_ids(load_tokenizer(step_dir, meta), spec["prompt"])
     problem = position_problem(len(prompt), spec["max_new_tokens"], limit, what)
     if problem:
         raise ValueError(problem)
@@ -45,7 +54,7 @@ def check_positions(step_dir: Path, meta, spec: dict[str, Any]) -> None:
 
 def generate_rank(spec: dict[str, Any], state) -> None:
     model, config, tokenizer, _ = _load(spec, state)
-    prompt = prompt_ids(tokenizer, spec["prompt"])
+    prompt = prompt_ids(tokenizer, spec, Path(spec["step_dir"]))
     context = position_limit(config)
     ids = generate(model, state, prompt, spec["max_new_tokens"], config.vocab_size, context,
                    top_k=1 if spec["greedy"] else spec["top_k"],
@@ -55,6 +64,8 @@ def generate_rank(spec: dict[str, Any], state) -> None:
     if state.world.rank == 0:
         if spec["ids"]:
             print(" ".join(map(str, ids)))
+        elif spec.get("chat"):  # the reply alone (decoding drops the EOS that ended it)
+            print(tokenizer.decode(ids))
         else:
             print(spec["prompt"] + tokenizer.decode(ids))
         sys.stdout.flush()

@@ -16,6 +16,7 @@ from torch import nn
 
 from domino.precision import compute, compute_copy, grad_dtype, zeros_grad
 from domino.tensor_parallel.comm import CommGroup
+from domino.tensor_parallel.lora import adapter_of
 from domino.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -149,8 +150,10 @@ class _Linear(torch.autograd.Function):
         w = compute_copy(weight)
         w = w if ctx.rows is None else w[ctx.rows]
         grad_input = grad.matmul(w.to(grad.dtype))
+        frozen = not weight.requires_grad  # LoRA's base weight: no dL/dW (nor its bias's)
         if ctx.stash is not None:
-            ctx.stash.append((weight, ctx.bias, grad, x, ctx.rows))
+            if not frozen:
+                ctx.stash.append((weight, ctx.bias, grad, x, ctx.rows))
             return grad_input, *none
         handle = None
         if ctx.group is not None and ctx.seq:  # the shard's summed gradient
@@ -158,6 +161,10 @@ class _Linear(torch.autograd.Function):
                 grad_input, async_op=True, name="dgrad_reduce_scatter")
         elif ctx.group is not None:
             handle = ctx.group.all_reduce(grad_input, async_op=True, name="dgrad_all_reduce")
+        if frozen:
+            if handle is not None:
+                handle.wait()
+            return grad_input, *none
         if ctx.late is not None and ctx.rows is None:
             _split_wgrad(weight, ctx.bias, grad, x, handle, ctx.late)
             if handle is not None:
@@ -275,6 +282,9 @@ class ColumnParallelLinear(nn.Module):
             out = linear_reduce_input_grad(x, self.weight, bias, self.group)
         else:
             out = F.linear(x, compute(self.weight), compute(bias))
+        lora = adapter_of(self)
+        if lora is not None:
+            out = out + lora(x)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.group)
             if self.stride > 1 and self.group.size > 1:
@@ -320,9 +330,12 @@ class RowParallelLinear(nn.Module):
         """This rank's partial sum X_r A_r^T (optionally only some output columns), no bias.
         With ``wgrad_stash`` the weight-gradient GEMM is deferred to it (see :class:`_Linear`)."""
         if wgrad_stash is not None and torch.is_grad_enabled():
-            return _Linear.apply(x, self.weight, None, None, wgrad_stash, columns)
-        weight = compute(self.weight)
-        return F.linear(x, weight if columns is None else weight[columns])
+            out = _Linear.apply(x, self.weight, None, None, wgrad_stash, columns)
+        else:
+            weight = compute(self.weight)
+            out = F.linear(x, weight if columns is None else weight[columns])
+        lora = adapter_of(self)
+        return out if lora is None else out + lora(x, columns)
 
     def forward(self, x: torch.Tensor):
         out = reduce_from_tensor_model_parallel_region(self.partial(x), self.group)

@@ -48,6 +48,10 @@ class Placement:
     depends on the TP size (checkpoints reshard it, comparisons cut it off)."""
     grad_group: str = "dp_cp"
     """The group its gradient is summed over (``"dp_cp"`` dense, ``"expert_dp"`` experts)."""
+    tp_partial_grad: bool = False
+    """Replicated, but each TP rank computes only its share of the gradient (a LoRA factor
+    meeting a TP-split gradient: ``tensor_parallel.lora``): the stack's backward sums it over
+    TP (``transformer.sp_grads.ShardGrads``) before it is reduced over ``grad_group``."""
     tied_copy: bool = False
     """A copy of a weight held elsewhere (a pipeline's last-stage word table, tied to the
     first stage's): its gradient is summed with the original's over the embedding group, and the

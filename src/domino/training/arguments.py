@@ -29,7 +29,7 @@ from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
 from domino.precision import PRECISIONS, precision_of
 from domino.runtime import RuntimeConfig
-from domino.training import model_flags, runtime_flags
+from domino.training import lora_flags, model_flags, runtime_flags
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,14 +60,17 @@ SizeArgs = dataclasses.make_dataclass("SizeArgs", _size_fields(), bases=(ModelAr
                                       kw_only=True)
 RuntimeArgs = dataclasses.make_dataclass("RuntimeArgs", runtime_flags.runtime_fields(),
                                          bases=(SizeArgs,), kw_only=True)
-for _cls in (SizeArgs, RuntimeArgs):
+LoraArgs = dataclasses.make_dataclass("LoraArgs", lora_flags.lora_fields(),
+                                      bases=(RuntimeArgs,), kw_only=True)
+for _cls in (SizeArgs, RuntimeArgs, LoraArgs):
     _cls.__module__ = __name__
 SizeArgs.__doc__ = "`domino train`'s parallel-size flags, from domino.parallel_dims."
 RuntimeArgs.__doc__ = "`domino train`'s run-time flags, derived from RuntimeConfig's fields."
+LoraArgs.__doc__ = "`domino train`'s LoRA flags (lora_flags)."
 
 
 @dataclass(kw_only=True)
-class TrainArgs(RuntimeArgs):
+class TrainArgs(LoraArgs):
     """Everything a `domino train` run needs (model, parallelism, optimisation, data, output)."""
 
     domino_autotune: bool = _f(
@@ -329,7 +332,8 @@ def _optional(name: str) -> bool:
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
 _HINTS = typing.get_type_hints(TrainArgs)
 _GROUPS = {"model": "model (TransformerConfig)", "parallel": "parallelism and launch",
-           "training": "optimisation", "data": "data", "output": "evaluation, output, sampling"}
+           "training": "optimisation", "lora": "LoRA fine-tuning", "data": "data",
+           "output": "evaluation, output, sampling"}
 
 
 def help_text(name: str) -> str:

@@ -18,17 +18,19 @@ import torch
 
 import domino
 from domino.checkpoint import Meta, load_model, load_optimizer, load_rng, save
+from domino.checkpoint import lora as checkpoint_lora
 from domino.flops import rank_gemms, train_flops_per_step, utilisation
 from domino.gemm_rate import peak_flops
 from domino.memory import peak_bytes
 from domino.models.gpt import GPTModel
+from domino.models.lora import apply_lora
 from domino.parallel_state import ParallelState
 from domino.pipeline.model import PipelineModel
 from domino.pipeline.runtime import PipelineRunner
 from domino.plan import Plan
 from domino.runtime import RuntimeConfig
 from domino.tensor_parallel import placement_of
-from domino.training import report
+from domino.training import lora_flags, report
 from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
 from domino.training.grad_sync import make_reducer
@@ -38,6 +40,7 @@ from domino.training.optim import (
     agree,
     build_optimizer,
     learning_rate,
+    model_state_bytes,
     optimizer_state_bytes,
     set_lr,
 )
@@ -126,6 +129,9 @@ class Trainer:
                                          args.micro_batch_size)
         else:
             self.model = GPTModel(run.config, parallel_state=state, runtime=self.runtime)
+        self.lora = lora_flags.lora_spec(args)
+        if self.lora is not None:  # the base frozen; the adapters are what trains
+            apply_lora(self.model, self.lora, state, args.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
     def _resolve_attention(self) -> RuntimeConfig:
@@ -181,6 +187,15 @@ class Trainer:
             state.device, compute,
             rank_gemms(run.config, args.micro_batch_size * args.seq_length // state.cp.size, tp),
             args.peak_tflops)
+
+    def _lora_record(self) -> dict:
+        """What a LoRA run's checkpoints say of the adapters and their base: the resumed
+        checkpoint's record, or a new one naming the --load base."""
+        resume = self.run.resume
+        assert resume is not None and self.lora is not None  # (lora_flags.check_lora)
+        if checkpoint_lora.spec_of(resume.meta) is not None:
+            return resume.meta.extra[checkpoint_lora.KEY]
+        return checkpoint_lora.record(self.lora, resume.step_dir, self.run_dir)
 
     @property
     def plan(self) -> Plan:
@@ -316,10 +331,13 @@ class Trainer:
         device = self.state.device
         peaks = self.state.world.all_gather_json(peak_bytes(device))
         states = self.state.world.all_gather_json(optimizer_state_bytes(self.optimizer))
+        models = self.state.world.all_gather_json(
+            model_state_bytes(self.model, self.params, self.optimizer))
         result.peak_mem_bytes, result.optimizer_state_bytes = peaks, states
+        result.model_state_bytes = models
         if self.rank0 and all(p is not None for p in peaks):
             self.log.print(report.memory_line(device, peaks, states, isinstance(
-                self.optimizer, DistributedAdamW)))
+                self.optimizer, DistributedAdamW), models))
         self.log.close()
         if result.losses and result.stopped_at is None:
             self.save(self.start + len(result.losses))
@@ -360,6 +378,8 @@ class Trainer:
         # An imported model's dtype stays its own through fine-tuning (`domino export` default).
         kept = {k: v for k, v in self.run.resume.meta.extra.items()
                 if k == "dtype"} if self.run.resume is not None else {}
+        if self.lora is not None:
+            kept[checkpoint_lora.KEY] = self._lora_record()
         meta = Meta(step=step, consumed_samples=self.consumed, config=self.run.config.to_dict(),
                     layout={}, tensors={}, files={}, plan=str(self.plan),
                     args=self.args.to_dict(),

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from domino.precision import zeros_grad
+from domino.precision import grad_dtype, zeros_grad
 from domino.tensor_parallel import CommGroup, placement_of
 from domino.tensor_parallel.placement import NamedGroups, counts_in_norm, sum_over_norm_groups
 from domino.training.adamw import AdamW
@@ -136,3 +136,14 @@ def optimizer_state_bytes(optimizer) -> int:
     masters = sum(c.numel() * c.element_size() for c in getattr(optimizer, "chunks", ()))
     return masters + sum(v.numel() * v.element_size() for st in inner.state.values()
                          for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def model_state_bytes(model: nn.Module, params: Sequence[torch.Tensor], optimizer) -> dict:
+    """This rank's model state by part, in bytes: ``weights`` (every parameter, frozen ones
+    included, and their compute copies), ``grads`` (a main gradient per trained parameter)
+    and ``optimizer`` (:func:`optimizer_state_bytes`)."""
+    copies = [getattr(p, "_domino_compute_copy", None) for p in model.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        c[1].numel() * c[1].element_size() for c in copies if c is not None)
+    grads = sum(p.numel() * torch.empty((), dtype=grad_dtype(p)).element_size() for p in params)
+    return {"weights": weights, "grads": grads, "optimizer": optimizer_state_bytes(optimizer)}

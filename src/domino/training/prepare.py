@@ -35,6 +35,7 @@ from domino.training.data import (
     prepare_default_corpus,
 )
 from domino.training.flag_text import flags_in_errors, train_flags
+from domino.training.lora_flags import check_lora
 from domino.training.resume import (
     Resume,
     check_compatible,
@@ -271,6 +272,7 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
         # Rank 0 of each host hashes every file; the other local ranks check sizes only.
         hashes = int(os.environ.get("LOCAL_RANK", "0")) == 0
         resume = open_resume(args, hashes=hashes, progress=progress)
+    check_lora(args, resume)
     if args.save is not None:
         check_save_dir(args, resume)
     run = build_run(args, run_dir, resume)

@@ -107,12 +107,19 @@ class CompileReport:
                        f"{seconds:.1f} s (rank 0's pieces{where})")
 
 
-def memory_line(device, peaks: list[int], states: list[int], sharded: bool) -> str:
-    """Peak memory and optimizer state per rank (MiB)."""
-    return (f"peak memory per rank ({memory_method(device)}): "
+def memory_line(device, peaks: list[int], states: list[int], sharded: bool,
+                models: list[dict] | None = None) -> str:
+    """Peak memory, optimizer state and (``models``: ``optim.model_state_bytes`` per rank)
+    model state per rank (MiB)."""
+    line = (f"peak memory per rank ({memory_method(device)}): "
             + ", ".join(f"{p / 2**20:.0f}" for p in peaks) + " MiB; optimizer state per rank: "
             + ", ".join(f"{b / 2**20:.1f}" for b in states) + " MiB"
             + (" (sharded over DP)" if sharded else ""))
+    if models:
+        line += "; model state per rank (weights + gradients + optimizer): " + ", ".join(
+            f"{sum(m.values()) / 2**20:.1f} ({m['weights'] / 2**20:.1f} + "
+            f"{m['grads'] / 2**20:.1f} + {m['optimizer'] / 2**20:.1f})" for m in models) + " MiB"
+    return line
 
 
 def summary(log: RunLogger, result: TrainResult, run_dir: Path) -> None:

@@ -35,6 +35,7 @@ class TrainResult:
     stopped_at: int | None = None  # the step a SIGTERM / Ctrl-C stopped the run after
     peak_mem_bytes: list[int | None] = field(default_factory=list)  # per rank (domino.memory)
     optimizer_state_bytes: list[int] = field(default_factory=list)  # per rank
+    model_state_bytes: list[dict] = field(default_factory=list)  # per rank, by part
     # --compile: (step, "training" | "evaluation", graphs, seconds) of what this rank compiled
     compiled: list[tuple[int, str, int, float]] = field(default_factory=list)
 

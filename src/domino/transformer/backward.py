@@ -16,6 +16,7 @@ import torch
 
 from domino.tensor_parallel.handles import InFlight
 from domino.tensor_parallel.layers import WgradStash
+from domino.transformer import sp_grads
 from domino.transformer.context import BackwardContext
 from domino.transformer.executor import Executor
 from domino.transformer.forward import LocalPiece, Record
@@ -47,7 +48,8 @@ class BackwardPass:
         self.B, self.M = B, M = len(ex.blocks), len(rec.mbs)
         self.left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards
         self.shard_grads = (ShardGrads(ex.group, ex.blocks, ex.exits, ex.final_norm,
-                                       rec.prologue, self.on_final, M) if ex.sp else None)
+                                       rec.prologue, self.on_final, M, ex.sp)
+                            if sp_grads.needed(ex.group, ex.blocks, ex.sp) else None)
         self.device = grad_y.device
         self.pending: dict[tuple[int, int], InFlight] = {}  # entries' gradients in flight
         self.deferred: deque = deque()  # weight-gradient stashes not run yet, oldest first

@@ -1,8 +1,9 @@
-"""Sequence parallelism: summing the partial gradients of replicated parameters over TP.
+"""Summing the partial gradients of replicated parameters over TP.
 
 Under sequence parallelism the replicated parameters applied to the sequence shards (norms, the
 biases the blocks' exits add, the final norm, the prologue's position tables) see only this
-rank's shard, so each rank holds a partial gradient.
+rank's shard, so each rank holds a partial gradient. So do LoRA's replicated factors at any TP
+size (``Placement.tp_partial_grad``: see ``tensor_parallel.lora``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,23 @@ from domino.transformer.exits import Exit
 from domino.transformer.layer import Block
 
 
+def partial_grads(block: Block) -> list[torch.Tensor]:
+    """The block's parameters whose gradient each TP rank holds only a share of at any TP
+    size (LoRA's replicated factors)."""
+    return [p for p in block.op.parameters() if placement_of(p).tp_partial_grad]
+
+
+def needed(group: CommGroup, blocks: list[Block], sequence_parallel: bool) -> bool:
+    """Does a backward over ``blocks`` have partial gradients to sum over ``group``?"""
+    return sequence_parallel or (group.size > 1 and any(partial_grads(b) for b in blocks))
+
+
 class ShardGrads:
-    """Sequence parallelism: the replicated parameters that see only this rank's sequence shard
-    (the blocks' norms and what their exits add, e.g. row-parallel biases; the final norm; the
-    prologue's position and token-type tables) get partial gradients. One backward pass's
+    """The replicated parameters that get partial gradients: under sequence parallelism
+    (``sequence_parallel``) those that see only this rank's sequence shard (the blocks' norms
+    and what their exits add, e.g. row-parallel biases; the final norm; the prologue's position
+    and token-type tables), and LoRA's replicated factors (:func:`partial_grads`). One backward
+    pass's
     parts are summed over the TP group - a block's, asynchronously, as soon as its local
     backwards are done, the rest when the pass ends - and only then added to what ``.grad``
     held before the pass, so accumulating micro-steps adds each pass's sum once. ``on_final``
@@ -30,12 +44,14 @@ class ShardGrads:
 
     def __init__(self, group: CommGroup, blocks: list[Block], exits: list[Exit], final_norm,
                  prologue, on_final: Callable[[list[torch.Tensor]], None] | None,
-                 micro_batches: int) -> None:
+                 micro_batches: int, sequence_parallel: bool = True) -> None:
         self.group, self.blocks, self.on_final = group, blocks, on_final
-        self.per_block = [[*b.norm_parameters(), *e.replicated_parameters()]
+        sp = sequence_parallel
+        self.per_block = [[*(b.norm_parameters() if sp else []),
+                           *(e.replicated_parameters() if sp else []), *partial_grads(b)]
                           for b, e in zip(blocks, exits, strict=True)]
-        self.tail = [*(final_norm.parameters() if final_norm is not None else []),
-                     *(p for p in (prologue.parameters() if prologue is not None else [])
+        self.tail = [*(final_norm.parameters() if final_norm is not None and sp else []),
+                     *(p for p in (prologue.parameters() if prologue is not None and sp else [])
                        if placement_of(p).shard != "tp")]
         self.before: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for p in [*(p for ps in self.per_block for p in ps), *self.tail]:

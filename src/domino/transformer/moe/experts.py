@@ -186,11 +186,20 @@ class GroupedExperts(nn.Module):
         """x [N, h] sorted by expert, ``counts`` rows per expert of ``experts`` (this rank's;
         all of them by default) -> [N, h]; ``stash`` defers the weight-gradient GEMMs."""
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = self._biased(grouped_linear(x, self.fc1, offs, experts, stash), self.fc1_bias,
+        h = self._biased(self._linear("fc1", x, offs, experts, stash), self.fc1_bias,
                          counts, experts)
         h = activation(h, self.swiglu, self.gelu_approximate, False, *self.glu)
-        return self._biased(grouped_linear(h, self.fc2, offs, experts, stash), self.fc2_bias,
+        return self._biased(self._linear("fc2", h, offs, experts, stash), self.fc2_bias,
                             counts, experts)
+
+    def _linear(self, name: str, x: torch.Tensor, offs: torch.Tensor, experts: slice,
+                stash: WgradStash | None) -> torch.Tensor:
+        """The grouped GEMM by ``fc1`` or ``fc2``, plus its LoRA adapters' (``self.lora``:
+        :class:`~domino.transformer.moe.lora.ExpertLora`, when the run has them)."""
+        y = grouped_linear(x, getattr(self, name), offs, experts, stash)
+        lora = getattr(self, "lora", None)
+        delta = None if lora is None else lora.delta(name, x, offs, experts)
+        return y if delta is None else y + delta
 
     @staticmethod
     def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor,

@@ -44,7 +44,9 @@ class _GroupedLinear(torch.autograd.Function):
         w = compute_copy(ctx.weight)[ctx.experts]
         grad_x = F.grouped_mm(grad, w.transpose(-2, -1).to(grad.dtype), offs=offs)
         task = partial(_weight_grad, ctx.weight, ctx.experts, x, grad, offs)
-        if ctx.stash is not None:
+        if not ctx.weight.requires_grad:  # frozen (LoRA's base): no weight gradient
+            pass
+        elif ctx.stash is not None:
             ctx.stash.append(task)
         else:
             task()
