@@ -21,7 +21,8 @@ SUBCOMMANDS = {
     "generate": ("generate", "Generate text from a saved model."),
     "eval": ("eval", "Loss and perplexity of a saved model on a dataset."),
     "convert": ("convert", "Reshard a checkpoint to another TP size."),
-    "export": ("export", "Export a checkpoint as a transformers model."),
+    "export": ("export", "Export a checkpoint as a transformers model (or LoRA adapters "
+                         "for PEFT)."),
     "import": ("hf_import", "Import a transformers model (GPT-2, Llama, Qwen, Mistral, ...)."),
     "preprocess": ("preprocess",
                    "Tokenize text, JSONL, Parquet or Arrow into a Megatron .bin/.idx dataset."),
