@@ -257,16 +257,18 @@ def test_train_loss_is_the_mean_over_assistant_tokens(folder: Path, tmp_path: Pa
     assert loss != pytest.approx(unmasked, rel=1e-4)
 
 
-def masked_loss(step_dir: Path, prefix: Path, seq: int, samples: int,
-                seed: int) -> tuple[float, int, float]:
+def masked_loss(step_dir: Path, prefix: Path, seq: int, samples: int, seed: int,
+                first: int | None = None) -> tuple[float, int, float]:
     """The saved model's per-token losses over ``samples`` samples of ``seq`` tokens (the
-    dataset's order for ``seed``): their mean over the labels whose loss-mask entry is 1 (the
-    mask file read here, aligned to the labels), how many that counts, and their plain mean."""
+    dataset's order for ``seed``; only its ``first`` samples, where given: a run's first global
+    batch): their mean over the labels whose loss-mask entry is 1 (the mask file read here,
+    aligned to the labels), how many that counts, and their plain mean."""
     from domino.inference.loading import load_saved_model
     from domino.parallel_state import ParallelState
 
     model = load_saved_model(step_dir, ParallelState.single())[0]
     dataset = GPTDataset(IndexedDataset(prefix), seq, samples, seed=seed, eod_token=3)
+    samples = samples if first is None else first
     batch = {k: torch.stack([dataset[i][k] for i in range(samples)]) for k in
              ("tokens", "labels", "position_ids")}
     with torch.no_grad():

@@ -17,7 +17,8 @@ sums those over TP as each block finishes its backward (a placement with
 ``tp_partial_grad``), as it sums the norms' under sequence parallelism.
 
 Dropout on the adapter's input draws its mask for the whole (unsplit) input from the
-replicated stream, and a row-parallel rank keeps its columns: the masks do not depend on the
+replicated stream, and a row-parallel rank keeps its columns: under the same Domino plan (the
+micro-batch split decides the draws, as for the hidden dropout) the masks do not depend on the
 TP size, and full recomputation replays them with the other dropout streams.
 """
 

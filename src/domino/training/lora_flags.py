@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-from domino.checkpoint.lora import spec_of
+from domino.checkpoint.layout import CheckpointError
+from domino.checkpoint.lora import base_of, spec_of
 from domino.models.lora import DEFAULT_TARGETS, TARGETS, LoraSpec
 
 
@@ -70,6 +71,11 @@ def check_lora(args: Any, resume: Any) -> None:
                  for k in saved.to_json() if saved.to_json()[k] != spec.to_json()[k]]
         raise ValueError(f"{where} was trained with other LoRA settings ({'; '.join(diffs)}); "
                          "pass its own (its config.toml has them)")
+    if saved is not None:  # its base: there and unchanged, before the ranks start to load it
+        try:
+            base_of(resume.step_dir, resume.meta)
+        except CheckpointError as err:
+            raise ValueError(f"--load: {err}") from None
     if args.num_experts is not None and {"fc1", "fc2"} & set(spec.targets) and spec.dropout:
         raise ValueError(f"--lora-dropout {spec.dropout:g} with adapters on the experts (fc1/"
                          "fc2 of an MoE model) is not supported: pass --lora-dropout 0, or "
