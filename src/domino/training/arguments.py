@@ -29,7 +29,7 @@ from domino.pipeline.schedules import SCHEDULES
 from domino.plan import Plan, check_fields
 from domino.precision import PRECISIONS, precision_of
 from domino.runtime import RuntimeConfig
-from domino.training import lora_flags, model_flags, runtime_flags
+from domino.training import fsdp_flags, lora_flags, model_flags, runtime_flags
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,13 +60,14 @@ SizeArgs = dataclasses.make_dataclass("SizeArgs", _size_fields(), bases=(ModelAr
                                       kw_only=True)
 RuntimeArgs = dataclasses.make_dataclass("RuntimeArgs", runtime_flags.runtime_fields(),
                                          bases=(SizeArgs,), kw_only=True)
-LoraArgs = dataclasses.make_dataclass("LoraArgs", lora_flags.lora_fields(),
-                                      bases=(RuntimeArgs,), kw_only=True)
+LoraArgs = dataclasses.make_dataclass("LoraArgs", lora_flags.lora_fields()
+                                      + fsdp_flags.fsdp_fields(), bases=(RuntimeArgs,),
+                                      kw_only=True)
 for _cls in (SizeArgs, RuntimeArgs, LoraArgs):
     _cls.__module__ = __name__
 SizeArgs.__doc__ = "`domino train`'s parallel-size flags, from domino.parallel_dims."
 RuntimeArgs.__doc__ = "`domino train`'s run-time flags, derived from RuntimeConfig's fields."
-LoraArgs.__doc__ = "`domino train`'s LoRA flags (lora_flags)."
+LoraArgs.__doc__ = "`domino train`'s LoRA and sharded data-parallel flags (lora_flags, fsdp_flags)."
 
 
 @dataclass(kw_only=True)

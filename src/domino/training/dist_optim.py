@@ -101,6 +101,8 @@ class DistributedAdamW:
         self.inner = AdamW(groups or [{"params": [torch.zeros(1)]}], lr=lr, betas=betas,
                            eps=eps)
         self.params = [p for b in reducer.buckets for p in b.params]
+        self._bucket_index = {id(p): bi for bi, b in enumerate(reducer.buckets)
+                              for p in b.params}
         self._segments_of: dict[int, list[_Segment]] = {}
         for seg in self.segments:
             self._segments_of.setdefault(id(seg.param), []).append(seg)
@@ -108,6 +110,9 @@ class DistributedAdamW:
             for seg in self.segments:
                 seg.view.copy_(seg.param.detach().reshape(-1)[seg.lo:seg.hi])
         self.turned = to_compute_dtype(self.params)  # --bf16: the parameters become bf16
+        # Buckets whose parameters live as these chunks only (optim_grads_params: gathered
+        # by training.fsdp.UnitGathers where the schedule uses them, never by the step).
+        self.sharded_buckets: set[int] = set()
         self._versions: dict[int, int] = {}
         self._mark_written(self.params)
 
@@ -119,16 +124,25 @@ class DistributedAdamW:
     @torch.no_grad()
     def _take_written(self) -> None:
         """Parameters written from outside since the optimizer last wrote them: their values
-        become the masters (in their own precision)."""
+        become the masters (in their own precision). (Sharded ones are written through
+        :meth:`load_master` only.)"""
         for p in self.params:
-            if p._version != self._versions[id(p)]:
+            if p._version != self._versions[id(p)] and not self._sharded(p):
                 for seg in self._segments_of.get(id(p), []):
                     seg.view.copy_(p.detach().reshape(-1)[seg.lo:seg.hi])
                 self._versions[id(p)] = p._version
 
-    def _group(self, bucket: int) -> CommGroup:
+    def group_of(self, bucket: int) -> CommGroup:
         """The group bucket ``bucket`` is sharded over (its gradient group)."""
         return self.reducer.state.group(self.reducer.buckets[bucket].group)
+
+    _group = group_of
+
+    def _sharded(self, p: nn.Parameter) -> bool:
+        """Does ``p`` live as the chunks only (see ``sharded_buckets``)?"""
+        segments = self._segments_of.get(id(p))
+        bucket = segments[0].bucket if segments else self._bucket_index.get(id(p))
+        return bucket in self.sharded_buckets
 
     @property
     def param_groups(self) -> list[dict]:
@@ -190,6 +204,8 @@ class DistributedAdamW:
                 seg.view.grad = None
             # Buckets are in backward order: launch the first layers' (the last buckets) first.
             for bi in reversed(range(len(self.chunks))):
+                if bi in self.sharded_buckets:
+                    continue  # gathered where the next forward uses them
                 chunk, group = self.chunks[bi], self._group(bi)
                 send = chunk.to(self._param_dtype(bi))  # bf16 parameters: half the bytes
                 full = send.new_empty(send.numel() * group.size)
@@ -268,7 +284,8 @@ class DistributedAdamW:
         flat = value.reshape(-1).to(p.device, torch.float32)
         for seg in self._segments_of.get(id(p), []):
             seg.view.copy_(flat[seg.lo:seg.hi])
-        p.copy_(value.to(p.device, p.dtype).view(p.shape))
+        if not self._sharded(p):  # (a sharded one is gathered from the chunks when used)
+            p.copy_(value.to(p.device, p.dtype).view(p.shape))
         self._mark_written([p])
 
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:

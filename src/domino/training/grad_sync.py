@@ -16,7 +16,11 @@ zero-bubble, whose W passes finish the weight gradients later), everything is la
 :meth:`GradReducer.finish`, which waits for every bucket before the optimizer step.
 
 Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`, whose
-context goes to that micro-step's forward): earlier ones only add into ``.grad``. Every rank
+context goes to that micro-step's forward): earlier ones only add into ``.grad``. Sharding the
+gradients too (``accumulate``: ``optim_grads`` and ``optim_grads_params``, see
+``training.fsdp``), every micro-step reduce-scatters its buckets as they are final and frees
+their gradients at once; this rank's chunks of the sums add up over the step in fp32, so no
+full-size gradient outlives its bucket. Every rank
 launches the same buckets in the same order (blocks finish last-first whatever the timing),
 which collectives on one group require.
 """
@@ -48,6 +52,7 @@ class _Bucket:
     handle: Handle | None = None
     grads: list[torch.Tensor] = field(default_factory=list)
     shard: torch.Tensor | None = None  # sharded: this rank's chunk of the summed gradients
+    total: torch.Tensor | None = None  # accumulating: the step's sum of the micro-steps' shards
 
     @property
     def numel(self) -> int:
@@ -77,15 +82,24 @@ class GradReducer:
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups,
                  bucket_numel: int | None = None, shard: bool = False,
-                 overlap: bool = True, reduce_dtype: torch.dtype | None = None) -> None:
+                 overlap: bool = True, reduce_dtype: torch.dtype | None = None,
+                 accumulate: bool = False,
+                 units: Sequence[Sequence[nn.Parameter]] = ()) -> None:
         """``state``: the parallel state (its groups by name). ``shard`` (a distributed
         optimizer): reduce-scatter each bucket instead, every rank of its group keeping its
         chunk of the sums (:attr:`_Bucket.shard`); ``.grad`` is left unreduced. ``overlap``:
         the caller gives :meth:`context` to the backward (the training step reads it).
         ``reduce_dtype``: the dtype the sums run in (``--grad-reduce-in-bf16``); default the
-        gradients' own (fp32 main gradients). The sums come back in the gradients' dtype."""
+        gradients' own (fp32 main gradients). The sums come back in the gradients' dtype.
+        ``accumulate`` (with ``shard``): every micro-step reduces, the gradients freed as
+        their bucket is launched (see the module docstring). ``units``: groups of parameters
+        that never share a bucket with others (a fully sharded run's units of layers, each
+        gathered and freed whole; their buckets hold one unit each, whatever its size)."""
+        if accumulate and not shard:
+            raise ValueError("GradReducer(accumulate=True) sums this rank's chunks of the "
+                             "gradients: it needs shard=True")
         self.state, self.shard, self.overlap = state, shard, overlap
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype, self.accumulate = reduce_dtype, accumulate
         if bucket_numel is None:
             # Overlapped: at least ~4 buckets, or the last one would wait for the whole
             # backward; few enough that launches stay cheap. Blocking: the largest.
@@ -93,16 +107,18 @@ class GradReducer:
             bucket_numel = (max(MIN_BUCKET_NUMEL, min(BUCKET_NUMEL, total // 4))
                             if overlap or shard else BUCKET_NUMEL)
         self.buckets: list[_Bucket] = []
-        filling: dict[str, tuple[_Bucket, int]] = {}  # per gradient group: its open bucket, size
+        unit_of = {id(p): u for u, ps in enumerate(units) for p in ps}
+        filling: dict[tuple, tuple[_Bucket, int]] = {}  # per gradient group: open bucket, size
         for p in backward_order(model, params):
-            name = placement_of(p).grad_group
-            bucket, size = filling.get(name, (None, 0))
-            if bucket is None or size + p.numel() > bucket_numel \
+            unit = unit_of.get(id(p))
+            key = (placement_of(p).grad_group, unit)
+            bucket, size = filling.get(key, (None, 0))
+            if bucket is None or (unit is None and size + p.numel() > bucket_numel) \
                     or grad_dtype(p) != grad_dtype(bucket.params[0]):
-                bucket, size = _Bucket([], name), 0
+                bucket, size = _Bucket([], key[0]), 0
                 self.buckets.append(bucket)
             bucket.params.append(p)
-            filling[name] = (bucket, size + p.numel())
+            filling[key] = (bucket, size + p.numel())
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: set[int] = set()
         self._armed = False
@@ -130,9 +146,15 @@ class GradReducer:
         pipeline gives one to the forward of each model chunk's last backward)."""
         return BackwardContext(on_final=self.ready)
 
+    def begin_step(self) -> None:
+        """A new optimizer step: accumulating, its sums start from zero."""
+        for b in self.buckets:
+            b.total = None
+
     def begin(self) -> None:
         """Start a step's reduction (:meth:`armed` does; call it directly to reduce everything
-        at :meth:`finish`, without overlap, or before a pipeline's step)."""
+        at :meth:`finish`, without overlap, or before a pipeline's step); accumulating, a
+        micro-step's."""
         self._ready.clear()
         for b in self.buckets:
             b.waiting, b.flat, b.handle, b.grads, b.shard = len(b.params), None, None, [], None
@@ -167,6 +189,10 @@ class GradReducer:
         if pad:
             parts.append(grads[0].new_zeros(pad))
         bucket.flat = self._wire(torch.cat(parts))
+        if self.accumulate:  # the copy in flight is all that is left of them
+            for p in bucket.params:
+                p.grad = None
+            bucket.grads = []
         bucket.shard = bucket.flat.new_empty(bucket.flat.numel() // size)
         bucket.handle = group.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
                                              name="dp grads (reduce-scatter)")
@@ -192,6 +218,10 @@ class GradReducer:
             wanted = grad_dtype(bucket.params[0])  # the sums in the gradients' dtype again
             if self.shard and bucket.shard.dtype != wanted:
                 bucket.shard = bucket.shard.to(wanted)
+            if self.accumulate:
+                bucket.total = (bucket.shard if bucket.total is None
+                                else bucket.total.add_(bucket.shard))
+                bucket.shard = bucket.total
             if not self.shard:
                 for g in bucket.grads:
                     g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
@@ -202,14 +232,17 @@ class GradReducer:
 def make_reducer(model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups, *,
                  distributed_optimizer: bool = False, overlap: bool = True, runner=None,
                  bucket_numel: int | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> GradReducer | None:
+                 reduce_dtype: torch.dtype | None = None, accumulate: bool = False,
+                 units: Sequence[Sequence[nn.Parameter]] = ()) -> GradReducer | None:
     """The run's gradient reduction, decided here once: None when every gradient group has one
     rank (nothing to reduce); sharded for the distributed optimizer (ZeRO-1); overlapped with
     the backward when ``overlap`` (``--overlap-grad-reduce``) or ZeRO-1 asks for it and the
     schedule allows it (``runner``, a pipeline's: not under zero-bubble); ``reduce_dtype``:
-    the dtype the sums run in (default the gradients')."""
+    the dtype the sums run in (default the gradients'); ``accumulate`` and ``units``: a run
+    that shards the gradients (and parameters) too (:class:`GradReducer`)."""
     if all(state.group(name).size == 1 for name in GRAD_GROUPS):
         return None
     overlapped = (overlap or distributed_optimizer) and (runner is None or runner.overlaps_dp)
     return GradReducer(model, params, state, bucket_numel, shard=distributed_optimizer,
-                       overlap=overlapped, reduce_dtype=reduce_dtype)
+                       overlap=overlapped, reduce_dtype=reduce_dtype, accumulate=accumulate,
+                       units=units)

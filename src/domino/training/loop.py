@@ -8,6 +8,7 @@ disagree and hang.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -30,9 +31,10 @@ from domino.pipeline.runtime import PipelineRunner
 from domino.plan import Plan
 from domino.runtime import RuntimeConfig
 from domino.tensor_parallel import placement_of
-from domino.training import lora_flags, report
+from domino.training import fsdp_flags, lora_flags, report
 from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
+from domino.training.fsdp import UnitGathers, unit_params
 from domino.training.grad_sync import make_reducer
 from domino.training.logging import RunLogger
 from domino.training.optim import (
@@ -149,10 +151,16 @@ class Trainer:
         """The gradient reduction (overlapped or not: make_reducer decides), the optimiser
         (ZeRO-1 with DP > 1 and --use-distributed-optimizer) and fp16's loss scaler."""
         args = self.args
+        self.strategy = fsdp_flags.strategy(args)
+        units = (unit_params(self.model.blocks(), args.fsdp_unit_layers)
+                 if self.strategy == "optim_grads_params" else ())
         self.reducer = make_reducer(self.model, self.params, self.state,
-                                    distributed_optimizer=args.use_distributed_optimizer,
+                                    distributed_optimizer=self.strategy != "no_shard",
                                     overlap=args.overlap_grad_reduce, runner=self.runner,
-                                    reduce_dtype=args.grad_reduce_dtype())
+                                    reduce_dtype=args.grad_reduce_dtype(),
+                                    accumulate=self.strategy in ("optim_grads",
+                                                                 "optim_grads_params"),
+                                    units=units)
         zero = self.reducer is not None and self.reducer.shard
         self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
                                                                    args.adam_beta2),
@@ -161,6 +169,10 @@ class Trainer:
                           if zero else build_optimizer(self.model, args))
         if zero and self.optimizer.overlap_param_gather:
             self.optimizer.attach(self.model)
+        self.gathers = (UnitGathers(self.optimizer, self.model.language_model.encoder,
+                                    args.fsdp_unit_layers, args.fsdp_prefetch,
+                                    args.fsdp_reshard_after_forward)
+                        if zero and units else None)
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
 
@@ -349,10 +361,13 @@ class Trainer:
                 name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal"
                 self.log.print(f"stopped by {name} after step {result.stopped_at}; resume with "
                                f"--load {self.run_dir}")
-        elif self.args.sample_tokens and self.state.dp_cp.rank < self.state.ep.size:
-            # the first replica: its TP ranks and EP peers (their experts) take part
-            result.sample = report.sample(self.model, self.state, self.run, self.log,
-                                          self.run_dir)
+        elif self.args.sample_tokens:
+            # Sharded layers are gathered whole on every rank first: one replica samples.
+            with self.gathers.whole() if self.gathers else contextlib.nullcontext():
+                if self.state.dp_cp.rank < self.state.ep.size:
+                    # the first replica: its TP ranks and EP peers (their experts) take part
+                    result.sample = report.sample(self.model, self.state, self.run, self.log,
+                                                  self.run_dir)
         return result
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -367,7 +382,10 @@ class Trainer:
             self.log.print(f"not saving step {step}: its loss or gradients are NaN/inf (the "
                            f"last checkpoint, {self._last_checkpoint()}, stays the latest)")
             return False
-        finite = all(bool(torch.isfinite(p).all()) for p in self.params)
+        # (A distributed optimizer's chunks are the weights: sharded parameters hold nothing.)
+        weights = (self.optimizer.chunks if isinstance(self.optimizer, DistributedAdamW)
+                   else self.params)
+        finite = all(bool(torch.isfinite(p).all()) for p in weights)
         (broken,) = agree([not finite], self.state.world, self.state.device)
         if broken:
             self.log.print(f"not saving step {step}: the weights are NaN/inf (the last "

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from domino.precision import grad_dtype, zeros_grad
+from domino.precision import zeros_grad
 from domino.tensor_parallel import CommGroup, placement_of
 from domino.tensor_parallel.placement import NamedGroups, counts_in_norm, sum_over_norm_groups
 from domino.training.adamw import AdamW
@@ -139,11 +139,19 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 def model_state_bytes(model: nn.Module, params: Sequence[torch.Tensor], optimizer) -> dict:
-    """This rank's model state by part, in bytes: ``weights`` (every parameter, frozen ones
-    included, and their compute copies), ``grads`` (a main gradient per trained parameter)
-    and ``optimizer`` (:func:`optimizer_state_bytes`)."""
+    """This rank's model state by part, in bytes, as held now: ``weights`` (every parameter,
+    frozen ones included, and their compute copies; a fully sharded unit's while gathered
+    only), ``grads`` (the main gradients held, and a reducer's sharded sums) and
+    ``optimizer`` (:func:`optimizer_state_bytes`)."""
     copies = [getattr(p, "_domino_compute_copy", None) for p in model.parameters()]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+    # Each storage once, at its size now: fully sharded units' are empty while freed.
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters() if p.untyped_storage().nbytes()}
+    weights = sum(storages.values()) + sum(
         c[1].numel() * c[1].element_size() for c in copies if c is not None)
-    grads = sum(p.numel() * torch.empty((), dtype=grad_dtype(p)).element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    reducer = getattr(optimizer, "reducer", None)
+    if reducer is not None and reducer.accumulate:
+        grads += sum(b.total.numel() * b.total.element_size() for b in reducer.buckets
+                     if b.total is not None)
     return {"weights": weights, "grads": grads, "optimizer": optimizer_state_bytes(optimizer)}

@@ -126,6 +126,8 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     optimizer.zero_grad(set_to_none=False)
     experts = moe_ops(model)
     overlap = reducer is not None and reducer.overlap
+    if reducer is not None and reducer.accumulate:
+        reducer.begin_step()  # (sharded gradients: each micro-step reduces; see grad_sync)
     pipeline_wait = 0.0
     if runner is None:
         loss_sum = _micro_steps(model, batches, state, loss_scale, experts,
@@ -136,8 +138,10 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
         loss_sum, stats = runner.step(batches, loss_scale(), reducer=reducer if overlap else None)
         pipeline_wait = stats.recv_wait_s
     exposed = tp.stats.wait_s - comm0
-    grads = grads_of(params)  # (zeros for unused parameters: every rank reduces the same)
-    _reduce_grads(model, state, runner, reducer, overlap)
+    # (zeros for unused parameters: every rank reduces the same; ZeRO reads its own chunks)
+    grads = [] if isinstance(optimizer, DistributedAdamW) else grads_of(params)
+    if reducer is None or not reducer.accumulate:
+        _reduce_grads(model, state, runner, reducer, overlap)
     exposed_dp = _waited(dp_groups) - gather0
     dp.all_reduce(loss_sum, name="loss")
     norm, overflow, agreed, exposed_step = _update(optimizer, params, grads, scaler,
@@ -158,9 +162,11 @@ def _micro_steps(model, batches, state: ParallelState, loss_scale: _LossScale, e
     losses weigh as much as its loss tokens (its step context's ``aux_loss_scale``)."""
     loss_sum = torch.zeros(1, dtype=torch.float64, device=state.device)
     tokens = micro_batch_tokens(batches, state.cp) if experts else []
+    every = reducer is not None and reducer.accumulate  # sharded gradients: each reduces
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
-        armed = reducer.armed() if reducer is not None and last else contextlib.nullcontext()
+        armed = (reducer.armed() if reducer is not None and (last or every)
+                 else contextlib.nullcontext())
         with armed as context:
             if experts and context is None:
                 context = BackwardContext()
@@ -168,6 +174,8 @@ def _micro_steps(model, batches, state: ParallelState, loss_scale: _LossScale, e
             if experts:  # set once the step's tokens are counted (the first backward waits)
                 context.aux_loss_scale = tokens[i] * loss_scale()
             (lsum * loss_scale()).backward()
+        if every:
+            reducer.finish()
         loss_sum += lsum.detach().double()
     return loss_sum
 

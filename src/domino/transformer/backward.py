@@ -47,6 +47,7 @@ class BackwardPass:
         self.sink, self.on_final, self.late = context.sink, context.on_final, context.late
         self.B, self.M = B, M = len(ex.blocks), len(rec.mbs)
         self.left = [2 * M] * B  # per block: M weight-gradient stashes and M local backwards
+        self.uses_left = [2 * M] * B  # per block: M par^T and M local^T pieces
         self.shard_grads = (ShardGrads(ex.group, ex.blocks, ex.exits, ex.final_norm,
                                        rec.prologue, self.on_final, M, ex.sp)
                             if sp_grads.needed(ex.group, ex.blocks, ex.sp) else None)
@@ -132,6 +133,8 @@ class BackwardPass:
         """local^T(jj, m); then launch the backward of par(jj - 1, m)'s exit on the gradient
         it produced (sequence parallel: an all-gather)."""
         ex, rec, B = self.ex, self.rec, self.B
+        if m == 0 and jj > 0:
+            ex.units.backward_enter(jj - 1)  # (its exit's backward is in this piece)
         with ex.span(f"bwd local {jj}", m):
             if jj == B:
                 mb = rec.mbs[m]
@@ -152,6 +155,7 @@ class BackwardPass:
                 self._done(jj)
                 if self.shard_grads is not None:
                     self.shard_grads.local_done(jj)
+                self._used(jj)
         if jj == 0:
             if rec.prologue is not None:
                 self._queue_prologue_backward(m)
@@ -196,9 +200,17 @@ class BackwardPass:
             self.pending[(j, m)] = self.policy.eager(
                 ex.entries[j].launch_grad(ln_leaf.grad, j, m))
             self.deferred.append(Task(partial(self._run_stash, stash, j)))
+            self._used(j)
             keep = self.policy.wgrad_backlog(j, len(self.deferred), self.M)
             while self.sink is None and len(self.deferred) > keep:
                 self.deferred.popleft().run()
+
+    def _used(self, j: int) -> None:
+        """One of block j's par^T or (its norms') local^T pieces is done: after the last of
+        them, the backward is done with the block's parameters (``param_units``)."""
+        self.uses_left[j] -= 1
+        if self.uses_left[j] == 0:
+            self.ex.units.backward_leave(j)
 
     def _recomputed_local(self, j: int, m: int):
         """local(j, m)'s graph rebuilt from its kept input leaves (full recompute)."""

@@ -64,6 +64,7 @@ from domino.transformer.exits import PartialSums
 from domino.transformer.kernels import Kernels
 from domino.transformer.layer import Block
 from domino.transformer.microbatch import MicroBatch, Prologue
+from domino.transformer.param_units import NO_UNITS, ParamUnits
 from domino.transformer.policy import SchedulePolicy
 
 
@@ -73,7 +74,7 @@ class Executor:
 
     def __init__(self, blocks: list[Block], final_norm: torch.nn.Module | None,
                  edges: EdgeContext, plan: Plan, recompute: bool = False,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, units: ParamUnits = NO_UNITS) -> None:
         """``edges``: the run's parallel dimensions, which every op's entry and exit are asked
         for (``edge.py``); the schedule's collectives run over its TP group. Under sequence
         parallelism (``edges.sequence_parallel``) the local pieces run on this rank's sequence
@@ -87,8 +88,11 @@ class Executor:
         reruns every piece's forward just before its backward (the all-reduced sums are kept,
         so recomputing communicates nothing).
 
-        ``kernels``: the local pieces' function (eager, or compiled; see ``kernels.py``)."""
+        ``kernels``: the local pieces' function (eager, or compiled; see ``kernels.py``).
+        ``units``: who the passes tell which blocks they use (``param_units.py``: a fully
+        sharded run gathers and frees its parameters there)."""
         self.blocks, self.final_norm, self.group, self.plan = blocks, final_norm, edges.tp, plan
+        self.units = units
         self.kernels = kernels if kernels is not None else Kernels()
         self.recompute = recompute and bool(blocks)
         self.sp = edges.sequence_parallel

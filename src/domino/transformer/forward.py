@@ -91,6 +91,8 @@ class ForwardPass:
                 self.par(pj, pm, partial(self.local, j, m) if inside else None)
             if not inside:
                 self.local(j, m)
+            if m == M - 1 and j > 0:  # block j - 1's last par and exit's last local are done
+                self.ex.units.forward_leave(j - 1)
         y = self.outs[0] if M == 1 else torch.cat(self.outs, dim=1)
         return y, (self.rec if self.graph else None)
 
@@ -98,6 +100,7 @@ class ForwardPass:
         """Each micro-batch's input: a leaf of its slice of ``x``, or the prologue's partial
         sums, launched now (par(-1, m), consumed by local(0, m))."""
         rec = self.rec
+        self.ex.units.forward_start(self.graph)  # (a sharded first unit: under the embedding)
         for mb in self.mbs:
             rec.mem_leaves.append(mb.memory)
             if self.prologue is not None:
@@ -127,6 +130,8 @@ class ForwardPass:
         if m == 0 and self.policy.syncs_into(j):
             for mm in range(self.M):
                 self.delivering[(j - 1, mm)].wait()
+        if m == 0 and j < self.B:
+            ex.units.forward_enter(j)
         with ex.span(f"fwd local {j}", m):
             reduced = self.delivered(j, m)
             if self.recompute:

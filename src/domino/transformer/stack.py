@@ -33,6 +33,7 @@ from domino.transformer.kernels import Kernels
 from domino.transformer.layer import Block, TransformerLayer
 from domino.transformer.microbatch import InferenceParams, MicroBatch, Prologue, split_batch
 from domino.transformer.norms import build_norm
+from domino.transformer.param_units import NO_UNITS, ParamUnits
 from domino.utils import init_scope
 
 # What a stack builds in from its runtime: a later set_runtime may not change it.
@@ -101,6 +102,9 @@ class DominoTransformer(nn.Module):
         # A pipeline stage holds layers layer_offset .. layer_offset + n - 1 of the model: their
         # numbers (KV-cache keys) and their weights are the full model's.
         self.layer_offset = layer_offset
+        # Who owns the blocks' parameters while the passes run (param_units.py); a fully
+        # sharded data-parallel run sets its own (training.fsdp).
+        self.param_units: ParamUnits = NO_UNITS
         # One set of piece functions for every layer: compiled, they share their graphs.
         self.kernels = Kernels.of(runtime.compile, runtime.compile_backend,
                                   runtime.attention_paths)
@@ -256,7 +260,7 @@ class DominoTransformer(nn.Module):
                                kv_cache=inference_params is not None)
         executor = Executor(self.blocks(), self.final_layernorm, edges, self.effective_plan(),
                             recompute=self._runtime.recompute_granularity == "full",
-                            kernels=self.kernels)
+                            kernels=self.kernels, units=self.param_units)
         if not needs_graph:
             return ForwardPass(executor, mbs, graph=False, prologue=prologue).run(
                 hidden_states)[0]

@@ -1,0 +1,219 @@
+"""Fully sharded data parallelism under the Domino schedule
+(``--data-parallel-sharding-strategy``, Megatron-FSDP's names).
+
+=====================  ================================================================
+``no_shard``           every DP rank holds everything (plain DP)
+``optim``              the optimizer state and fp32 masters sharded over DP (ZeRO-1,
+                       ``--use-distributed-optimizer``; ``training.dist_optim``)
+``optim_grads``        and the gradients: every micro-step reduce-scatters each bucket as soon
+                       as it is final and frees it (``grad_sync``, ``accumulate``): ZeRO-2
+``optim_grads_params`` and the transformer layers' parameters: each unit of layers is
+                       all-gathered just ahead of its use and freed after it (ZeRO-3,
+                       :class:`UnitGathers`)
+=====================  ================================================================
+
+Under ``optim_grads_params`` a unit's parameters are views into one flat buffer per bucket
+(``grad_sync`` gives every unit buckets of its own) whose storage is resized to nothing when
+the unit is freed and back when it is gathered: the parameters keep their shapes (gradients,
+the deferred weight-gradient GEMMs and checkpoints see them as always) while holding no memory.
+The gather is an all-gather of the optimizer's master chunks (in the parameters' dtype: bf16
+under ``--bf16``) over the bucket's gradient group.
+
+The schedule says where (``transformer.param_units``): the forward launches the first unit's
+gather before the embedding (it runs under it), and each unit's first block waits for its own
+gather and launches the next ``prefetch`` units'; a unit is freed once the forward is done with
+its last block (``reshard_after_forward``; the last unit is kept for the backward that follows
+at once). The backward gathers in reverse, each unit's last block waiting for its own and
+launching the ``prefetch`` units before it, and frees a unit when it is done with it; its
+gradients, final when the block's deferred weight-gradient GEMMs ran, are reduce-scattered and
+freed by the reducer. Full recomputation reruns a block's forward inside the backward's
+window, so it reuses the backward's gather. The embedding, final norm and LM head (the
+parameters outside the units) stay whole, as under ``optim_grads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from domino.transformer.layer import Block
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def unit_params(blocks: list[Block], unit_layers: int) -> list[list[nn.Parameter]]:
+    """The trained parameters of each unit: ``unit_layers`` consecutive layers' blocks."""
+    units: dict[int, list[nn.Parameter]] = {}
+    layers = sorted({b.layer for b in blocks})
+    for b in blocks:
+        u = layers.index(b.layer) // unit_layers
+        seen = units.setdefault(u, [])
+        seen.extend(p for p in b.parameters() if p.requires_grad and all(p is not q for q in seen))
+    return [units[u] for u in sorted(units)]
+
+
+@dataclass(eq=False)
+class _Flat:
+    """One bucket's whole parameters: a flat buffer (storage freed while the unit is)."""
+
+    bucket: int
+    full: torch.Tensor
+    handle: object = None
+    send: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def present(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+
+class UnitGathers:
+    """``optim_grads_params``: a stack's units of layers gathered and freed where the Domino
+    schedule says (a :class:`~domino.transformer.param_units.ParamUnits`; see the module
+    docstring). Built after the :class:`~domino.training.dist_optim.DistributedAdamW` whose
+    reducer has one bucket set per unit (``unit_params``)."""
+
+    def __init__(self, optimizer, stack: nn.Module, unit_layers: int = 1, prefetch: int = 1,
+                 reshard_after_forward: bool = True) -> None:
+        if unit_layers < 1 or prefetch < 0:
+            raise ValueError(f"UnitGathers(unit_layers={unit_layers}, prefetch={prefetch}): "
+                             "units of at least one layer, a prefetch of zero or more")
+        self.opt, self.prefetch = optimizer, prefetch
+        self.reshard_after_forward = reshard_after_forward
+        blocks = stack.blocks()
+        layers = sorted({b.layer for b in blocks})
+        self.unit_of_block = [layers.index(b.layer) // unit_layers for b in blocks]
+        self.count = max(self.unit_of_block) + 1
+        self.first = [self.unit_of_block.index(u) for u in range(self.count)]
+        self.last = [len(blocks) - 1 - self.unit_of_block[::-1].index(u)
+                     for u in range(self.count)]
+        owner = {id(p): u for u, ps in enumerate(unit_params(blocks, unit_layers)) for p in ps}
+        self.flats: list[list[_Flat]] = [[] for _ in range(self.count)]
+        for bi, bucket in enumerate(optimizer.reducer.buckets):
+            units = {owner.get(id(p)) for p in bucket.params}
+            if units == {None}:
+                continue
+            if len(units) != 1:
+                raise ValueError("UnitGathers: a gradient bucket spans units; build the reducer "
+                                 "with units=unit_params(...)")
+            self.flats[units.pop()].append(self._flatten(bi))
+        optimizer.sharded_buckets = {f.bucket for fs in self.flats for f in fs}
+        self.graph, self.pinned = False, False
+        for u in range(self.count):
+            self.release(u)
+        stack.param_units = self
+
+    @torch.no_grad()
+    def _flatten(self, bi: int) -> _Flat:
+        """Bucket ``bi``'s parameters made views of one flat buffer (padded as its chunks)."""
+        bucket = self.opt.reducer.buckets[bi]
+        size = self.opt.reducer.state.group(bucket.group).size
+        dtypes = {p.dtype for p in bucket.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"UnitGathers: a bucket mixes parameter dtypes {dtypes}")
+        full = torch.zeros(bucket.padded(size), dtype=dtypes.pop(),
+                           device=bucket.params[0].device)
+        offset = 0
+        for p in bucket.params:
+            view = full[offset:offset + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+            offset += p.numel()
+        return _Flat(bi, full)
+
+    # -- gathering and freeing ------------------------------------------------------------------
+    def launch(self, u: int) -> None:
+        """Start gathering unit ``u`` (nothing if out of range, present or in flight)."""
+        if not 0 <= u < self.count:
+            return
+        for f in self.flats[u]:
+            if f.handle is not None or f.present():
+                continue
+            f.full.untyped_storage().resize_(f.nbytes)
+            chunk, group = self.opt.chunks[f.bucket], self.opt.group_of(f.bucket)
+            f.send = chunk.to(f.full.dtype)
+            f.handle = group.all_gather_into(f.full, f.send, async_op=True,
+                                             name="fsdp params (all-gather)")
+
+    def wait(self, u: int) -> None:
+        """Unit ``u`` whole, gathered now if it was not launched."""
+        self.launch(u)
+        for f in self.flats[u]:
+            if f.handle is not None:
+                f.handle.wait()
+                f.handle, f.send = None, None
+
+    def release(self, u: int) -> None:
+        """Free unit ``u``'s parameters (a gather in flight is finished first); not while
+        :meth:`whole` holds them."""
+        if self.pinned:
+            return
+        for f in self.flats[u]:
+            if f.handle is not None:
+                f.handle.wait()
+                f.handle, f.send = None, None
+            f.full.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every unit gathered (a collective: every rank of the groups enters) and kept while
+        inside, whatever the passes say: for what runs on some ranks only (one replica's
+        sample); freed after."""
+        for u in range(self.count):
+            self.launch(u)
+        for u in range(self.count):
+            self.wait(u)
+        self.pinned = True
+        try:
+            yield
+        finally:
+            self.pinned = False
+            for u in range(self.count):
+                self.release(u)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of whole parameters present now (units gathered or in flight)."""
+        return sum(f.nbytes for fs in self.flats for f in fs if f.present())
+
+    def unit_bytes(self) -> list[int]:
+        """Each unit's whole parameters, in bytes."""
+        return [sum(f.nbytes for f in fs) for fs in self.flats]
+
+    # -- the schedule's events (transformer.param_units.ParamUnits) ------------------------------
+    def forward_start(self, graph: bool) -> None:
+        self.graph = graph
+        self.launch(0)  # under the embedding
+
+    def forward_enter(self, j: int) -> None:
+        u = self.unit_of_block[j]
+        if j == self.first[u]:
+            self.wait(u)
+            for d in range(1, self.prefetch + 1):
+                self.launch(u + d)
+
+    def forward_leave(self, j: int) -> None:
+        u = self.unit_of_block[j]
+        if j != self.last[u]:
+            return
+        if not self.graph:
+            self.release(u)  # (evaluation, generation: no backward follows)
+        elif self.reshard_after_forward and u != self.count - 1:
+            self.release(u)  # (the last unit's backward comes next)
+
+    def backward_enter(self, j: int) -> None:
+        u = self.unit_of_block[j]
+        if j == self.last[u]:
+            self.wait(u)
+            for d in range(1, self.prefetch + 1):
+                self.launch(u - d)
+
+    def backward_leave(self, j: int) -> None:
+        u = self.unit_of_block[j]
+        if j == self.first[u]:
+            self.release(u)

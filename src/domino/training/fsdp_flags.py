@@ -1,0 +1,62 @@
+"""`domino train`'s sharded data-parallel flags (``--data-parallel-sharding-strategy`` and the
+units of ``optim_grads_params``) and the strategy a run resolves to (``training.fsdp``)."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from domino.training.fsdp import STRATEGIES
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "group": "parallel",
+                                            "choices": choices})
+
+
+def fsdp_fields() -> list[tuple[str, type, Any]]:
+    """The flags, as ``dataclasses.make_dataclass`` fields."""
+    return [
+        ("data_parallel_sharding_strategy", str | None, _f(
+            None, "What is sharded over data parallelism (Megatron-FSDP's names): no_shard; "
+            "optim (optimizer state and fp32 masters: ZeRO-1, what "
+            "--use-distributed-optimizer means); optim_grads (and the gradients, "
+            "reduce-scattered as each bucket is final: ZeRO-2); optim_grads_params (and the "
+            "layers' parameters, gathered just ahead of use: ZeRO-3). docs/parallelism.md. "
+            "[default: optim with --use-distributed-optimizer, else no_shard]",
+            STRATEGIES)),
+        ("fsdp_unit_layers", int, _f(
+            1, "optim_grads_params: layers per unit (gathered and freed together).")),
+        ("fsdp_prefetch", int, _f(
+            1, "optim_grads_params: units gathered ahead of the one in use (0: gathered "
+            "where first used).")),
+        ("fsdp_reshard_after_forward", bool, _f(
+            True, "optim_grads_params: free each unit after its forward and gather it again "
+            "for the backward (off: kept from the forward to its backward).")),
+    ]
+
+
+def strategy(args: Any) -> str:
+    """The run's sharding strategy; ValueError naming the flags where they contradict each
+    other or the run."""
+    chosen = args.data_parallel_sharding_strategy
+    if chosen is None:
+        return "optim" if args.use_distributed_optimizer else "no_shard"
+    if chosen == "no_shard" and args.use_distributed_optimizer:
+        raise ValueError("--data-parallel-sharding-strategy no_shard contradicts "
+                         "--use-distributed-optimizer (which shards the optimizer: optim); "
+                         "drop one of them")
+    if chosen in ("optim_grads", "optim_grads_params"):
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError(f"--data-parallel-sharding-strategy {chosen} with "
+                             f"--pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size}: not supported yet (a "
+                             "pipeline's micro-batches would gather every unit once each); "
+                             "use optim (ZeRO-1) with pipelines")
+    if chosen == "optim_grads_params":
+        if args.fsdp_unit_layers < 1 or args.fsdp_unit_layers > args.num_layers:
+            raise ValueError(f"--fsdp-unit-layers {args.fsdp_unit_layers}: between 1 and "
+                             f"--num-layers ({args.num_layers})")
+        if args.fsdp_prefetch < 0:
+            raise ValueError(f"--fsdp-prefetch {args.fsdp_prefetch}: 0 or more units")
+    return chosen
