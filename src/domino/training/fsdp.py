@@ -217,3 +217,34 @@ class UnitGathers:
         u = self.unit_of_block[j]
         if j == self.first[u]:
             self.release(u)
+
+
+def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], optimizer,
+                  gathers: UnitGathers | None, prefetch: int) -> dict[str, int]:
+    """The model-state bytes per rank the strategy implies (the formula of
+    docs/parallelism.md, from this rank's tensors): ``weights`` (trained parameters whole,
+    or under ``optim_grads_params`` the parts outside the units plus ``1 + prefetch`` of the
+    largest unit in flight; frozen ones and compute copies as held), ``grads`` (fp32 main
+    gradients whole, or this rank's chunk of their sums plus one unit's whole while it is
+    reduced) and ``optimizer`` (AdamW's two moments and, where the optimizer holds them
+    apart, the fp32 masters: whole, or this rank's chunks)."""
+    trained = {id(p) for p in params}
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters()
+                 if id(p) not in trained)
+    n = sum(p.numel() for p in params)
+    width = max((p.element_size() for p in params), default=4)
+    if optimizer is None or not hasattr(optimizer, "chunks"):  # no_shard (or nothing to shard)
+        copies = sum(p.numel() * 2 for p in params if p.dtype != torch.bfloat16
+                     and getattr(p, "domino_compute_dtype", p.dtype) != p.dtype)
+        return {"weights": n * width + copies + frozen, "grads": 4 * n, "optimizer": 8 * n}
+    chunk = sum(c.numel() for c in optimizer.chunks)  # this rank's share, padding included
+    optim = 12 * chunk  # moments and fp32 masters
+    if strategy == "optim":
+        return {"weights": n * width + frozen, "grads": 4 * n, "optimizer": optim}
+    if strategy == "optim_grads" or gathers is None:
+        return {"weights": n * width + frozen, "grads": 4 * chunk, "optimizer": optim}
+    units = gathers.unit_bytes()
+    outside = n * width - sum(units)
+    flight = min(1 + prefetch, len(units)) * max(units)
+    return {"weights": outside + flight + frozen,
+            "grads": 4 * chunk + 4 * max(units) // width, "optimizer": optim}

@@ -34,7 +34,7 @@ from domino.tensor_parallel import placement_of
 from domino.training import fsdp_flags, lora_flags, report
 from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
-from domino.training.fsdp import UnitGathers, unit_params
+from domino.training.fsdp import UnitGathers, implied_state, unit_params
 from domino.training.grad_sync import make_reducer
 from domino.training.logging import RunLogger
 from domino.training.optim import (
@@ -100,6 +100,9 @@ class Trainer:
         self.rank0 = state.world.rank == 0
         self.start, self.consumed = 0, 0
         notes = self._resume() if run.resume is not None else []
+        notes.append(report.state_line(self.strategy, implied_state(
+            self.strategy, self.model, self.params, self.optimizer, self.gathers,
+            args.fsdp_prefetch)))
         self.log = RunLogger(self.run_dir, args.train_iters, self.start, self.rank0,
                              args.tensorboard)
         self.last_saved = self.start if run.resume is not None and self.start else None

@@ -82,6 +82,14 @@ def startup_lines(run: Run, state: ParallelState, parameters: int, batching: str
     return lines
 
 
+def state_line(strategy: str, implied: dict[str, int]) -> str:
+    """The start-up line of the model state per rank the sharding strategy implies."""
+    mib = {k: v / 2**20 for k, v in implied.items()}
+    return (f"model state per rank implied by --data-parallel-sharding-strategy {strategy}: "
+            f"{sum(mib.values()):.1f} MiB (weights {mib['weights']:.1f} + gradients "
+            f"{mib['grads']:.1f} + optimizer {mib['optimizer']:.1f}; docs/parallelism.md)")
+
+
 class CompileReport:
     """--compile: what each kind of call ("training" or "evaluation") compiled. Each kind
     compiles in its first call (the evaluation's no-grad variants apart); any later compile (a
