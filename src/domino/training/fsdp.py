@@ -222,7 +222,7 @@ class UnitGathers:
 def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], optimizer,
                   gathers: UnitGathers | None, prefetch: int) -> dict[str, int]:
     """The model-state bytes per rank the strategy implies (the formula of
-    docs/parallelism.md, from this rank's tensors): ``weights`` (trained parameters whole,
+    docs/data-parallel.md, from this rank's tensors): ``weights`` (trained parameters whole,
     or under ``optim_grads_params`` the parts outside the units plus ``1 + prefetch`` of the
     largest unit in flight; frozen ones and compute copies as held), ``grads`` (fp32 main
     gradients whole, or this rank's chunk of their sums plus one unit's whole while it is

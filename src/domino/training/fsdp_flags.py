@@ -22,7 +22,7 @@ def fsdp_fields() -> list[tuple[str, type, Any]]:
             "optim (optimizer state and fp32 masters: ZeRO-1, what "
             "--use-distributed-optimizer means); optim_grads (and the gradients, "
             "reduce-scattered as each bucket is final: ZeRO-2); optim_grads_params (and the "
-            "layers' parameters, gathered just ahead of use: ZeRO-3). docs/parallelism.md. "
+            "layers' parameters, gathered just ahead of use: ZeRO-3). docs/data-parallel.md. "
             "[default: optim with --use-distributed-optimizer, else no_shard]",
             STRATEGIES)),
         ("fsdp_unit_layers", int, _f(

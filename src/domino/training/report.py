@@ -87,7 +87,7 @@ def state_line(strategy: str, implied: dict[str, int]) -> str:
     mib = {k: v / 2**20 for k, v in implied.items()}
     return (f"model state per rank implied by --data-parallel-sharding-strategy {strategy}: "
             f"{sum(mib.values()):.1f} MiB (weights {mib['weights']:.1f} + gradients "
-            f"{mib['grads']:.1f} + optimizer {mib['optimizer']:.1f}; docs/parallelism.md)")
+            f"{mib['grads']:.1f} + optimizer {mib['optimizer']:.1f}; docs/data-parallel.md)")
 
 
 class CompileReport:
