@@ -262,6 +262,13 @@ def _group_of(me: int, lists: list[list[int]], device: torch.device) -> CommGrou
     return mine
 
 
+def group_among(lists: list[list[int]], device: torch.device) -> CommGroup:
+    """This rank's group among ``lists`` of global ranks, every group created (a collective:
+    every rank calls it with the same lists, in the same order): groups a run derives beyond
+    :data:`GROUPS` (HSDP's, ``training.fsdp.hybrid_groups``)."""
+    return _group_of(dist.get_rank(), lists, device)
+
+
 def world_timeout(device: torch.device) -> datetime.timedelta | None:
     """The default process group's timeout (``init_process_group(timeout=...)``), or None
     where the backend does not expose it (torch's default then applies)."""

@@ -134,7 +134,7 @@ class DistributedAdamW:
 
     def group_of(self, bucket: int) -> CommGroup:
         """The group bucket ``bucket`` is sharded over (its gradient group)."""
-        return self.reducer.state.group(self.reducer.buckets[bucket].group)
+        return self.reducer.shard_group(self.reducer.buckets[bucket].group)
 
     _group = group_of
 
@@ -182,7 +182,8 @@ class DistributedAdamW:
                                                     dtype=torch.float32).double() ** 2
         total = None
         for name, part in parts.items():
-            state.group(name).all_reduce(part, name="grad norm")
+            # (HSDP: the replicas hold equal chunks: summed over the shard group only)
+            self.reducer.shard_group(name).all_reduce(part, name="grad norm")
             if all(state.group(inner).rank == 0 for inner in WITHIN[name]):
                 total = part if total is None else total + part
         if total is None:

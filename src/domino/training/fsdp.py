@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from domino.parallel_state import group_among
 from domino.transformer.layer import Block
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -248,3 +249,21 @@ def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], o
     flight = min(1 + prefetch, len(units)) * max(units)
     return {"weights": outside + flight + frozen,
             "grads": 4 * chunk + 4 * max(units) // width, "optimizer": optim}
+
+
+def hybrid_groups(state, shard_size: int | None) -> dict:
+    """HSDP (``--data-parallel-shard-size K``): each DP x CP group cut into shard groups of K
+    consecutive ranks (what is sharded over) and replicate groups of the ranks at the same
+    place in each (what the sharded chunks' gradients are summed over); ``{"dp_cp": (shard,
+    replicate)}`` for the reducer, empty when K is all of DP x CP (a collective: every rank
+    creates every group)."""
+    lists = state.sizes.rank_groups()["dp_cp"]
+    size = len(lists[0])
+    if shard_size is None or shard_size == size:
+        return {}
+    if shard_size < 1 or size % shard_size:
+        raise ValueError(f"--data-parallel-shard-size {shard_size} must divide the "
+                         f"data-parallel (x context-parallel) size {size}")
+    shards = [ranks[i:i + shard_size] for ranks in lists for i in range(0, size, shard_size)]
+    replicas = [ranks[i::shard_size] for ranks in lists for i in range(shard_size)]
+    return {"dp_cp": (group_among(shards, state.device), group_among(replicas, state.device))}

@@ -25,6 +25,10 @@ def fsdp_fields() -> list[tuple[str, type, Any]]:
             "layers' parameters, gathered just ahead of use: ZeRO-3). docs/data-parallel.md. "
             "[default: optim with --use-distributed-optimizer, else no_shard]",
             STRATEGIES)),
+        ("data_parallel_shard_size", int | None, _f(
+            None, "HSDP: shard over groups of this many data-parallel ranks (x CP) and "
+            "replicate across the groups, the gradients' chunks summed over the replicas; for "
+            "many nodes: the shard group within a node. [default: all of DP x CP]")),
         ("fsdp_unit_layers", int, _f(
             1, "optim_grads_params: layers per unit (gathered and freed together).")),
         ("fsdp_prefetch", int, _f(
@@ -41,7 +45,7 @@ def strategy(args: Any) -> str:
     other or the run."""
     chosen = args.data_parallel_sharding_strategy
     if chosen is None:
-        return "optim" if args.use_distributed_optimizer else "no_shard"
+        chosen = "optim" if args.use_distributed_optimizer else "no_shard"
     if chosen == "no_shard" and args.use_distributed_optimizer:
         raise ValueError("--data-parallel-sharding-strategy no_shard contradicts "
                          "--use-distributed-optimizer (which shards the optimizer: optim); "
@@ -53,10 +57,33 @@ def strategy(args: Any) -> str:
                              f"{args.pipeline_model_parallel_size}: not supported yet (a "
                              "pipeline's micro-batches would gather every unit once each); "
                              "use optim (ZeRO-1) with pipelines")
+    if args.data_parallel_shard_size is not None:
+        if chosen == "no_shard":
+            raise ValueError(f"--data-parallel-shard-size {args.data_parallel_shard_size} "
+                             "shards within groups of data-parallel ranks: add "
+                             "--data-parallel-sharding-strategy optim, optim_grads or "
+                             "optim_grads_params")
+        if args.expert_model_parallel_size > 1:
+            raise ValueError("--data-parallel-shard-size with --expert-model-parallel-size > 1 "
+                             "is not supported yet (experts shard over expert-DP); drop one")
     if chosen == "optim_grads_params":
         if args.fsdp_unit_layers < 1 or args.fsdp_unit_layers > args.num_layers:
             raise ValueError(f"--fsdp-unit-layers {args.fsdp_unit_layers}: between 1 and "
                              f"--num-layers ({args.num_layers})")
         if args.fsdp_prefetch < 0:
             raise ValueError(f"--fsdp-prefetch {args.fsdp_prefetch}: 0 or more units")
+    return chosen
+
+
+def check(args: Any, dp: int) -> str:
+    """Before any process starts: :func:`strategy`, and an HSDP shard size that divides the
+    DP x CP ranks (``dp``: the run's data-parallel size)."""
+    chosen = strategy(args)
+    size, shard = dp * args.context_parallel_size, args.data_parallel_shard_size
+    if shard is not None and (shard < 1 or size % shard):
+        raise ValueError(f"--data-parallel-shard-size {shard} must divide the data-parallel "
+                         f"(x context-parallel) size {size}; e.g. "
+                         f"{max(d for d in range(1, size + 1) if size % d == 0 and d < size)}"
+                         if size > 1 else f"--data-parallel-shard-size {shard}: this run has "
+                         "one data-parallel rank; drop it")
     return chosen

@@ -84,7 +84,8 @@ class GradReducer:
                  bucket_numel: int | None = None, shard: bool = False,
                  overlap: bool = True, reduce_dtype: torch.dtype | None = None,
                  accumulate: bool = False,
-                 units: Sequence[Sequence[nn.Parameter]] = ()) -> None:
+                 units: Sequence[Sequence[nn.Parameter]] = (),
+                 hybrid: dict[str, tuple[CommGroup, CommGroup]] | None = None) -> None:
         """``state``: the parallel state (its groups by name). ``shard`` (a distributed
         optimizer): reduce-scatter each bucket instead, every rank of its group keeping its
         chunk of the sums (:attr:`_Bucket.shard`); ``.grad`` is left unreduced. ``overlap``:
@@ -94,12 +95,18 @@ class GradReducer:
         ``accumulate`` (with ``shard``): every micro-step reduces, the gradients freed as
         their bucket is launched (see the module docstring). ``units``: groups of parameters
         that never share a bucket with others (a fully sharded run's units of layers, each
-        gathered and freed whole; their buckets hold one unit each, whatever its size)."""
+        gathered and freed whole; their buckets hold one unit each, whatever its size).
+        ``hybrid`` (HSDP, with ``shard``): gradient group name -> (shard group, replicate
+        group): its buckets are reduce-scattered over the shard group, then this rank's chunk
+        all-reduced over the replicate group (``training.fsdp.hybrid_groups``)."""
         if accumulate and not shard:
             raise ValueError("GradReducer(accumulate=True) sums this rank's chunks of the "
                              "gradients: it needs shard=True")
         self.state, self.shard, self.overlap = state, shard, overlap
         self.reduce_dtype, self.accumulate = reduce_dtype, accumulate
+        self.hybrid = dict(hybrid or {})
+        if self.hybrid and not shard:
+            raise ValueError("GradReducer(hybrid=...) shards within groups: it needs shard=True")
         if bucket_numel is None:
             # Overlapped: at least ~4 buckets, or the last one would wait for the whole
             # backward; few enough that launches stay cheap. Blocking: the largest.
@@ -128,10 +135,15 @@ class GradReducer:
         """The distinct groups the buckets are reduced over (for their timing)."""
         out: list[CommGroup] = []
         for name in dict.fromkeys(b.group for b in self.buckets):
-            g = self.state.group(name)
-            if all(g is not seen for seen in out):
-                out.append(g)
+            for g in self.hybrid.get(name, (self.state.group(name),)):
+                if all(g is not seen for seen in out):
+                    out.append(g)
         return out
+
+    def shard_group(self, name: str) -> CommGroup:
+        """The group gradient group ``name``'s buckets are reduced (sharded: reduce-scattered)
+        over: the group itself, or under HSDP its shard group."""
+        return self.hybrid[name][0] if name in self.hybrid else self.state.group(name)
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[BackwardContext]:
@@ -178,7 +190,7 @@ class GradReducer:
                 p.grad = zeros_grad(p)
             grads.append(p.grad)
         bucket.grads = grads
-        group = self.state.group(bucket.group)
+        group = self.shard_group(bucket.group)
         if not self.shard:
             bucket.flat = self._wire(torch.cat([g.reshape(-1) for g in grads]))
             bucket.handle = group.all_reduce(bucket.flat, async_op=True, name="dp grads")
@@ -216,6 +228,8 @@ class GradReducer:
             bucket.handle.wait()
             offset = 0
             wanted = grad_dtype(bucket.params[0])  # the sums in the gradients' dtype again
+            if bucket.group in self.hybrid:  # the replicas' sums of this rank's chunk
+                self.hybrid[bucket.group][1].all_reduce(bucket.shard, name="hsdp grads")
             if self.shard and bucket.shard.dtype != wanted:
                 bucket.shard = bucket.shard.to(wanted)
             if self.accumulate:
@@ -233,16 +247,19 @@ def make_reducer(model: nn.Module, params: Sequence[nn.Parameter], state: NamedG
                  distributed_optimizer: bool = False, overlap: bool = True, runner=None,
                  bucket_numel: int | None = None,
                  reduce_dtype: torch.dtype | None = None, accumulate: bool = False,
-                 units: Sequence[Sequence[nn.Parameter]] = ()) -> GradReducer | None:
+                 units: Sequence[Sequence[nn.Parameter]] = (),
+                 hybrid: dict[str, tuple[CommGroup, CommGroup]] | None = None
+                 ) -> GradReducer | None:
     """The run's gradient reduction, decided here once: None when every gradient group has one
     rank (nothing to reduce); sharded for the distributed optimizer (ZeRO-1); overlapped with
     the backward when ``overlap`` (``--overlap-grad-reduce``) or ZeRO-1 asks for it and the
     schedule allows it (``runner``, a pipeline's: not under zero-bubble); ``reduce_dtype``:
-    the dtype the sums run in (default the gradients'); ``accumulate`` and ``units``: a run
-    that shards the gradients (and parameters) too (:class:`GradReducer`)."""
+    the dtype the sums run in (default the gradients'); ``accumulate``, ``units`` and
+    ``hybrid``: a run that shards the gradients (and parameters) too, or within groups
+    (:class:`GradReducer`)."""
     if all(state.group(name).size == 1 for name in GRAD_GROUPS):
         return None
     overlapped = (overlap or distributed_optimizer) and (runner is None or runner.overlaps_dp)
     return GradReducer(model, params, state, bucket_numel, shard=distributed_optimizer,
                        overlap=overlapped, reduce_dtype=reduce_dtype, accumulate=accumulate,
-                       units=units)
+                       units=units, hybrid=hybrid)

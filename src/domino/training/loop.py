@@ -34,7 +34,7 @@ from domino.tensor_parallel import placement_of
 from domino.training import fsdp_flags, lora_flags, report
 from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
-from domino.training.fsdp import UnitGathers, implied_state, unit_params
+from domino.training.fsdp import UnitGathers, hybrid_groups, implied_state, unit_params
 from domino.training.grad_sync import make_reducer
 from domino.training.logging import RunLogger
 from domino.training.optim import (
@@ -163,7 +163,8 @@ class Trainer:
                                     reduce_dtype=args.grad_reduce_dtype(),
                                     accumulate=self.strategy in ("optim_grads",
                                                                  "optim_grads_params"),
-                                    units=units)
+                                    units=units, hybrid=hybrid_groups(
+                                        self.state, args.data_parallel_shard_size))
         zero = self.reducer is not None and self.reducer.shard
         self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
                                                                    args.adam_beta2),

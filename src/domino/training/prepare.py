@@ -24,7 +24,7 @@ from domino.parallel_state import ParallelSizes
 from domino.pipeline.schedules import check_schedule, theoretical_bubble
 from domino.plan import Plan
 from domino.runtime import CP_COMM_TYPES, RuntimeConfig, check_compile
-from domino.training import model_flags
+from domino.training import fsdp_flags, model_flags
 from domino.training.arguments import TrainArgs, field_types
 from domino.training.data import (
     build_datasets,
@@ -253,6 +253,7 @@ def _prepare(args: TrainArgs, world_size: int | None, progress: bool,
     _check_device(args, local if under_torchrun() else world_size)
     _check_link(args, world_size)
     dp = _check_parallel(args, world_size)
+    fsdp_flags.check(args, dp)  # the sharding strategy's flags
     if args.save is None and run_dir is not None:
         args.save = str(run_dir)
     if args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute":
