@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from domino.parallel_state import group_among
+from domino.training.dist_optim import DistributedAdamW
+from domino.training.grad_sync import make_reducer
 from domino.transformer.layer import Block
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -267,3 +269,53 @@ def hybrid_groups(state, shard_size: int | None) -> dict:
     shards = [ranks[i:i + shard_size] for ranks in lists for i in range(0, size, shard_size)]
     replicas = [ranks[i::shard_size] for ranks in lists for i in range(shard_size)]
     return {"dp_cp": (group_among(shards, state.device), group_among(replicas, state.device))}
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How a run shards over data parallelism (``domino train``'s flags as a value)."""
+
+    strategy: str = "no_shard"
+    unit_layers: int = 1
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    shard_size: int | None = None  # HSDP: None = all of DP x CP
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}")
+
+
+@dataclass(eq=False)
+class Sharded:
+    """What :func:`shard` built: the gradient reducer (None: nothing to reduce), the
+    distributed optimizer (None: nothing to shard, use a plain one) and the units' gathers
+    (``optim_grads_params`` only)."""
+
+    reducer: object | None
+    optimizer: object | None
+    gathers: UnitGathers | None
+
+
+def shard(model: nn.Module, params: list[nn.Parameter], state, plan: ShardingPlan, *,
+          lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+          overlap: bool = True, runner=None, reduce_dtype: torch.dtype | None = None,
+          overlap_param_gather: bool = True) -> Sharded:
+    """The library's one call for a sharded data-parallel run (what ``domino train`` does):
+    ``params`` of ``model`` (a GPT: its one stack's blocks are the units) reduced and
+    optimised as ``plan`` says, over ``state``'s groups. Every rank calls it."""
+    units = (unit_params(model.blocks(), plan.unit_layers)
+             if plan.strategy == "optim_grads_params" else ())
+    reducer = make_reducer(model, params, state, distributed_optimizer=plan.strategy != "no_shard",
+                           overlap=overlap, runner=runner, reduce_dtype=reduce_dtype,
+                           accumulate=plan.strategy in ("optim_grads", "optim_grads_params"),
+                           units=units, hybrid=hybrid_groups(state, plan.shard_size))
+    if reducer is None or not reducer.shard:
+        return Sharded(reducer, None, None)
+    optimizer = DistributedAdamW(reducer, lr, betas, eps, weight_decay,
+                                 overlap_param_gather and runner is None)
+    if optimizer.overlap_param_gather:
+        optimizer.attach(model)
+    gathers = (UnitGathers(optimizer, model.language_model.encoder, plan.unit_layers,
+                           plan.prefetch, plan.reshard_after_forward) if units else None)
+    return Sharded(reducer, optimizer, gathers)

@@ -34,8 +34,7 @@ from domino.tensor_parallel import placement_of
 from domino.training import fsdp_flags, lora_flags, report
 from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
-from domino.training.fsdp import UnitGathers, hybrid_groups, implied_state, unit_params
-from domino.training.grad_sync import make_reducer
+from domino.training.fsdp import ShardingPlan, implied_state, shard
 from domino.training.logging import RunLogger
 from domino.training.optim import (
     DynamicLossScaler,
@@ -151,32 +150,19 @@ class Trainer:
         return resolve_attention(run.runtime, shapes, state.world)
 
     def _build_optimizer(self) -> None:
-        """The gradient reduction (overlapped or not: make_reducer decides), the optimiser
-        (ZeRO-1 with DP > 1 and --use-distributed-optimizer) and fp16's loss scaler."""
+        """The gradient reduction, the optimiser (sharded as --data-parallel-sharding-strategy
+        says: ``fsdp.shard``; plain AdamW where nothing is sharded) and fp16's loss scaler."""
         args = self.args
         self.strategy = fsdp_flags.strategy(args)
-        units = (unit_params(self.model.blocks(), args.fsdp_unit_layers)
-                 if self.strategy == "optim_grads_params" else ())
-        self.reducer = make_reducer(self.model, self.params, self.state,
-                                    distributed_optimizer=self.strategy != "no_shard",
-                                    overlap=args.overlap_grad_reduce, runner=self.runner,
-                                    reduce_dtype=args.grad_reduce_dtype(),
-                                    accumulate=self.strategy in ("optim_grads",
-                                                                 "optim_grads_params"),
-                                    units=units, hybrid=hybrid_groups(
-                                        self.state, args.data_parallel_shard_size))
-        zero = self.reducer is not None and self.reducer.shard
-        self.optimizer = (DistributedAdamW(self.reducer, args.lr, (args.adam_beta1,
-                                                                   args.adam_beta2),
-                                           args.adam_eps, args.weight_decay,
-                                           args.overlap_param_gather and self.runner is None)
-                          if zero else build_optimizer(self.model, args))
-        if zero and self.optimizer.overlap_param_gather:
-            self.optimizer.attach(self.model)
-        self.gathers = (UnitGathers(self.optimizer, self.model.language_model.encoder,
-                                    args.fsdp_unit_layers, args.fsdp_prefetch,
-                                    args.fsdp_reshard_after_forward)
-                        if zero and units else None)
+        plan = ShardingPlan(self.strategy, args.fsdp_unit_layers, args.fsdp_prefetch,
+                            args.fsdp_reshard_after_forward, args.data_parallel_shard_size)
+        built = shard(self.model, self.params, self.state, plan, lr=args.lr,
+                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                      weight_decay=args.weight_decay, overlap=args.overlap_grad_reduce,
+                      runner=self.runner, reduce_dtype=args.grad_reduce_dtype(),
+                      overlap_param_gather=args.overlap_param_gather)
+        self.reducer, self.gathers = built.reducer, built.gathers
+        self.optimizer = built.optimizer or build_optimizer(self.model, args)
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
 
