@@ -226,11 +226,12 @@ def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], o
                   gathers: UnitGathers | None, prefetch: int) -> dict[str, int]:
     """The model-state bytes per rank the strategy implies (the formula of
     docs/data-parallel.md, from this rank's tensors): ``weights`` (trained parameters whole,
-    or under ``optim_grads_params`` the parts outside the units plus ``1 + prefetch`` of the
-    largest unit in flight; frozen ones and compute copies as held), ``grads`` (fp32 main
-    gradients whole, or this rank's chunk of their sums plus one unit's whole while it is
-    reduced) and ``optimizer`` (AdamW's two moments and, where the optimizer holds them
-    apart, the fp32 masters: whole, or this rank's chunks)."""
+    or under ``optim_grads_params`` the parts outside the units plus the largest units in
+    flight; frozen ones and compute copies as held), ``grads`` (fp32 main gradients whole,
+    or this rank's chunk of their sums plus what is in flight) and ``optimizer`` (AdamW's two
+    moments and, where the optimizer holds them apart, the fp32 masters: whole, or this rank's
+    chunks). Under ``optim_grads_params``:
+    ``2 + prefetch`` units in flight, and one unit's gradients whole."""
     trained = {id(p) for p in params}
     frozen = sum(p.numel() * p.element_size() for p in model.parameters()
                  if id(p) not in trained)
@@ -248,9 +249,13 @@ def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], o
         return {"weights": n * width + frozen, "grads": 4 * chunk, "optimizer": optim}
     units = gathers.unit_bytes()
     outside = n * width - sum(units)
-    flight = min(1 + prefetch, len(units)) * max(units)
+    # At a unit boundary the unit before is still in use (its exit runs in the next unit's
+    # first local piece) while the next ``prefetch`` are gathered.
+    flight = min(2 + prefetch, len(units)) * max(units)
+    # One unit's fp32 gradients whole: made by the backward, or in flight to their
+    # reduce-scatter (the one before is settled before the next is launched: grad_sync).
     return {"weights": outside + flight + frozen,
-            "grads": 4 * chunk + 4 * max(units) // width, "optimizer": optim}
+            "grads": 4 * chunk + max(units) // width * 4, "optimizer": optim}
 
 
 def hybrid_groups(state, shard_size: int | None) -> dict:

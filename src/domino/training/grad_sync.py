@@ -200,6 +200,8 @@ class GradReducer:
         parts = [g.reshape(-1) for g in grads]
         if pad:
             parts.append(grads[0].new_zeros(pad))
+        if self.accumulate:
+            self._settle_flats()
         bucket.flat = self._wire(torch.cat(parts))
         if self.accumulate:  # the copy in flight is all that is left of them
             for p in bucket.params:
@@ -208,6 +210,15 @@ class GradReducer:
         bucket.shard = bucket.flat.new_empty(bucket.flat.numel() // size)
         bucket.handle = group.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
                                              name="dp grads (reduce-scatter)")
+
+    def _settle_flats(self) -> None:
+        """Accumulating: before another bucket's copy is made, the earlier buckets' copies
+        are dropped once their reduce-scatter is done (waited for: it ran under a whole
+        block's backward), so one bucket's gradients at most are in flight."""
+        for b in self.buckets:
+            if b.flat is not None and b.handle is not None:
+                b.handle.wait()
+                b.flat = None
 
     def _wire(self, flat: torch.Tensor) -> torch.Tensor:
         dtype = self.reduce_dtype
