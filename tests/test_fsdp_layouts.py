@@ -1,0 +1,50 @@
+"""Sharded data parallelism with the other parallel dimensions of a run: context parallelism
+(CP=2 x DP=2: dense gradients and units over DP x CP) and a Mixture-of-Experts model with
+expert parallelism (EP=2 x DP=2: the experts' units over expert-DP) train under
+``optim_grads_params`` as they do under ``no_shard`` (losses, gradient norms, the saved weights
+and AdamW moments within fp32 rounding)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from domino.checkpoint.layout import open_checkpoint
+from domino.checkpoint.shards import ShardReader, TensorSpec
+from domino.cli import main
+
+COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+          "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "0", "--adam-eps", "1e-3",
+          "--eval-iters", "0", "--sample-tokens", "0", "--no-tensorboard", "--log-interval", "1",
+          "--tensor-model-parallel-size", "1", "--nproc", "4", "--seed", "3"]
+LAYOUTS = {"cp2": ["--context-parallel-size", "2"],
+           "moe_ep2": ["--num-experts", "4", "--expert-model-parallel-size", "2"]}
+
+
+def _run(save: Path, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    assert main(["train", *COMMON, "--save", str(save), *extra]) == 0
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    step_dir, meta, _ = open_checkpoint(save)
+    reader = ShardReader(step_dir)
+    return records, {k: reader.full(k, TensorSpec.from_json(k, raw))
+                     for k, raw in meta.tensors.items() if not k.startswith("optimizer.step")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fully_sharded_equals_no_shard(layout: str, tmp_path: Path) -> None:
+    want, want_tensors = _run(tmp_path / "plain", *LAYOUTS[layout])
+    got, tensors = _run(tmp_path / "sharded", *LAYOUTS[layout],
+                        "--data-parallel-sharding-strategy", "optim_grads_params")
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert set(tensors) == set(want_tensors)
+    if layout == "moe_ep2":
+        assert any(".experts." in k for k in tensors)
+    for name, t in want_tensors.items():
+        err = float((tensors[name] - t).abs().max()) / max(float(t.abs().max()), 1e-6)
+        assert err < 1e-4, (layout, name, err)
