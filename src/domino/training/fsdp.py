@@ -116,7 +116,7 @@ class UnitGathers:
     def _flatten(self, bi: int) -> _Flat:
         """Bucket ``bi``'s parameters made views of one flat buffer (padded as its chunks)."""
         bucket = self.opt.reducer.buckets[bi]
-        size = self.opt.reducer.state.group(bucket.group).size
+        size = self.opt.group_of(bi).size  # (HSDP: its shard group)
         dtypes = {p.dtype for p in bucket.params}
         if len(dtypes) != 1:
             raise ValueError(f"UnitGathers: a bucket mixes parameter dtypes {dtypes}")
