@@ -1,5 +1,5 @@
-"""Pure helpers of scripts/compare_fsdp/compare.py and largest.py (no processes trained, no
-timing asserted)."""
+"""Pure helpers of scripts/compare_fsdp/ (compare.py, fsdp_figures.py, largest.py): no
+processes trained, no timing asserted."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def _load(name: str, module: str):
 
 
 compare = _load("compare.py", "compare_fsdp")
+figures = sys.modules["fsdp_figures"]  # (compare.py imports it from its folder)
 largest = _load("largest.py", "compare_fsdp_largest")
 
 # The lines domino train prints, as they come (progress bar in front, nested brackets).
@@ -48,13 +49,13 @@ def test_help_runs_as_a_script():
 
 
 def test_parses_domino_train_lines():
-    assert compare.parse_peaks_mib(LOG) == [676.0, 664.0]
-    assert compare.parse_model_state_mib(LOG) == [109.7, 109.6]
-    assert compare.parse_implied_mib(LOG) == 145.8
-    assert compare.parse_param_count(LOG) == 13790208
+    assert figures.parse_peaks_mib(LOG) == [676.0, 664.0]
+    assert figures.parse_model_state_mib(LOG) == [109.7, 109.6]
+    assert figures.parse_implied_mib(LOG) == 145.8
+    assert figures.parse_param_count(LOG) == 13790208
     with pytest.raises(ValueError, match="peak memory per rank"):
-        compare.parse_peaks_mib("no such line")
-    assert compare.parse_model_state_mib("") == [] and compare.parse_implied_mib("") is None
+        figures.parse_peaks_mib("no such line")
+    assert figures.parse_model_state_mib("") == [] and figures.parse_implied_mib("") is None
 
 
 def test_run_figures_leave_out_the_warmup():

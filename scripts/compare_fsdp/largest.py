@@ -44,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fsdp_train_log import (  # noqa: E402
+from fsdp_figures import (  # noqa: E402
     parse_implied_mib,
     parse_model_state_mib,
     parse_param_count,
