@@ -22,7 +22,6 @@ training runs: two spawns (4 ranks, then 2) of several runs each, checked here.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import pytest
 import torch
 from dist import run_distributed
 from test_bad_inputs import _refused, _small
-from test_train_cli import _workers_of
+from test_train_cli import _workers_of, fail_rank_at
 
 from domino.checkpoint.layout import open_checkpoint
 from domino.checkpoint.shards import ShardReader, TensorSpec
@@ -46,7 +45,6 @@ TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, domino_micro_ba
            domino_overlap="cross_layer", micro_batch_size=2, global_batch_size=8)
 # Layers dominate (0.79 M of 0.84 M parameters: byte vocabulary): the memory runs.
 MEMORY = dict(hidden_size=128, micro_batch_size=1, global_batch_size=8, train_iters=2)
-FAULTS = str(Path(__file__).parent / "faults")  # test-only fault injection (sitecustomize.py)
 
 
 def _ogp(**kw) -> dict:
@@ -534,13 +532,9 @@ def test_bad_combinations_are_refused_before_spawn(flags, message, data, tmp_pat
 
 # -- 6. a crashed rank ----------------------------------------------------------------------------
 def test_a_crashed_rank_stops_every_rank(data, tmp_path, capfd, monkeypatch) -> None:
-    # Fresh interpreters start with tests/faults/sitecustomize.py: rank 1 fails at step 2,
-    # while rank 0 runs into the step's first collectives (a unit's gather among them).
-    path = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
-    monkeypatch.setenv("PYTHONPATH", path)
-    monkeypatch.setenv("DOMINO_RANK_START", "exec")
-    monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", "1")
-    monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", "2")
+    # Rank 1 fails at step 2 while rank 0 runs into the step's first collectives (a unit's
+    # gather among them).
+    fail_rank_at(monkeypatch, 1, 2)
     t0 = time.monotonic()
     rc = main(["train", *_small(data), "--split", "80,20,0", "--num-layers", "2", "--nproc", "2",
                "--data-parallel-sharding-strategy", OGP, "--train-iters", "4",

@@ -93,14 +93,18 @@ def byte_data(tmp_path_factory) -> list[str]:
     return ["--data-path", str(prefix), "--split", "90,10,0"]
 
 
-def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch, byte_data) -> None:
-    # The ranks start with tests/faults/sitecustomize.py, which makes rank 1 fail at step 2: a
-    # fresh interpreter's start-up reads it (forked ranks would not).
+def fail_rank_at(monkeypatch, rank: int, step: int) -> None:
+    """The ranks start with tests/faults/sitecustomize.py, which makes ``rank`` fail at
+    ``step``: a fresh interpreter's start-up reads it (forked ranks would not)."""
     path = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
     monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("DOMINO_RANK_START", "exec")
-    monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", "1")
-    monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", "2")
+    monkeypatch.setenv("DOMINO_TEST_FAIL_RANK", str(rank))
+    monkeypatch.setenv("DOMINO_TEST_FAIL_STEP", str(step))
+
+
+def test_crashed_rank_stops_every_rank(tmp_path, capfd, monkeypatch, byte_data) -> None:
+    fail_rank_at(monkeypatch, 1, 2)
     t0 = time.monotonic()
     rc = main(["train", *SMALL, *byte_data, "--nproc", "2", "--save", str(tmp_path / "run")])
     elapsed = time.monotonic() - t0
