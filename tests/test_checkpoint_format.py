@@ -240,12 +240,12 @@ def test_keep_last_k_and_partial_saves(tmp_path: Path) -> None:
 def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     run = tmp_path / "run"
     _checkpoint(run, step=2)
-    import domino.checkpoint.store as store
+    import domino.checkpoint.rank_files as rank_files
 
     def full_disk(*_a, **_k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store, "save_file", full_disk)
+    monkeypatch.setattr(rank_files, "StreamWriter", full_disk)  # (the tensor files' writer)
     with pytest.raises(CheckpointError, match="No space left.*previous checkpoint is intact"):
         _checkpoint(run, step=4)
     monkeypatch.undo()

@@ -66,7 +66,7 @@ def describe(local: torch.Tensor, like: torch.Tensor, tp_size: int, files: list[
     placement says (``files[r]``: the file TP rank r writes; a replicated tensor lives in
     ``files[0]``). Only TP cuts have a layout: a tensor sharded over another group is refused
     (NotImplementedError); experts sharded over EP are gathered whole before they are described
-    (``store._whole_experts``)."""
+    (``rank_files._Source``)."""
     dtype = str(local.dtype).removeprefix("torch.")
     placement = placement_of(like)
     sharded = (placement.shard is not None and local.dim() > 0

@@ -1,9 +1,11 @@
 """Saving and loading a run's state: weights, AdamW state and dropout RNG, one file per rank.
 
-Every (TP rank, PP stage) of DP rank 0 writes its own files (no rank gathers the model); global
-rank 0 then writes ``checkpoint.json`` and renames the folder into place, so a checkpoint exists
-only once it is complete. Loading reads each rank's part for *its* TP size, so a checkpoint saved
-at TP=a x DP=x loads at TP=b x DP=y (optimizer state included).
+Every (TP rank, PP stage) of DP rank 0 writes its own files (no rank gathers the model; a
+sharded run's DP chunks are gathered and streamed to them one bucket at a time:
+``checkpoint.rank_files``); global rank 0 then writes ``checkpoint.json`` and renames the
+folder into place, so a checkpoint exists only once it is complete. Loading reads each rank's
+part for *its* TP size one tensor at a time (a sharded run keeps its DP chunks of each), so a
+checkpoint saved at TP=a x DP=x loads at TP=b x DP=y (optimizer state included).
 """
 
 from __future__ import annotations
@@ -18,111 +20,20 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch import nn
 
 from domino.checkpoint import layout, lora
 from domino.checkpoint.layout import CheckpointError, Meta
-from domino.checkpoint.shards import ShardReader, TensorSpec, describe
+from domino.checkpoint.rank_files import (  # saved_tensors: importable from here as before
+    named_model_tensors,
+    saved_tensors,  # noqa: F401
+    write_rank_files,
+)
+from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.models.lora import is_adapter_name
 from domino.parallel_state import ParallelState
-from domino.tensor_parallel.layers import gather_full, shard_of_full
+from domino.tensor_parallel.layers import shard_of_full
 from domino.tensor_parallel.placement import placement_of
-
-
-def _writes(state: ParallelState) -> bool:
-    """DP and CP replicas hold identical weights and optimizer state (CP ranks' gradients
-    are summed over DP x CP): DP rank 0 of CP rank 0 writes."""
-    return state.dp.rank == 0 and state.cp.rank == 0
-
-
-def named_model_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """``model``'s parameters under the full model's names (``model.checkpoint_tensors()``
-    where a model - a pipeline stage - renames them)."""
-    if hasattr(model, "checkpoint_tensors"):
-        yield from model.checkpoint_tensors()
-    else:
-        yield from model.named_parameters()
-
-
-def saved_tensors(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The tensors a checkpoint of ``model`` holds: its parameters (:func:`named_model_tensors`)
-    or, for a model carrying LoRA adapters, the adapters only (``checkpoint.lora``)."""
-    named = list(named_model_tensors(model))
-    if any(is_adapter_name(n) for n, _ in named):
-        return [(n, p) for n, p in named if is_adapter_name(n)]
-    return named
-
-
-def optimizer_state(optimizer: Any) -> dict | None:
-    """Per parameter, the AdamW state a checkpoint holds: ``optimizer.state``, or for a
-    distributed optimizer its shards gathered over DP (a collective: every rank calls it)."""
-    if optimizer is None:
-        return None
-    if hasattr(optimizer, "full_state"):
-        return optimizer.full_state()
-    return optimizer.state
-
-
-def model_masters(optimizer: Any) -> dict:
-    """Per parameter, the fp32 master weight an optimizer holds apart from it (a distributed
-    optimizer's, gathered over DP: a collective); empty when the parameters are the masters."""
-    if optimizer is None or not hasattr(optimizer, "full_masters"):
-        return {}
-    return optimizer.full_masters()
-
-
-def _whole_experts(model: nn.Module, opt_state: dict | None, masters: dict,
-                   state: ParallelState) -> tuple[dict, dict]:
-    """Expert parameters sharded over EP, gathered whole with their optimizer state (a
-    collective over each EP group), so that a checkpoint does not depend on the EP size: (values,
-    optimizer slots) by parameter; empty without expert parallelism."""
-    values: dict = {}
-    slots: dict = {}
-    if state.ep.size == 1:
-        return values, slots
-    for _, p in saved_tensors(model):
-        if placement_of(p).shard != "ep":
-            continue
-        values[p] = gather_full(masters.get(p, p).detach(), p, state.ep)
-        mine = opt_state.get(p, {}) if opt_state is not None else {}
-        slots[p] = {k: gather_full(v, p, state.ep) if isinstance(v, torch.Tensor)
-                    and v.shape == p.shape else v for k, v in mine.items()}
-    return values, slots
-
-
-def _rank_tensors(model: nn.Module, opt_state: dict | None, state: ParallelState,
-                  masters: dict | None = None, experts: tuple[dict, dict] = ({}, {})
-                  ) -> tuple[dict, dict, dict]:
-    """(model, optimizer, spec) tensors this rank writes, as each parameter's placement says:
-    sharded ones always, replicated ones only on TP rank 0 (they are identical on every TP
-    rank). A parameter's value is its fp32 master where ``masters`` has one, and an expert's
-    its whole tensor (``experts``: :func:`_whole_experts`)."""
-    tp, pp = state.tp, state.pp.rank
-    model_files = [layout.model_file(r, pp) for r in range(tp.size)]
-    optim_files = [layout.optim_file(r, pp) for r in range(tp.size)]
-    weights, moments, specs = {}, {}, {}
-    for name, p in saved_tensors(model):
-        placement = placement_of(p)
-        if placement.tied_copy:
-            continue  # the last stage's copy of the word table: the first stage writes it
-        if placement.shard == "tp" or tp.rank == 0:  # (experts are whole on every TP rank)
-            value = experts[0].get(p, (masters or {}).get(p, p)).detach()
-            weights[name] = value
-            specs[name] = describe(value, p, tp.size, model_files, name)
-        slots = experts[1].get(p, opt_state.get(p, {}) if opt_state is not None else {})
-        for key, value in slots.items():
-            value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            spec = describe(value.detach(), p, tp.size, optim_files, name)
-            if spec.dim is not None or tp.rank == 0:
-                moments[f"optimizer.{key}/{name}"] = value.detach()
-                specs[f"optimizer.{key}/{name}"] = spec
-    return weights, moments, specs
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    save_file({k: v.to("cpu").contiguous() for k, v in tensors.items()}, str(path))
-    return layout.file_record(path)
 
 
 def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
@@ -152,7 +63,7 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
             meta.tokenizer = save_tokenizer(tokenizer, tmp / layout.TOKENIZER_DIR)
             for f in sorted((tmp / layout.TOKENIZER_DIR).iterdir()):
                 records[f"{layout.TOKENIZER_DIR}/{f.name}"] = layout.file_record(f)
-    specs = _write_rank_files(tmp, state, model, optimizer, records, attempt)
+    specs = write_rank_files(tmp, state, model, optimizer, records, attempt)
     _test_pause(step)
     gathered = world.all_gather_json({"files": records, "tensors": specs,
                                       "error": attempt.error})
@@ -176,31 +87,6 @@ def save(run_dir: Path, step: int, state: ParallelState, model: nn.Module,
     # Nobody moves on (or exits) before the checkpoint is in place, or all fail with rank 0.
     attempt.settle(world, [world.broadcast_json(attempt.error)])
     return final
-
-
-def _write_rank_files(tmp: Path, state: ParallelState, model: nn.Module, optimizer: Any,
-                      records: dict[str, Any], attempt: _Attempt) -> dict[str, Any]:
-    """Write this rank's tensor files into ``tmp`` (a writing rank's; the gathers of the
-    optimizer state, masters and experts are collectives every rank joins); adds their
-    records to ``records`` and returns their tensors' specs. A failed write is recorded in
-    ``attempt`` (the later files are then not tried)."""
-    opt_state = optimizer_state(optimizer)
-    masters = model_masters(optimizer)
-    experts = _whole_experts(model, opt_state, masters, state)
-    if not _writes(state) or attempt.error is not None:
-        return {}
-    weights, moments, rank_specs = _rank_tensors(model, opt_state, state, masters, experts)
-    tp, pp = state.tp.rank, state.pp.rank
-    rng = {k: v for k, v in state.rng.state_dict()["states"].items()}
-    with attempt.recording():
-        records[layout.model_file(tp, pp)] = _save_tensors(weights,
-                                                           tmp / layout.model_file(tp, pp))
-        if optimizer is not None:
-            records[layout.optim_file(tp, pp)] = _save_tensors(
-                moments, tmp / layout.optim_file(tp, pp))
-        if rng:
-            records[layout.rng_file(tp, pp)] = _save_tensors(rng, tmp / layout.rng_file(tp, pp))
-    return {k: v.to_json() for k, v in rank_specs.items()}
 
 
 class _Attempt:
@@ -354,7 +240,9 @@ def load_optimizer(step_dir: Path, meta: Meta, optimizer: Any,
         if key.startswith("optimizer."):
             slot, name = key[len("optimizer."):].split("/", 1)
             slots.setdefault(name, []).append(slot)
-    entries = {}
+    # One parameter at a time: a distributed optimizer keeps its chunks of each and drops the
+    # rest before the next is read (never the model's full state at once).
+    keep = getattr(optimizer, "load_param_state", None)
     for name, p in named_model_tensors(model):
         entry = {}
         for slot in slots.get(name, []):
@@ -362,13 +250,11 @@ def load_optimizer(step_dir: Path, meta: Meta, optimizer: Any,
             like = p if _spec(meta, key, step_dir).shape else torch.empty(())  # scalar: step
             value = read_part(reader, meta, key, like, state, p)
             entry[slot] = value.to(p.device) if value.dim() else value
-        if entry:
-            entries[p] = entry
-    if hasattr(optimizer, "load_full_state"):
-        optimizer.load_full_state(entries)
-    else:
-        for p, entry in entries.items():
+        if entry and keep is not None:
+            keep(p, entry)
+        elif entry:
             optimizer.state[p] = entry
+        del entry
 
 
 def load_rng(step_dir: Path, meta: Meta, state: ParallelState) -> None:

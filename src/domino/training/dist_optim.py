@@ -20,16 +20,19 @@ main gradient; so a rank holds bf16
 weights, fp32 gradients and 1/DP of the fp32 masters and moments, and the updated chunks are
 all-gathered in bf16 (half the bytes). A parameter written from outside (a test copying weights
 in) is taken back into its chunk at the next step, as its version counter shows; checkpoints
-read and write the masters (:meth:`DistributedAdamW.full_masters`,
+read and write the masters (:meth:`DistributedAdamW.stream_full`,
 :meth:`~DistributedAdamW.load_master`).
 
-Checkpoints hold the full moments per parameter, exactly as the unsharded optimizer writes them
-(:meth:`DistributedAdamW.full_state` gathers them over DP), so a checkpoint loads at any DP size,
-with or without the distributed optimizer.
+Checkpoints hold the full masters and moments per parameter, exactly as the unsharded optimizer
+writes them, so a checkpoint loads at any DP size, with or without the distributed optimizer:
+:meth:`DistributedAdamW.stream_full` gathers them over DP one bucket at a time (the writer
+streams each tensor to its file as it arrives), and loading keeps each parameter's chunks as it
+is read (:meth:`~DistributedAdamW.load_param_state`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -256,25 +259,78 @@ class DistributedAdamW:
                   for b in blocks)]
 
     # -- checkpoints --------------------------------------------------------------------------
-    def full_masters(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Every parameter's full fp32 master weight, gathered over its gradient group (a
-        collective: every rank calls it). What a checkpoint holds for the parameters."""
+    def step_count(self) -> float | None:
+        """AdamW's step count (the same on every rank), None before the first step (a
+        collective over the gradient groups)."""
+        local = [self.inner.state.get(seg.view, {}) for seg in self.segments]
+        groups = self.reducer.groups()
+        stepped = [any(g.all_gather_json(bool(any(local)))) for g in groups]  # every group
+        if not any(stepped):
+            return None
+        step = next((float(st["step"]) for st in local if st), None)
+        return [s for g in groups for s in g.all_gather_json(step) if s is not None][0]
+
+    def stream_full(self, step: float | None) -> Iterator[tuple[nn.Parameter, str, torch.Tensor]]:
+        """``(parameter, key, full tensor)``: each parameter's full fp32 master (key
+        ``"master"``) and, when ``step`` (:meth:`step_count`) is not None, its AdamW state
+        (``"step"``, then :data:`SLOTS`) as the unsharded optimizer holds it; bucket by bucket
+        and one kind at a time, each gathered over its bucket's group (a collective: every rank
+        of the groups iterates it to the end). The tensors are views of one gathered bucket,
+        freed once the caller drops them: a caller that drops each before the next holds one
+        bucket of gathered state at a time, never the model's."""
         self.wait_params()
         self._take_written()
-        return {p: t for bi, chunk in enumerate(self.chunks)
-                for p, t in self._gathered(bi, chunk, "master weights (all-gather)")}
+        for bi in range(len(self.chunks)):
+            params = self.reducer.buckets[bi].params
+            for key in ("master", *(SLOTS if step is not None else ())):
+                mine = self.chunks[bi] if key == "master" else self._slot_chunk(bi, key)
+                full = self._gather(bi, mine, "master weights (all-gather)" if key == "master"
+                                    else "optimizer state (all-gather)")
+                del mine
+                offset = 0
+                for p in params:
+                    yield p, key, full[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+                del full
+                if key == "master" and step is not None:
+                    for p in params:
+                        yield p, "step", torch.tensor(step)
 
-    def _gathered(self, bucket: int, mine: torch.Tensor,
-                  name: str) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter of bucket ``bucket`` with its full tensor, from every rank's chunk
-        ``mine`` of it gathered over the bucket's group (a collective)."""
+    def _slot_chunk(self, bucket: int, slot: str) -> torch.Tensor:
+        """This rank's chunk of AdamW state ``slot`` of bucket ``bucket`` (zeros where a
+        segment has none yet)."""
+        mine = torch.zeros_like(self.chunks[bucket])
+        for seg in self.segments:
+            st = self.inner.state.get(seg.view)
+            if seg.bucket == bucket and st:
+                mine[seg.local:seg.local + seg.hi - seg.lo] = st[slot]
+        return mine
+
+    def _gather(self, bucket: int, mine: torch.Tensor, name: str) -> torch.Tensor:
+        """Bucket ``bucket``'s flat tensor from every rank's chunk ``mine`` of it (a collective
+        over the bucket's group)."""
         group = self._group(bucket)
         full = mine.new_empty(mine.numel() * group.size)
         group.all_gather_into(full, mine, name=name)
-        out, offset = [], 0
-        for p in self.reducer.buckets[bucket].params:
-            out.append((p, full[offset:offset + p.numel()].view(p.shape).clone()))
-            offset += p.numel()
+        return full
+
+    def full_masters(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full fp32 master weight (a collective: every rank calls it), all
+        at once: for small models and tests; checkpoints stream them (:meth:`stream_full`)."""
+        return {p: t for p, _key, t in self.stream_full(None)}
+
+    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Every parameter's full AdamW state, as :class:`~domino.training.adamw.AdamW` holds
+        it, on every rank of the gradient groups (a collective: every rank calls it), all at
+        once: for small models and tests (checkpoints stream it: :meth:`stream_full`). Empty
+        before the first step."""
+        step = self.step_count()
+        if step is None:
+            return {}
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for p, key, t in self.stream_full(step):
+            if key != "master":
+                out.setdefault(p, {})[key] = t
         return out
 
     @torch.no_grad()
@@ -289,36 +345,20 @@ class DistributedAdamW:
             p.copy_(value.to(p.device, p.dtype).view(p.shape))
         self._mark_written([p])
 
-    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Every parameter's full AdamW state, as :class:`~domino.training.adamw.AdamW` holds
-        it, on every rank of the gradient groups (a collective: every rank calls it). Empty
-        before the first step."""
-        local = [self.inner.state.get(seg.view, {}) for seg in self.segments]
-        groups = self.reducer.groups()
-        stepped = [any(g.all_gather_json(bool(any(local)))) for g in groups]  # every group
-        if not any(stepped):
-            return {}
-        step = next((float(st["step"]) for st in local if st), None)
-        steps = [s for g in groups for s in g.all_gather_json(step) if s is not None]
-        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        for slot in SLOTS:
-            for bi, chunk in enumerate(self.chunks):
-                mine = torch.zeros_like(chunk)
-                for seg, st in zip(self.segments, local, strict=True):
-                    if seg.bucket == bi and st:
-                        mine[seg.local:seg.local + seg.hi - seg.lo] = st[slot]
-                for p, full in self._gathered(bi, mine, "optimizer state (all-gather)"):
-                    out.setdefault(p, {"step": torch.tensor(steps[0])})[slot] = full
-        return out
-
-    def load_full_state(self, entries: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-        """Keep this rank's chunks of full per-parameter AdamW states (a checkpoint's)."""
-        for seg in self.segments:
-            entry = entries.get(seg.param)
-            if not entry:
-                continue
+    def load_param_state(self, p: nn.Parameter, entry: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's chunks of parameter ``p``'s full AdamW state ``entry`` (a
+        checkpoint's: ``step`` and :data:`SLOTS`); a checkpoint is loaded one parameter at a
+        time, never the model's state at once."""
+        for seg in self._segments_of.get(id(p), []):
             state = {"step": torch.tensor(float(entry["step"]))}
             for slot in SLOTS:
                 flat = entry[slot].reshape(-1).to(seg.view.device, torch.float32)
                 state[slot] = flat[seg.lo:seg.hi].clone()
             self.inner.state[seg.view] = state
+
+    def load_full_state(self, entries: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Keep this rank's chunks of full per-parameter AdamW states (:meth:`load_param_state`
+        of each)."""
+        for p, entry in entries.items():
+            if entry:
+                self.load_param_state(p, entry)
