@@ -74,9 +74,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 _FIRST = ("test_gpt_tp.py", "test_bench.py", "test_hf_interop.py", "test_train_cli.py",
           "test_pipeline.py", "test_bench_pipeline.py", "test_compile.py", "test_durable_cli.py",
           "test_train_parallel.py", "test_saved_run_cli.py", "test_shm.py", "test_device_check.py",
-          "test_checkpoint_resume.py", "test_torchrun.py", "test_fsdp.py", "test_hsdp.py",
-          "test_fsdp_layouts.py", "test_lora_runs.py", "test_lora_moe.py",
-          "test_lora_workflow.py", "test_lora_export.py")
+          "test_checkpoint_resume.py", "test_torchrun.py", "test_fsdp.py", "test_fsdp_pipeline.py",
+          "test_lora_moe.py",
+          "test_lora_runs.py", "test_fsdp_layouts.py", "test_lora_workflow.py", "test_hsdp.py",
+          "test_lora_export.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

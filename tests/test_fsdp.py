@@ -509,9 +509,6 @@ def test_checkpoints_resume_exactly_and_load_anywhere(two, four, runs, data, cap
 
 # -- 5. refusals before any process starts --------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
-    (["--data-parallel-sharding-strategy", "optim_grads", "--pipeline-model-parallel-size",
-      "2"], "--data-parallel-sharding-strategy optim_grads with --pipeline-model-parallel-size "
-     "2: not supported yet"),
     (["--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"],
      "--data-parallel-sharding-strategy no_shard contradicts --use-distributed-optimizer"),
     (["--data-parallel-sharding-strategy", OGP, "--fsdp-unit-layers", "0"],
@@ -520,7 +517,7 @@ def test_checkpoints_resume_exactly_and_load_anywhere(two, four, runs, data, cap
      "--fsdp-unit-layers 3: between 1 and --num-layers (2)"),
     (["--data-parallel-sharding-strategy", OGP, "--fsdp-prefetch", "-1"],
      "--fsdp-prefetch -1: 0 or more units"),
-], ids=["pipeline", "no_shard zero", "units 0", "units 3", "prefetch -1"])
+], ids=["no_shard zero", "units 0", "units 3", "prefetch -1"])
 def test_bad_combinations_are_refused_before_spawn(flags, message, data, tmp_path,
                                                    capfd) -> None:
     run = tmp_path / "run"

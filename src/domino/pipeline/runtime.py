@@ -130,6 +130,8 @@ class PipelineRunner:
             raise ValueError(f"the pipeline was built for {self.micro_batches} pipeline "
                              f"micro-batches per step, got {len(batches)}")
         run = _StepRun(self, batches, loss_scale, reducer)
+        for chunk in self.model.chunks:  # (a sharded run's units may be gathered from here)
+            chunk.language_model.encoder.param_units.pipeline_step()
         for i, a in enumerate(self.actions):
             self._post(i, run.posted)
             if a.kind == "F":
@@ -192,11 +194,14 @@ class _StepRun:
     def context(self, a: Action) -> BackwardContext:
         """The step context of F ``a``'s forward, for its backward: under zero-bubble it leaves
         its weight gradients for W; a chunk's last backward launches its blocks' DP buckets
-        (with a reducer); an MoE chunk's auxiliary losses get the micro-batch's share."""
+        (with a reducer), and every backward does when the reducer shards the gradients
+        (``accumulate``: each micro-batch's are reduce-scattered and freed as they are final);
+        an MoE chunk's auxiliary losses get the micro-batch's share."""
         r = self.runner
         if r.zero_bubble:
             context = BackwardContext(sink=[])
-        elif self.reducer is not None and r._last_backward[a.chunk] == a.mb:
+        elif self.reducer is not None and (r._last_backward[a.chunk] == a.mb
+                                           or self.reducer.accumulate):
             context = self.reducer.context()
         else:
             context = BackwardContext()
@@ -210,6 +215,8 @@ class _StepRun:
         r, key, k = self.runner, (a.chunk, a.mb), self.runner._vstage(a)
         grad = None if k == r.last else r._take(a, self.posted, self.stats)
         t0 = time.perf_counter()
+        units = r.model.chunks[a.chunk].language_model.encoder.param_units
+        units.pipeline_backward(r._last_backward[a.chunk] == a.mb)
         torch.autograd.backward(self.outputs.pop(key), grad)
         context = self.contexts.pop(key)
         if r.zero_bubble:

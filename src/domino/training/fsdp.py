@@ -106,8 +106,9 @@ class UnitGathers:
                 raise ValueError("UnitGathers: a gradient bucket spans units; build the reducer "
                                  "with units=unit_params(...)")
             self.flats[units.pop()].append(self._flatten(bi))
-        optimizer.sharded_buckets = {f.bucket for fs in self.flats for f in fs}
+        optimizer.sharded_buckets |= {f.bucket for fs in self.flats for f in fs}
         self.graph, self.pinned = False, False
+        self.final = True  # is the next backward the step's last (a pipeline's: see below)?
         for u in range(self.count):
             self.release(u)
         stack.param_units = self
@@ -218,8 +219,39 @@ class UnitGathers:
 
     def backward_leave(self, j: int) -> None:
         u = self.unit_of_block[j]
-        if j == self.first[u]:
+        if j == self.first[u] and (self.final or self.reshard_after_forward):
             self.release(u)
+
+    # A pipeline runs a forward and a backward per pipeline micro-batch. Resharding after the
+    # forward, every one gathers and frees its units as above. Kept (``reshard_after_forward``
+    # off), a unit stays from its first gather of the step to the step's last backward through
+    # the stack: one gather per unit and step, the stage's layers whole meanwhile.
+    def pipeline_step(self) -> None:
+        self.launch(0)  # (under the wait for the first activation)
+
+    def pipeline_backward(self, final: bool) -> None:
+        self.final = final
+
+
+class StageGathers:
+    """A pipeline rank's :class:`UnitGathers`, one per model chunk (each chunk's stack has
+    units of its own layers), seen as one."""
+
+    def __init__(self, parts: list[UnitGathers]) -> None:
+        self.parts = parts
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.whole())
+            yield
+
+    def gathered_bytes(self) -> int:
+        return sum(part.gathered_bytes() for part in self.parts)
+
+    def unit_bytes(self) -> list[int]:
+        return [b for part in self.parts for b in part.unit_bytes()]
 
 
 def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], optimizer,
@@ -252,6 +284,10 @@ def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], o
     # At a unit boundary the unit before is still in use (its exit runs in the next unit's
     # first local piece) while the next ``prefetch`` are gathered.
     flight = min(2 + prefetch, len(units)) * max(units)
+    if isinstance(gathers, StageGathers):  # a pipeline: each other chunk keeps its last unit
+        kept = not gathers.parts[0].reshard_after_forward  # (all of them, for the step)
+        flight = sum(units) if kept else min(flight + (len(gathers.parts) - 1) * max(units),
+                                             sum(units))
     # One unit's fp32 gradients whole: made by the backward, or in flight to their
     # reduce-scatter (the one before is settled before the next is launched: grad_sync).
     return {"weights": outside + flight + frozen,
@@ -299,7 +335,7 @@ class Sharded:
 
     reducer: object | None
     optimizer: object | None
-    gathers: UnitGathers | None
+    gathers: UnitGathers | StageGathers | None
 
 
 def shard(model: nn.Module, params: list[nn.Parameter], state, plan: ShardingPlan, *,
@@ -307,10 +343,13 @@ def shard(model: nn.Module, params: list[nn.Parameter], state, plan: ShardingPla
           overlap: bool = True, runner=None, reduce_dtype: torch.dtype | None = None,
           overlap_param_gather: bool = True) -> Sharded:
     """The library's one call for a sharded data-parallel run (what ``domino train`` does):
-    ``params`` of ``model`` (a GPT: its one stack's blocks are the units) reduced and
-    optimised as ``plan`` says, over ``state``'s groups. Every rank calls it."""
-    units = (unit_params(model.blocks(), plan.unit_layers)
-             if plan.strategy == "optim_grads_params" else ())
+    ``params`` of ``model`` (a GPT, or a pipeline rank's chunks with their ``runner``: each
+    stack's blocks make its units) reduced and optimised as ``plan`` says, over ``state``'s
+    groups. Every rank calls it."""
+    # A pipeline's chunks (``model.chunks``) each have units of their own layers.
+    stacks = [c.language_model.encoder for c in getattr(model, "chunks", [model])]
+    units = ([u for stack in stacks for u in unit_params(stack.blocks(), plan.unit_layers)]
+             if plan.strategy == "optim_grads_params" else [])
     reducer = make_reducer(model, params, state, distributed_optimizer=plan.strategy != "no_shard",
                            overlap=overlap, runner=runner, reduce_dtype=reduce_dtype,
                            accumulate=plan.strategy in ("optim_grads", "optim_grads_params"),
@@ -321,6 +360,8 @@ def shard(model: nn.Module, params: list[nn.Parameter], state, plan: ShardingPla
                                  overlap_param_gather and runner is None)
     if optimizer.overlap_param_gather:
         optimizer.attach(model)
-    gathers = (UnitGathers(optimizer, model.language_model.encoder, plan.unit_layers,
-                           plan.prefetch, plan.reshard_after_forward) if units else None)
-    return Sharded(reducer, optimizer, gathers)
+    if not units:
+        return Sharded(reducer, optimizer, None)
+    parts = [UnitGathers(optimizer, stack, plan.unit_layers, plan.prefetch,
+                         plan.reshard_after_forward) for stack in stacks if stack.blocks()]
+    return Sharded(reducer, optimizer, parts[0] if runner is None else StageGathers(parts))

@@ -36,7 +36,8 @@ def fsdp_fields() -> list[tuple[str, type, Any]]:
             "where first used).")),
         ("fsdp_reshard_after_forward", bool, _f(
             True, "optim_grads_params: free each unit after its forward and gather it again "
-            "for the backward (off: kept from the forward to its backward).")),
+            "for the backward (off: kept from the forward to its backward; under a pipeline, "
+            "from the step's first forward to its last backward: one gather per step).")),
     ]
 
 
@@ -50,13 +51,6 @@ def strategy(args: Any) -> str:
         raise ValueError("--data-parallel-sharding-strategy no_shard contradicts "
                          "--use-distributed-optimizer (which shards the optimizer: optim); "
                          "drop one of them")
-    if chosen in ("optim_grads", "optim_grads_params"):
-        if args.pipeline_model_parallel_size > 1:
-            raise ValueError(f"--data-parallel-sharding-strategy {chosen} with "
-                             f"--pipeline-model-parallel-size "
-                             f"{args.pipeline_model_parallel_size}: not supported yet (a "
-                             "pipeline's micro-batches would gather every unit once each); "
-                             "use optim (ZeRO-1) with pipelines")
     if args.data_parallel_shard_size is not None:
         if chosen == "no_shard":
             raise ValueError(f"--data-parallel-shard-size {args.data_parallel_shard_size} "

@@ -182,6 +182,9 @@ class GradReducer:
             bucket.waiting -= 1
             if bucket.waiting == 0:
                 self._launch(bucket)
+                if self.accumulate:  # re-armed: a pipeline's next micro-batch reports again
+                    bucket.waiting = len(bucket.params)
+                    self._ready.difference_update(id(q) for q in bucket.params)
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = []
@@ -201,6 +204,8 @@ class GradReducer:
         if pad:
             parts.append(grads[0].new_zeros(pad))
         if self.accumulate:
+            if bucket.handle is not None:  # (a pipeline's earlier micro-batch's sums)
+                self._absorb(bucket)
             self._settle_flats()
         bucket.flat = self._wire(torch.cat(parts))
         if self.accumulate:  # the copy in flight is all that is left of them
@@ -235,23 +240,31 @@ class GradReducer:
         for bucket in self.buckets:
             if bucket.handle is None:
                 self.ready(bucket.params)
+            elif self.accumulate and any(p.grad is not None for p in bucket.params):
+                self._launch(bucket)  # gradients made since its launch (a pipeline's chunk)
         for bucket in self.buckets:
-            bucket.handle.wait()
+            self._absorb(bucket)
+
+    def _absorb(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s reduction and take its sums: into ``.grad``, or this rank's
+        chunk (accumulating: added to the step's total)."""
+        bucket.handle.wait()
+        bucket.handle = None
+        wanted = grad_dtype(bucket.params[0])  # the sums in the gradients' dtype again
+        if bucket.group in self.hybrid:  # the replicas' sums of this rank's chunk
+            self.hybrid[bucket.group][1].all_reduce(bucket.shard, name="hsdp grads")
+        if self.shard and bucket.shard.dtype != wanted:
+            bucket.shard = bucket.shard.to(wanted)
+        if self.accumulate:
+            bucket.total = (bucket.shard if bucket.total is None
+                            else bucket.total.add_(bucket.shard))
+            bucket.shard = bucket.total
+        if not self.shard:
             offset = 0
-            wanted = grad_dtype(bucket.params[0])  # the sums in the gradients' dtype again
-            if bucket.group in self.hybrid:  # the replicas' sums of this rank's chunk
-                self.hybrid[bucket.group][1].all_reduce(bucket.shard, name="hsdp grads")
-            if self.shard and bucket.shard.dtype != wanted:
-                bucket.shard = bucket.shard.to(wanted)
-            if self.accumulate:
-                bucket.total = (bucket.shard if bucket.total is None
-                                else bucket.total.add_(bucket.shard))
-                bucket.shard = bucket.total
-            if not self.shard:
-                for g in bucket.grads:
-                    g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-            bucket.flat, bucket.grads = None, []
+            for g in bucket.grads:
+                g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        bucket.flat, bucket.grads = None, []
 
 
 def make_reducer(model: nn.Module, params: Sequence[nn.Parameter], state: NamedGroups, *,

@@ -140,7 +140,7 @@ def train_step(model, params, optimizer, scaler, batches, args: TrainArgs, state
     exposed = tp.stats.wait_s - comm0
     # (zeros for unused parameters: every rank reduces the same; ZeRO reads its own chunks)
     grads = [] if isinstance(optimizer, DistributedAdamW) else grads_of(params)
-    if reducer is None or not reducer.accumulate:
+    if reducer is None or not reducer.accumulate or runner is not None:
         _reduce_grads(model, state, runner, reducer, overlap)
     exposed_dp = _waited(dp_groups) - gather0
     dp.all_reduce(loss_sum, name="loss")

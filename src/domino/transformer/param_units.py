@@ -6,6 +6,11 @@ Block j is in use, in a forward, from ``local(j, 0)`` (its norm) to the end of
 ``local(j + 1, M - 1)`` (its exit's residual add, post-norm and bias run there); in a backward
 from ``local^T(j + 1, 0)`` to the end of ``local^T(j, M - 1)``. The weight-gradient GEMMs a
 schedule defers past that window need no weight, only its shape.
+
+A pipeline runs one forward and one backward through a stack per pipeline micro-batch, in the
+schedule's order: it also says where a step begins and which backward is the step's last
+through the stack (``pipeline_step``, ``pipeline_backward``), so an owner may keep its units
+from the step's first forward to that backward.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ class ParamUnits(Protocol):
     def backward_leave(self, j: int) -> None:
         """The backward is done with block j (deferred weight gradients aside)."""
 
+    def pipeline_step(self) -> None:
+        """A pipeline step begins (its first forward through the stack is still to come)."""
+
+    def pipeline_backward(self, final: bool) -> None:
+        """A pipeline runs a backward through the stack next; ``final``: the step's last."""
+
 
 class NoUnits:
     """Parameters that are always there (every run but a fully sharded one)."""
@@ -50,6 +61,12 @@ class NoUnits:
         pass
 
     def backward_leave(self, j: int) -> None:
+        pass
+
+    def pipeline_step(self) -> None:
+        pass
+
+    def pipeline_backward(self, final: bool) -> None:
         pass
 
 
