@@ -374,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             from domino.bench.pipeline import measure_pipeline
 
             raw = measure_pipeline(spec, device, state)
+        elif spec.get("kind") == "data_parallel":
+            from domino.bench.data_parallel import measure_data_parallel
+
+            raw = measure_data_parallel(spec, device, state)
         else:
             raw = measure(spec, device, state)
         if raw is not None:

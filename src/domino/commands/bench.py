@@ -1,10 +1,12 @@
 """``domino bench``: sync TP vs Domino schedules vs the no-comm ideal on one model and batch (or,
-with ``--pipeline-model-parallel-size P``, pipeline schedules side by side).
+with ``--pipeline-model-parallel-size P``, pipeline schedules side by side; with
+``--data-parallel-size D``, data-parallel sharding strategies side by side).
 
 Checks the flags (:mod:`domino.bench.spec`), runs one worker process per rank, each in its own
 network namespace with ``--emulate-link`` (:mod:`domino.bench.execute`), then turns rank 0's
 raw measurements into figures, a JSON report, timeline pictures and a table
-(:mod:`domino.bench.report`, :mod:`domino.bench.pipeline_report`).
+(:mod:`domino.bench.report`, :mod:`domino.bench.pipeline_report`,
+:mod:`domino.bench.data_parallel_report`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from domino.bench import pipeline_report, report
+from domino.bench import data_parallel_report, pipeline_report, report
+from domino.bench.data_parallel_spec import (
+    DEFAULT_STRATEGIES,
+    data_parallel_spec,
+    refuse_data_parallel_flags,
+)
 from domino.bench.execute import execute
 from domino.bench.modes import DEFAULT_MODES, GRAMMAR
 from domino.bench.spec import (
@@ -45,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _measurement_flags(a)
     _link_flags(a)
     _pipeline_flags(a)
+    _data_parallel_flags(a)
     a("--json", metavar="PATH", default=None, help="write the report here")
     a("--out-dir", metavar="DIR", default=None,
       help="write a PNG timeline and a Chrome trace per traced mode here")
@@ -144,8 +152,25 @@ def _pipeline_flags(a: Callable[..., Any]) -> None:
       help="chunk size of the interleaved schedule [default: num_layers / (2 x PP)]")
     a("--pipeline-stage-layers", default=None,
       help="uneven stages, layers per stage (e.g. 5,3; not for the interleaved schedule)")
-    a("--plan", default=None, help=f"Domino plan inside each pipeline stage [default: "
-      f"{PIPELINE_PLAN}]")
+    a("--plan", default=None, help=f"Domino plan inside each pipeline stage (or data-parallel "
+      f"replica) [default: {PIPELINE_PLAN}]")
+
+
+def _data_parallel_flags(a: Callable[..., Any]) -> None:
+    """A comparison of data-parallel sharding strategies (--data-parallel-size D)."""
+    a("--data-parallel-size", type=int, default=None, metavar="D",
+      help="compare data-parallel sharding strategies instead of Domino modes: D replicas of "
+           "the GPT (D x TP ranks), each strategy built as domino train builds it")
+    a("--data-parallel-sharding-strategy", default=None, metavar="S[,S...]",
+      help=f"the strategies to compare (Megatron-FSDP's names; docs/data-parallel.md) "
+           f"[default: {DEFAULT_STRATEGIES}]")
+    a("--fsdp-unit-layers", type=int, default=None,
+      help="optim_grads_params: layers per unit (gathered and freed together) [default: 1]")
+    a("--fsdp-prefetch", type=int, default=None,
+      help="optim_grads_params: units gathered ahead of the one in use [default: 1]")
+    a("--bf16", action="store_true",
+      help="the data-parallel bench: bf16 compute from fp32 master weights (domino train's "
+           "--bf16)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,12 +179,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bench's flags)."""
     with flags_in_errors(command_flags(vars(args))):
         _check_feature_flags(args)
-        if args.pipeline_model_parallel_size != 1:
-            spec = pipeline_spec(args)
+        if args.data_parallel_size is not None:
+            spec = data_parallel_spec(args)
         else:
-            spec, modes = tp_spec(args)
+            refuse_data_parallel_flags(args)
+            if args.pipeline_model_parallel_size != 1:
+                spec = pipeline_spec(args)
+            else:
+                spec, modes = tp_spec(args)
     _make_out_dir(args)
-    if args.pipeline_model_parallel_size != 1:
+    if args.data_parallel_size is not None:
+        result = data_parallel_report.build_report(args, spec, execute(spec))
+        table = data_parallel_report.format_table(result)
+    elif args.pipeline_model_parallel_size != 1:
         result = pipeline_report.build_report(args, spec, execute(spec))
         table = pipeline_report.format_table(result)
     else:
