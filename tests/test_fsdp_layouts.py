@@ -2,7 +2,8 @@
 (CP=2 x DP=2: dense gradients and units over DP x CP) and a Mixture-of-Experts model with
 expert parallelism (EP=2 x DP=2: the experts' units over expert-DP) train under
 ``optim_grads_params`` as they do under ``no_shard`` (losses, gradient norms, the saved weights
-and AdamW moments within fp32 rounding)."""
+and AdamW moments within fp32 rounding). One spawn of 4 ranks trains the four runs
+(tests/train_spawn.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_spawn import held_launches, train_held
 
 from domino.checkpoint.layout import open_checkpoint
 from domino.checkpoint.shards import ShardReader, TensorSpec
@@ -25,8 +27,11 @@ LAYOUTS = {"cp2": ["--context-parallel-size", "2"],
            "moe_ep2": ["--num-experts", "4", "--expert-model-parallel-size", "2"]}
 
 
-def _run(save: Path, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    assert main(["train", *COMMON, "--save", str(save), *extra]) == 0
+# Each layout trained plainly and fully sharded.
+STRATEGIES = {"plain": [], "sharded": ["--data-parallel-sharding-strategy", "optim_grads_params"]}
+
+
+def _read(save: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     step_dir, meta, _ = open_checkpoint(save)
     reader = ShardReader(step_dir)
@@ -34,11 +39,24 @@ def _run(save: Path, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
                      for k, raw in meta.tensors.items() if not k.startswith("optimizer.step")}
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[list[dict], dict[str, torch.Tensor]]]:
+    """(layout, strategy) -> (metrics records, saved tensors): every layout under each
+    strategy, set up by `domino train`, then trained in one spawn of 4 ranks."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    keys = [(layout, strategy) for layout in LAYOUTS for strategy in STRATEGIES]
+    with held_launches() as held:
+        for layout, strategy in keys:
+            assert main(["train", *COMMON, "--save", str(tmp / f"{layout}_{strategy}"),
+                         *LAYOUTS[layout], *STRATEGIES[strategy]]) == 0
+    train_held(held)
+    return {(layout, strategy): _read(tmp / f"{layout}_{strategy}") for layout, strategy in keys}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fully_sharded_equals_no_shard(layout: str, tmp_path: Path) -> None:
-    want, want_tensors = _run(tmp_path / "plain", *LAYOUTS[layout])
-    got, tensors = _run(tmp_path / "sharded", *LAYOUTS[layout],
-                        "--data-parallel-sharding-strategy", "optim_grads_params")
+def test_fully_sharded_equals_no_shard(layout: str, runs) -> None:
+    want, want_tensors = runs[layout, "plain"]
+    got, tensors = runs[layout, "sharded"]
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from test_chat_data import masked_loss
 from test_finetune import SEED, SEQ, _epoch, _finetune
+from train_spawn import held_launches, train_held
 
 from domino.checkpoint import layout
 from domino.checkpoint.layout import open_checkpoint
@@ -68,19 +69,40 @@ def _saved(step_dir: Path) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _moe(run: Path, prefix: Path, save: Path) -> list[str]:
+    """A one-step Mixture-of-Experts run (with optimizer state) on the chat data."""
+    return ["train", "--num-experts", "2", "--data-path", str(prefix), "--tokenizer-type", "hf",
+            "--tokenizer-dir", str(run), *TP1, "--num-layers", "1", "--hidden-size", "16",
+            "--num-attention-heads", "2", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+            "--train-iters", "1", "--split", "1,0,0", *test_finetune.QUIET, "--save", str(save)]
+
+
 @pytest.fixture(scope="module")
 def runs(chat_base: tuple[Path, Path], tmp_path_factory) -> dict[str, Path]:
     """LoRA fine-tunes of the TP=1 import, STEPS steps: "tp2" and "tp1" straight without
     dropout; "drop" at TP=2 with adapter dropout, straight, and "cut" the same stopped at CUT
-    and resumed from its own folder."""
+    and resumed from its own folder. Besides: "moe", a one-step Mixture-of-Experts run (with
+    optimizer state); "pair", a folder holding a copy of the import ("a/base") and a one-step
+    LoRA run of it at TP=2 ("a/lora"), which test_lora_run_needs_its_base_as_it_was moves and
+    edits. The runs of each --nproc are trained in one spawn (tests/train_spawn.py); the
+    resumed one is launched as `domino train` launches it."""
     run, prefix = chat_base
     tmp = tmp_path_factory.mktemp("lora")
-    out = {name: tmp / name for name in ("tp2", "tp1", "drop", "cut")}
-    assert main(_lora(run, prefix, out["tp2"], *TP2)) == 0
-    assert main(_lora(run, prefix, out["tp1"], *TP1)) == 0
-    assert main(_lora(run, prefix, out["drop"], *TP2, *DROP)) == 0
+    out = {name: tmp / name for name in ("tp2", "tp1", "drop", "cut", "moe")}
+    out["pair"] = tmp_path_factory.mktemp("pair")
+    base = out["pair"] / "a" / "base"
+    shutil.copytree(run, base)
     cut = out["cut"]
-    assert main(_lora(run, prefix, cut, *TP2, *DROP, "--exit-interval", str(CUT))) == 0
+    with held_launches() as two:
+        assert main(_lora(run, prefix, out["tp2"], *TP2)) == 0
+        assert main(_lora(run, prefix, out["drop"], *TP2, *DROP)) == 0
+        assert main(_lora(run, prefix, cut, *TP2, *DROP, "--exit-interval", str(CUT))) == 0
+        assert main(_finetune(base, prefix, base.parent / "lora", *LORA, *TP2)) == 0
+    with held_launches() as one:
+        assert main(_lora(run, prefix, out["tp1"], *TP1)) == 0
+        assert main(_moe(run, prefix, out["moe"])) == 0
+    train_held(two)
+    train_held(one)
     assert open_checkpoint(cut)[1].step == CUT
     assert main(["train", "--config", str(cut / "config.toml"), "--load", str(cut), "--save",
                  str(cut), "--train-iters", str(STEPS), "--exit-interval", "0"]) == 0
@@ -205,26 +227,12 @@ def _no_process(monkeypatch) -> None:
     monkeypatch.setattr(domino.training.launch, "run_ranks", started)
 
 
-@pytest.fixture(scope="module")
-def moe(chat_base: tuple[Path, Path], tmp_path_factory) -> Path:
-    """A one-step Mixture-of-Experts run (with optimizer state) on the chat data."""
-    run, prefix = chat_base
-    out = tmp_path_factory.mktemp("moe") / "moe"
-    assert main(["train", "--num-experts", "2", "--data-path", str(prefix), "--tokenizer-type",
-                 "hf", "--tokenizer-dir", str(run), *TP1, "--num-layers", "1", "--hidden-size",
-                 "16", "--num-attention-heads", "2", "--seq-length", str(SEQ),
-                 "--micro-batch-size", "2", "--train-iters", "1", "--split", "1,0,0",
-                 *test_finetune.QUIET, "--save", str(out)]) == 0
-    return out
-
-
 def test_lora_refusals_before_any_process(chat_base: tuple[Path, Path], runs: dict[str, Path],
-                                          moe: Path, tmp_path: Path, capfd,
-                                          monkeypatch) -> None:
+                                          tmp_path: Path, capfd, monkeypatch) -> None:
     """Flag values a LoRA run cannot have, and checkpoints it cannot start from or continue
     as asked: exit 2 with the flag and the fix named, no rank started, nothing written."""
     run, prefix = chat_base
-    lora, bad = runs["drop"], tmp_path / "bad"
+    lora, moe, bad = runs["drop"], runs["moe"], tmp_path / "bad"
     _no_process(monkeypatch)
 
     def refused(argv: list[str], *named: str) -> None:
@@ -259,16 +267,14 @@ def test_lora_refusals_before_any_process(chat_base: tuple[Path, Path], runs: di
     assert [p.name for p in (lora / "checkpoints").glob("step_*")] == [f"step_{STEPS:07d}"]
 
 
-def test_lora_run_needs_its_base_as_it_was(chat_base: tuple[Path, Path], tmp_path: Path,
+def test_lora_run_needs_its_base_as_it_was(chat_base: tuple[Path, Path], runs: dict[str, Path],
                                            capfd, monkeypatch) -> None:
     """The base is found by its path relative to the LoRA run (both moved together: found),
     then its absolute path (neither there: an error naming both), and must be the very one
     the adapters were trained on (a re-saved checkpoint.json: an error naming both hashes),
     for generate, eval and a resumed run (refused before any rank starts)."""
-    run, prefix = chat_base
-    base, lora = tmp_path / "a" / "base", tmp_path / "a" / "lora"
-    shutil.copytree(run, base)
-    assert main(_finetune(base, prefix, lora, *LORA, *TP2)) == 0
+    prefix, pair = chat_base[1], runs["pair"]  # (a copy of the import and its LoRA run)
+    base, lora = pair / "a" / "base", pair / "a" / "lora"
     step = open_checkpoint(lora)[0]
     generate = ["generate", str(lora), "--prompt", PROMPT, "--greedy", "--ids",
                 "--max-new-tokens", "2"]
@@ -291,10 +297,10 @@ def test_lora_run_needs_its_base_as_it_was(chat_base: tuple[Path, Path], tmp_pat
                 "SHA-256") in err and "(a different or re-saved base)" in err, err
     meta.write_text(saved)
     assert main(generate) == 0
-    moved = tmp_path / "b"
-    shutil.move(tmp_path / "a", moved)  # both: the relative path finds the base
+    moved = pair / "b"
+    shutil.move(pair / "a", moved)  # both: the relative path finds the base
     assert main(["generate", str(moved / "lora"), *generate[2:]]) == 0
-    shutil.move(moved / "base", tmp_path / "elsewhere")
+    shutil.move(moved / "base", pair / "elsewhere")
     capfd.readouterr()
     assert main(["generate", str(moved / "lora"), *generate[2:]]) == 2
     err = capfd.readouterr().err
