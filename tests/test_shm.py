@@ -417,10 +417,19 @@ def _pipeline_state(rank: int, world: int) -> dict:
     g = torch.full((1000,), float(rank + 1))
     state.embedding.all_reduce(g)
     out = {"transports": state.transports(), "sum": bool((g == 3.0).all())}
+    # A group listed out of order (as expert-DP x TP lists are): its rank is torch's, which
+    # places each rank's chunk of a gather.
+    from domino.parallel_state import group_among
+
+    rev = group_among([[1, 0]], state.device)
+    full = torch.empty(2)
+    rev.all_gather_into(full, torch.tensor([float(rank)]))
+    out["rank"] = (rev.rank == dist.get_group_rank(rev.group, rank), float(full[rev.rank]))
     state.close()
     return out
 
 
 def test_the_tied_embedding_group_of_a_pipeline_uses_it() -> None:
-    for r in run_distributed(_pipeline_state, 2):
-        assert r == {"transports": {"tp": "-", "dp": "-", "embedding": "shm"}, "sum": True}
+    for rank, r in enumerate(run_distributed(_pipeline_state, 2)):
+        assert r == {"transports": {"tp": "-", "dp": "-", "embedding": "shm"}, "sum": True,
+                     "rank": (True, float(rank))}

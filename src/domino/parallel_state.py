@@ -258,7 +258,9 @@ def _group_of(me: int, lists: list[list[int]], device: torch.device) -> CommGrou
         # that stopped would hold its peers that long whatever the run asked for.
         group = dist.new_group(ranks, timeout=timeout)
         if me in ranks:
-            mine = CommGroup(group, len(ranks), ranks.index(me), device=device)
+            # torch numbers a group's ranks in sorted order, whatever the list's (expert-DP x
+            # TP lists are not sorted): chunks of a collective go by that number.
+            mine = CommGroup(group, len(ranks), sorted(ranks).index(me), device=device)
     return mine
 
 
