@@ -294,13 +294,11 @@ def implied_state(strategy: str, model: nn.Module, params: list[nn.Parameter], o
             "grads": 4 * chunk + max(units) // width * 4, "optimizer": optim}
 
 
-def hybrid_groups(state, shard_size: int | None) -> dict:
-    """HSDP (``--data-parallel-shard-size K``): each DP x CP group cut into shard groups of K
-    consecutive ranks (what is sharded over) and replicate groups of the ranks at the same
-    place in each (what the sharded chunks' gradients are summed over); ``{"dp_cp": (shard,
-    replicate)}`` for the reducer, empty when K is all of DP x CP (a collective: every rank
-    creates every group)."""
-    lists = state.sizes.rank_groups()["dp_cp"]
+def hybrid_rank_lists(sizes, shard_size: int | None) -> dict[str, tuple[list, list]]:
+    """HSDP's groups as global ranks (``sizes``: a :class:`~domino.parallel_state.ParallelSizes`):
+    gradient group name -> (shard groups, replicate groups); see :func:`hybrid_groups`."""
+    groups = sizes.rank_groups()
+    lists = groups["dp_cp"]
     size = len(lists[0])
     if shard_size is None or shard_size == size:
         return {}
@@ -309,7 +307,40 @@ def hybrid_groups(state, shard_size: int | None) -> dict:
                          f"data-parallel (x context-parallel) size {size}")
     shards = [ranks[i:i + shard_size] for ranks in lists for i in range(0, size, shard_size)]
     replicas = [ranks[i::shard_size] for ranks in lists for i in range(shard_size)]
-    return {"dp_cp": (group_among(shards, state.device), group_among(replicas, state.device))}
+    out = {"dp_cp": (shards, replicas)}
+    if sizes.ep == 1:
+        return out
+    if shard_size % sizes.ep:
+        raise ValueError(f"--data-parallel-shard-size {shard_size} with "
+                         f"--expert-model-parallel-size {sizes.ep}: the shard size must be a "
+                         "multiple of EP (each shard group holds whole EP groups)")
+    # An expert-DP group (x TP) holds one EP rank of each EP group: cut by the K-block of
+    # DP x CP its members' positions lie in, the same number of them in every block. Each
+    # block sorted: a chunk's place is the member's rank in its process group (which torch
+    # numbers in sorted order), so the replicas pair equal places.
+    position = {r: i for ranks in lists for i, r in enumerate(ranks)}
+    expert_shards, expert_replicas = [], []
+    for ranks in groups["expert_dp"]:
+        blocks: dict[int, list[int]] = {}
+        for r in ranks:
+            blocks.setdefault(position[r] // shard_size, []).append(r)
+        cut = [sorted(block) for block in blocks.values()]
+        expert_shards.extend(cut)
+        expert_replicas.extend(list(place) for place in zip(*cut, strict=True))
+    out["expert_dp"] = (expert_shards, expert_replicas)
+    return out
+
+
+def hybrid_groups(state, shard_size: int | None) -> dict:
+    """HSDP (``--data-parallel-shard-size K``): each DP x CP group cut into shard groups of K
+    consecutive ranks (what is sharded over) and replicate groups of the ranks at the same
+    place in each (what the sharded chunks' gradients are summed over); with experts (EP > 1,
+    K a multiple of EP) each expert-DP group likewise, its members whose DP x CP rank lies in
+    one K-block making a shard group. ``{"dp_cp": (shard, replicate), "expert_dp": ...}`` for
+    the reducer, empty when K is all of DP x CP (a collective: every rank creates every
+    group, in one order)."""
+    return {name: (group_among(shards, state.device), group_among(replicas, state.device))
+            for name, (shards, replicas) in hybrid_rank_lists(state.sizes, shard_size).items()}
 
 
 @dataclass(frozen=True)

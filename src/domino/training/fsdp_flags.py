@@ -28,7 +28,8 @@ def fsdp_fields() -> list[tuple[str, type, Any]]:
         ("data_parallel_shard_size", int | None, _f(
             None, "HSDP: shard over groups of this many data-parallel ranks (x CP) and "
             "replicate across the groups, the gradients' chunks summed over the replicas; for "
-            "many nodes: the shard group within a node. [default: all of DP x CP]")),
+            "many nodes: the shard group within a node; with experts a multiple of "
+            "--expert-model-parallel-size. [default: all of DP x CP]")),
         ("fsdp_unit_layers", int, _f(
             1, "optim_grads_params: layers per unit (gathered and freed together).")),
         ("fsdp_prefetch", int, _f(
@@ -57,9 +58,6 @@ def strategy(args: Any) -> str:
                              "shards within groups of data-parallel ranks: add "
                              "--data-parallel-sharding-strategy optim, optim_grads or "
                              "optim_grads_params")
-        if args.expert_model_parallel_size > 1:
-            raise ValueError("--data-parallel-shard-size with --expert-model-parallel-size > 1 "
-                             "is not supported yet (experts shard over expert-DP); drop one")
     if chosen == "optim_grads_params":
         if args.fsdp_unit_layers < 1 or args.fsdp_unit_layers > args.num_layers:
             raise ValueError(f"--fsdp-unit-layers {args.fsdp_unit_layers}: between 1 and "
@@ -71,9 +69,16 @@ def strategy(args: Any) -> str:
 
 def check(args: Any, dp: int) -> str:
     """Before any process starts: :func:`strategy`, and an HSDP shard size that divides the
-    DP x CP ranks (``dp``: the run's data-parallel size)."""
+    DP x CP ranks (``dp``: the run's data-parallel size) and, with experts, is a multiple of
+    EP (every shard group holds whole EP groups: ``fsdp.hybrid_rank_lists``)."""
     chosen = strategy(args)
     size, shard = dp * args.context_parallel_size, args.data_parallel_shard_size
+    ep = args.expert_model_parallel_size
+    if shard is not None and ep > 1 and shard % ep:
+        fits = [k for k in range(ep, size + 1, ep) if size % k == 0]
+        raise ValueError(f"--data-parallel-shard-size {shard} with --expert-model-parallel-size "
+                         f"{ep}: the shard size must be a multiple of EP (each shard group "
+                         f"holds whole EP groups); use {' or '.join(map(str, fits))}")
     if shard is not None and (shard < 1 or size % shard):
         raise ValueError(f"--data-parallel-shard-size {shard} must divide the data-parallel "
                          f"(x context-parallel) size {size}; e.g. "
