@@ -2,7 +2,8 @@
 
 * ``optim_grads`` and ``optim_grads_params`` (units resharded after each forward, or kept for
   the step) under 1F1B, interleaved 1F1B and zero-bubble give ``no_shard``'s losses, gradient
-  norms, validation loss and saved weights and AdamW moments within fp32 rounding (bf16 too).
+  norms, validation loss and saved weights and AdamW moments within fp32 rounding (bf16 too,
+  and an MoE model with EP=2).
 * Where the pipeline gathers and reduces, recorded action by action (a CommHook on the
   gradient group, the runner's F/B/W wrapped): resharded, every unit is gathered again for each
   pipeline micro-batch's forward and backward, and few are whole at once; kept, each unit is
@@ -41,6 +42,9 @@ RUNS = {
     "zero_bubble no_shard": dict(pipeline_schedule="zero_bubble"),
     "zero_bubble units 2": dict(pipeline_schedule="zero_bubble",
                                 data_parallel_sharding_strategy=OGP, fsdp_unit_layers=2),
+    "moe no_shard": dict(num_experts=4, expert_model_parallel_size=2),
+    "moe units": dict(num_experts=4, expert_model_parallel_size=2,
+                      data_parallel_sharding_strategy=OGP),
     "bf16 1f1b no_shard": dict(bf16=True),
     "bf16 1f1b units": dict(bf16=True, data_parallel_sharding_strategy=OGP),
 }

@@ -26,17 +26,17 @@ free now.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,54 +127,51 @@ def command(args: argparse.Namespace, strategy: str, layers: int, steps: int,
             "--domino-micro-batches", str(min(2, args.micro_batch_size))]
 
 
-@contextlib.contextmanager
-def blocked_checkpoints(run_dir: str) -> Iterator[None]:
-    """``run_dir/checkpoints`` made immutable (``chattr +i``) meanwhile, so that the run's
-    closing checkpoint fails at its first step, creating its folder, before any rank gathers
-    the state it would write (see :func:`real_run`); writable again after."""
-    root = os.path.join(run_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
-    try:
-        subprocess.run(["chattr", "+i", root], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise SystemExit(f"largest.py: cannot make {root} immutable ({err}); the real run "
-                         "needs root and chattr (see real_run)") from None
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", root], check=False)
-
-
-def run(args: argparse.Namespace, strategy: str, layers: int, steps: int,
-        workdir: str, no_save: bool = False) -> dict[str, Any]:
-    """One short ``domino train`` run; its peaks, model-state lines and step times. With
-    ``no_save``, its closing checkpoint is blocked and the run's failure there expected."""
-    run_dir = os.path.join(workdir, f"{strategy}_L{layers}")
-    log = run_dir + ".log"
-    cmd = command(args, strategy, layers, steps, run_dir)
-    if no_save:
-        cmd.remove("--overwrite")  # (a fresh folder: its blocked checkpoints/ is all it holds)
+def _timed(cmd: list[str], log: str) -> tuple[int, float]:
+    """Run ``cmd`` with its output in ``log`` -> (exit code, the largest resident set of it and
+    its rank processes, MiB: ``wait4``'s, which counts the waited-for descendants, as
+    ``/usr/bin/time`` does; it includes the closing checkpoint, after the peak line)."""
     with open(log, "w") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
-        with blocked_checkpoints(run_dir) if no_save else contextlib.nullcontext():
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                  check=False)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024 / MIB
+
+
+def run(args: argparse.Namespace, strategy: str, layers: int, steps: int,
+        workdir: str, keep: bool = False, load: bool = False) -> dict[str, Any]:
+    """One short ``domino train`` run; its peaks, model-state lines, step times, closing
+    checkpoint (size and seconds) and largest resident set. ``keep``: its checkpoints stay
+    (for a resumed run); ``load``: it resumes the run of the same folder for ``steps``."""
+    run_dir = os.path.join(workdir, f"{strategy}_L{layers}")
+    log = run_dir + (".resumed.log" if load else ".log")
+    cmd = command(args, strategy, layers, steps, run_dir)
+    if load:
+        cmd.remove("--overwrite")
+        cmd += ["--load", run_dir]
+    code, max_rss = _timed(cmd, log)
     with open(log, errors="replace") as f:
         text = f.read()
-    trained = "peak memory per rank" in text
-    if proc.returncode != 0 and not (no_save and trained):
-        raise RunFailed(f"domino train failed (exit {proc.returncode}); log {log}:\n{tail(log)}")
+    if code != 0:
+        raise RunFailed(f"domino train failed (exit {code}); log {log}:\n{tail(log)}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    subprocess.run(["rm", "-rf", os.path.join(run_dir, "checkpoints")], check=False)
+    if not keep:
+        subprocess.run(["rm", "-rf", os.path.join(run_dir, "checkpoints")], check=False)
     shown = ["python", "-m", "domino.cli", *cmd[3:]]
     shown[shown.index("--save") + 1] = "RUN"
+    if load:
+        shown[shown.index("--load") + 1] = "RUN"
+    saved = re.search(r"checkpoint step_\d+: ([\d.]+) MiB in ([\d.]+) s", text)
     return {"strategy": strategy, "layers": layers, "params": parse_param_count(text),
-            "exit_code": proc.returncode,
+            "exit_code": code, "max_rss_mib": max_rss,
+            "save_mib": float(saved.group(1)) if saved else None,
+            "save_s": float(saved.group(2)) if saved else None,
             "peak_mib": max(parse_peaks_mib(text)), "peak_mib_per_rank": parse_peaks_mib(text),
             "implied_mib": parse_implied_mib(text), "model_state_mib": parse_model_state_mib(text),
-            "step_s": [r["step_time_s"] for r in records], "command": shlex.join(shown)}
+            "step_s": [r["step_time_s"] for r in records], "losses": [r["loss"] for r in records],
+            "command": shlex.join(shown)}
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -258,12 +255,9 @@ def report_lines(args: argparse.Namespace, runs: list[dict[str, Any]],
 
 
 def real_run(args: argparse.Namespace, fit: dict[str, Any], workdir: str) -> dict[str, Any]:
-    """Train optim_grads_params where optim cannot fit, after checking the free memory.
-
-    Its closing checkpoint is blocked: saving gathers every parameter's full AdamW moments and
-    fp32 master on every rank (``DistributedAdamW.full_state`` / ``full_masters``, today's
-    checkpoint format), about 12 bytes per parameter per rank more than training holds, which
-    at this size exceeds the machine; the run's peak line is printed before the save."""
+    """Train optim_grads_params where optim cannot fit, after checking the free memory: a few
+    steps and their closing checkpoint (the masters and moments streamed bucket by bucket:
+    docs/checkpoints.md), then one more step resumed from it."""
     budget = fit["budget_mib_per_rank"]
     a_o, b_o = fit["strategies"]["optim"]["fit_mib"]
     a_z, b_z = fit["strategies"]["optim_grads_params"]["fit_mib"]
@@ -277,7 +271,10 @@ def real_run(args: argparse.Namespace, fit: dict[str, Any], workdir: str) -> dic
     if os.path.exists(os.path.join(workdir, f"optim_grads_params_L{layers}")):
         raise SystemExit(f"largest.py: {workdir} already holds a run at {layers} layers; pass "
                          "another --keep-dir")
-    r = run(args, "optim_grads_params", layers, args.real_steps, workdir, no_save=True)
+    r = run(args, "optim_grads_params", layers, args.real_steps, workdir, keep=True)
+    r["real_steps"] = args.real_steps
+    r["resumed"] = run(args, "optim_grads_params", layers, args.real_steps + 1, workdir,
+                       load=True)
     r["optim_fitted_peak_mib"] = a_o + b_o * layers
     r["ogp_fitted_peak_mib"] = a_z + b_z * layers
     return r
@@ -307,9 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{steps} s, peak per rank {peaks} MiB (fitted "
                       f"{real['ogp_fitted_peak_mib']:.0f}); optim's fitted peak at this depth: "
                       f"{real['optim_fitted_peak_mib']:.0f} MiB per rank. Its closing "
-                      f"checkpoint was blocked on purpose (exit code {real['exit_code']}): "
-                      "saving gathers every parameter's full AdamW moments and fp32 master on "
-                      "every rank, which does not fit at this size."]
+                      f"checkpoint: {real['save_mib']:.0f} MiB in {real['save_s']:.1f} s; the "
+                      f"largest process, save included: {real['max_rss_mib']:.0f} MiB. Resumed "
+                      f"from it for step {real['real_steps'] + 1}: loss "
+                      f"{real['resumed']['losses'][-1]:.4f}, peak per rank "
+                      f"{', '.join(f'{p:.0f}' for p in real['resumed']['peak_mib_per_rank'])} "
+                      f"MiB, checkpoint {real['resumed']['save_s']:.1f} s."]
     print("\n".join(lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:
