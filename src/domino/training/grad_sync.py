@@ -53,6 +53,7 @@ class _Bucket:
     grads: list[torch.Tensor] = field(default_factory=list)
     shard: torch.Tensor | None = None  # sharded: this rank's chunk of the summed gradients
     total: torch.Tensor | None = None  # accumulating: the step's sum of the micro-steps' shards
+    pending: bool = False  # launched, its sums not taken yet (:meth:`GradReducer._absorb`)
 
     @property
     def numel(self) -> int:
@@ -170,6 +171,7 @@ class GradReducer:
         self._ready.clear()
         for b in self.buckets:
             b.waiting, b.flat, b.handle, b.grads, b.shard = len(b.params), None, None, [], None
+            b.pending = False
         self._armed = True
 
     def ready(self, params: Sequence[nn.Parameter]) -> None:
@@ -197,6 +199,7 @@ class GradReducer:
         if not self.shard:
             bucket.flat = self._wire(torch.cat([g.reshape(-1) for g in grads]))
             bucket.handle = group.all_reduce(bucket.flat, async_op=True, name="dp grads")
+            bucket.pending = True
             return
         size = group.size
         pad = bucket.padded(size) - bucket.numel
@@ -204,7 +207,7 @@ class GradReducer:
         if pad:
             parts.append(grads[0].new_zeros(pad))
         if self.accumulate:
-            if bucket.handle is not None:  # (a pipeline's earlier micro-batch's sums)
+            if bucket.pending:  # (a pipeline's earlier micro-batch's sums)
                 self._absorb(bucket)
             self._settle_flats()
         bucket.flat = self._wire(torch.cat(parts))
@@ -215,6 +218,7 @@ class GradReducer:
         bucket.shard = bucket.flat.new_empty(bucket.flat.numel() // size)
         bucket.handle = group.reduce_scatter(bucket.shard, bucket.flat, async_op=True,
                                              name="dp grads (reduce-scatter)")
+        bucket.pending = True
 
     def _settle_flats(self) -> None:
         """Accumulating: before another bucket's copy is made, the earlier buckets' copies
@@ -243,13 +247,14 @@ class GradReducer:
             elif self.accumulate and any(p.grad is not None for p in bucket.params):
                 self._launch(bucket)  # gradients made since its launch (a pipeline's chunk)
         for bucket in self.buckets:
-            self._absorb(bucket)
+            if bucket.pending:
+                self._absorb(bucket)
 
     def _absorb(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s reduction and take its sums: into ``.grad``, or this rank's
         chunk (accumulating: added to the step's total)."""
         bucket.handle.wait()
-        bucket.handle = None
+        bucket.pending = False
         wanted = grad_dtype(bucket.params[0])  # the sums in the gradients' dtype again
         if bucket.group in self.hybrid:  # the replicas' sums of this rank's chunk
             self.hybrid[bucket.group][1].all_reduce(bucket.shard, name="hsdp grads")
