@@ -31,9 +31,8 @@ import torch
 from dist import run_distributed
 from test_bad_inputs import _refused, _small
 from test_train_cli import _workers_of, fail_rank_at
+from train_spawn import run_output
 
-from domino.checkpoint.layout import open_checkpoint
-from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.cli import main
 from domino.training.arguments import TrainArgs
 
@@ -240,10 +239,7 @@ def two(data, runs, four) -> list[dict]:  # (continues a run of ``four``)
 
 def _saved(run: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the run's latest checkpoint, whole (weights and AdamW moments)."""
-    step_dir, meta, _ = open_checkpoint(run, hashes=False)
-    reader = ShardReader(step_dir)
-    return {k: reader.full(k, TensorSpec.from_json(k, raw)) for k, raw in meta.tensors.items()
-            if not k.startswith("optimizer.step")}
+    return run_output(run, hashes=False)[1]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

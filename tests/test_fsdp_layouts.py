@@ -7,15 +7,10 @@ and AdamW moments within fp32 rounding). One spawn of 4 ranks trains the four ru
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from train_spawn import held_launches, train_held
+from train_spawn import held_launches, run_output, train_held
 
-from domino.checkpoint.layout import open_checkpoint
-from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.cli import main
 
 COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -31,14 +26,6 @@ LAYOUTS = {"cp2": ["--context-parallel-size", "2"],
 STRATEGIES = {"plain": [], "sharded": ["--data-parallel-sharding-strategy", "optim_grads_params"]}
 
 
-def _read(save: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    step_dir, meta, _ = open_checkpoint(save)
-    reader = ShardReader(step_dir)
-    return records, {k: reader.full(k, TensorSpec.from_json(k, raw))
-                     for k, raw in meta.tensors.items() if not k.startswith("optimizer.step")}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[list[dict], dict[str, torch.Tensor]]]:
     """(layout, strategy) -> (metrics records, saved tensors): every layout under each
@@ -50,7 +37,8 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[list[dict], dict[str, 
             assert main(["train", *COMMON, "--save", str(tmp / f"{layout}_{strategy}"),
                          *LAYOUTS[layout], *STRATEGIES[strategy]]) == 0
     train_held(held)
-    return {(layout, strategy): _read(tmp / f"{layout}_{strategy}") for layout, strategy in keys}
+    return {(layout, strategy): run_output(tmp / f"{layout}_{strategy}")
+            for layout, strategy in keys}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

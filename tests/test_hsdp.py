@@ -8,16 +8,13 @@ starts. One spawn of 4 ranks builds the groups and trains the six runs
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from dist import run_distributed
-from train_spawn import held_launches, train_configs
+from train_spawn import held_launches, run_output, train_configs
 
-from domino.checkpoint.layout import open_checkpoint
-from domino.checkpoint.shards import ShardReader, TensorSpec
 from domino.cli import main
 from domino.parallel_state import ParallelSizes
 from domino.training.fsdp import hybrid_rank_lists
@@ -38,15 +35,6 @@ RUNS = {"plain": [],
 RUNS |= {f"moe_{name}": [*MOE, *extra] for name, extra in RUNS.items()}
 
 
-def _read(save: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    step_dir, meta, _ = open_checkpoint(save)
-    reader = ShardReader(step_dir)
-    tensors = {k: reader.full(k, TensorSpec.from_json(k, raw))
-               for k, raw in meta.tensors.items() if not k.startswith("optimizer.step")}
-    return records, tensors
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-6)
 
@@ -60,7 +48,7 @@ def hsdp(tmp_path_factory) -> dict:
         for name, extra in RUNS.items():
             assert main(["train", *MODEL, "--save", str(tmp / name), *extra]) == 0
     groups = run_distributed(_hsdp_ranks, 4, [str(path) for path, _ in held])
-    return {"runs": {name: _read(tmp / name) for name in RUNS}, "groups": groups}
+    return {"runs": {name: run_output(tmp / name) for name in RUNS}, "groups": groups}
 
 
 def _hsdp_ranks(rank: int, world: int, configs: list[str]) -> dict:

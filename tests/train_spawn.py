@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from dist import run_distributed
 
 
@@ -70,3 +71,16 @@ def train_configs(rank: int, world: int, configs: list[str]) -> None:
             raise
         state.close()
         dist.barrier()  # (as a launched run's ranks leave together)
+
+
+def run_output(run: Path, hashes: bool = True) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """What a run wrote: its metrics.jsonl records and every tensor of its latest checkpoint,
+    whole (weights and AdamW moments; the step counters left out)."""
+    from domino.checkpoint.layout import open_checkpoint
+    from domino.checkpoint.shards import ShardReader, TensorSpec
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step_dir, meta, _ = open_checkpoint(run, hashes=hashes)
+    reader = ShardReader(step_dir)
+    return records, {k: reader.full(k, TensorSpec.from_json(k, raw))
+                     for k, raw in meta.tensors.items() if not k.startswith("optimizer.step")}
