@@ -3,7 +3,8 @@
 * ``optim_grads`` and ``optim_grads_params`` (units resharded after each forward, or kept for
   the step) under 1F1B, interleaved 1F1B and zero-bubble give ``no_shard``'s losses, gradient
   norms, validation loss and saved weights and AdamW moments within fp32 rounding (bf16 too,
-  and an MoE model with EP=2).
+  an MoE model with EP=2, and a LoRA fine-tune whose frozen base ties its word table across
+  the two stages).
 * Where the pipeline gathers and reduces, recorded action by action (a CommHook on the
   gradient group, the runner's F/B/W wrapped): resharded, every unit is gathered again for each
   pipeline micro-batch's forward and backward, and few are whole at once; kept, each unit is
@@ -29,6 +30,7 @@ PP = dict(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=
 INTERLEAVED = dict(pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=1)
 # 8 layers: 4 units per stage, so resharding holds fewer than all of them.
 WIDE = dict(num_layers=8, fsdp_prefetch=0)
+LORA = dict(load="1f1b no_shard", finetune=True, lora_rank=4, adam_eps=1e-3)
 RUNS = {
     "1f1b no_shard": {},
     "1f1b optim_grads": dict(data_parallel_sharding_strategy="optim_grads"),
@@ -45,6 +47,11 @@ RUNS = {
     "moe no_shard": dict(num_experts=4, expert_model_parallel_size=2),
     "moe units": dict(num_experts=4, expert_model_parallel_size=2,
                       data_parallel_sharding_strategy=OGP),
+    # LoRA fine-tunes of the "1f1b no_shard" run (its tied word table frozen, on two stages);
+    # AdamW's eps large, as B starts at zero: gradients that are rounding noise in one order
+    # and exact zeros in another would otherwise each move by a whole step.
+    "lora no_shard": dict(LORA),
+    "lora units": dict(LORA, data_parallel_sharding_strategy=OGP),
     "bf16 1f1b no_shard": dict(bf16=True),
     "bf16 1f1b units": dict(bf16=True, data_parallel_sharding_strategy=OGP),
 }
@@ -152,8 +159,11 @@ def _train(args, run_dir: str, record: bool = False) -> dict:
 
 
 def _four_ranks(rank: int, world: int, data: str, tmp: str) -> dict:
-    out = {name: _train(_args(data, **PP, **kw), f"{tmp}/{_slug(name)}")
-           for name, kw in RUNS.items()}
+    out = {}
+    for name, kw in RUNS.items():
+        if "load" in kw:  # (a run above, by name)
+            kw = dict(kw, load=f"{tmp}/{_slug(kw['load'])}")
+        out[name] = _train(_args(data, **PP, **kw), f"{tmp}/{_slug(name)}")
     out.update({name: _train(_args(data, **PP, **kw), f"{tmp}/{_slug(name)}", record=True)
                 for name, kw in RECORDED.items()})
     units = dict(PP, data_parallel_sharding_strategy=OGP)

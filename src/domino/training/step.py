@@ -187,7 +187,8 @@ def _reduce_grads(model, state: ParallelState, runner, reducer: GradReducer | No
     waited for."""
     if runner is not None:
         for table in model.tied_word_tables():  # first and last stage: one tied weight
-            state.embedding.all_reduce(table.grad, name="tied embedding grads")
+            if table.requires_grad:  # (a LoRA run's frozen base has no gradient)
+                state.embedding.all_reduce(table.grad, name="tied embedding grads")
     if reducer is not None:
         if not overlap:
             reducer.begin()  # everything is launched at finish
