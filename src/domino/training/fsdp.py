@@ -29,6 +29,12 @@ gradients, final when the block's deferred weight-gradient GEMMs ran, are reduce
 freed by the reducer. Full recomputation reruns a block's forward inside the backward's
 window, so it reuses the backward's gather. The embedding, final norm and LM head (the
 parameters outside the units) stay whole, as under ``optim_grads``.
+
+A pipeline rank's chunks each have units of their own (:class:`StageGathers`). Resharding after
+the forward, every pipeline micro-batch gathers and frees them as above; kept, a unit stays
+from its first gather of the step to the step's last backward through its chunk (the runner
+says which: ``pipeline_backward``). Its gradients are reduce-scattered after every pipeline
+micro-batch's backward (``grad_sync``: a bucket re-arms at launch).
 """
 
 from __future__ import annotations

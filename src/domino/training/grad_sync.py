@@ -11,9 +11,11 @@ including its deferred weight-gradient GEMMs) - so its all-reduce runs under the
 layers before it. The model says which blocks there are (``model.blocks()``). Parameters outside
 the transformer blocks (embedding, final norm, LM head) are launched when the backward ends. A
 pipeline (``PipelineRunner.step(reducer=...)``) gives :meth:`GradReducer.context` to the forward
-of each model chunk's last backward. Not overlapped (``--no-overlap-grad-reduce``, or
-zero-bubble, whose W passes finish the weight gradients later), everything is launched at
-:meth:`GradReducer.finish`, which waits for every bucket before the optimizer step.
+of each model chunk's last backward (sharding the gradients, to every backward: a bucket re-arms
+when it is launched, and a relaunch first takes the sums of the one before). Not overlapped
+(``--no-overlap-grad-reduce``, or zero-bubble, whose W passes finish the weight gradients
+later), everything is launched at :meth:`GradReducer.finish`, which waits for every bucket
+before the optimizer step.
 
 Only the last micro-step of gradient accumulation reduces (:meth:`GradReducer.armed`, whose
 context goes to that micro-step's forward): earlier ones only add into ``.grad``. Sharding the
