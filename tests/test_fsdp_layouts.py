@@ -3,7 +3,8 @@
 expert parallelism (EP=2 x DP=2: the experts' units over expert-DP) train under
 ``optim_grads_params`` as they do under ``no_shard`` (losses, gradient norms, the saved weights
 and AdamW moments within fp32 rounding). One spawn of 4 ranks trains the four runs
-(tests/train_spawn.py)."""
+(tests/train_spawn.py); one of 8 ranks trains an MoE model at TP=2 x DP=4 with EP=2 under
+``no_shard``, ``optim`` and ``optim_grads_params``."""
 
 from __future__ import annotations
 
@@ -41,15 +42,41 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[list[dict], dict[str, 
             for layout, strategy in keys}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fully_sharded_equals_no_shard(layout: str, runs) -> None:
-    want, want_tensors = runs[layout, "plain"]
-    got, tensors = runs[layout, "sharded"]
+# 8 ranks: TP=2 (sequence parallel) x DP=4 with EP=2, so the experts' gradient group is
+# expert-DP x TP, listed out of torch's (sorted) rank order: a sharded optimizer must take
+# the chunks torch's collectives give each rank (it crashed at the first step when it did not).
+WIDE = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--nproc", "8",
+        *LAYOUTS["moe_ep2"]]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[str, tuple[list[dict], dict[str, torch.Tensor]]]:
+    """Strategy -> (metrics records, saved tensors) of the 8-rank layout, one spawn."""
+    tmp = tmp_path_factory.mktemp("wide")
+    strategies = {"plain": [], "optim": ["--data-parallel-sharding-strategy", "optim"],
+                  **STRATEGIES}
+    with held_launches() as held:
+        for name, flags in strategies.items():
+            assert main(["train", *COMMON, *WIDE, "--save", str(tmp / name), *flags]) == 0
+    train_held(held)
+    return {name: run_output(tmp / name) for name in strategies}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "tp2_ep2_dp4 optim", "tp2_ep2_dp4 sharded"])
+def test_fully_sharded_equals_no_shard(layout: str, request) -> None:
+    if layout.startswith("tp2_ep2_dp4"):
+        runs = request.getfixturevalue("wide")
+        want, want_tensors = runs["plain"]
+        got, tensors = runs[layout.split()[1]]
+    else:
+        runs = request.getfixturevalue("runs")
+        want, want_tensors = runs[layout, "plain"]
+        got, tensors = runs[layout, "sharded"]
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert set(tensors) == set(want_tensors)
-    if layout == "moe_ep2":
+    if layout != "cp2":
         assert any(".experts." in k for k in tensors)
     for name, t in want_tensors.items():
         err = float((tensors[name] - t).abs().max()) / max(float(t.abs().max()), 1e-6)
