@@ -1,7 +1,8 @@
 """What the side-by-side benchmarks against other systems share (``compare_deepspeed/``,
-``compare_megatron_moe/``): parsing the links, alternating who runs first, the per-round figures
-and their formatting, running our ``domino bench`` and the peer's ranks (each rank its own
-emulated host on an emulated link, exactly as ``domino bench`` does), and labels.
+``compare_megatron_moe/``, ``compare_fsdp/``): the venv and link checks, parsing the links,
+alternating who runs first, the per-round figures and their formatting, running our ``domino
+bench`` and the peer's ranks (each rank its own emulated host on an emulated link, exactly as
+``domino bench`` does), and labels.
 
 Imported by each ``compare.py`` from this folder (run with the project's venv).
 """
@@ -13,6 +14,7 @@ import os
 import shlex
 import statistics
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -21,6 +23,35 @@ LOOPBACK = "loopback"
 
 # What must not leak from our venv into a peer's processes.
 _VENV_VARS = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+
+
+def require_domino() -> None:
+    """SystemExit unless this Python has domino (the comparisons run from the project's venv)."""
+    try:
+        import domino  # noqa: F401
+    except ImportError:
+        raise SystemExit("compare.py: run it with the project's venv (it imports domino), e.g. "
+                         ". .venv/bin/activate") from None
+
+
+def prepare_links(links: Sequence[str]) -> None:
+    """Where ``links`` need the emulated link: SystemExit unless this machine can emulate it,
+    and the network namespaces killed runs left removed."""
+    if all(link == LOOPBACK for link in links):
+        return
+    from domino.netem import check_can_emulate, cleanup_stale
+
+    try:
+        check_can_emulate()
+    except RuntimeError as err:
+        raise SystemExit(f"compare.py: {err}") from None
+    cleanup_stale()
+
+
+def shown_command(script: str, repo: str, argv: Sequence[str] | None) -> str:
+    """The command line that ran ``script``, relative to ``repo``, for the report."""
+    return shlex.join(["python", os.path.relpath(os.path.abspath(script), repo),
+                       *(sys.argv[1:] if argv is None else argv)])
 
 
 def parse_links(text: str, example: str = "loopback,1gbit") -> list[str]:

@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -45,8 +44,11 @@ from peer_compare import (  # noqa: E402
     fmt_ratio,
     ours_from_report,
     peer_env,
+    prepare_links,
+    require_domino,
     run_bench,
     run_peer_ranks,
+    shown_command,
 )
 from peer_compare import format_best_modes as _format_best_modes  # noqa: E402
 from peer_compare import order_for_round as _order_for_round  # noqa: E402
@@ -280,23 +282,12 @@ def measure(args: argparse.Namespace, workdir: str) -> list[LinkRounds]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import domino  # noqa: F401
-        from domino.netem import check_can_emulate, cleanup_stale
-    except ImportError:
-        raise SystemExit("compare.py: run it with the project's venv (it imports domino), e.g. "
-                         ". .venv/bin/activate") from None
+    require_domino()
     info = deepspeed_info(args.ds_python)
-    if any(link != LOOPBACK for link in args.link_list):
-        try:
-            check_can_emulate()
-        except RuntimeError as err:
-            raise SystemExit(f"compare.py: {err}") from None
-        cleanup_stale()  # namespaces left by killed runs
+    prepare_links(args.link_list)
     import torch
 
-    command = shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
-                          *(sys.argv[1:] if argv is None else argv)])
+    command = shown_command(sys.argv[0], REPO, argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     _log(f"compare: deepspeed {info['deepspeed']} (torch {info['torch']}) vs domino "
          f"(torch {torch.__version__}); links {','.join(args.link_list)}, {args.rounds} rounds")

@@ -48,7 +48,10 @@ from peer_compare import (  # noqa: E402
     RunFailed,
     domino_version,
     git_commit,
+    prepare_links,
+    require_domino,
     run_peer_ranks,
+    shown_command,
     summarize,
     tail,
 )
@@ -311,22 +314,12 @@ def summarise(args: argparse.Namespace, runs: dict[tuple[str, str, str], list[di
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import domino  # noqa: F401
-        from domino.netem import check_can_emulate, cleanup_stale
-    except ImportError:
-        raise SystemExit("compare.py: run it with the project's venv (it imports domino), e.g. "
-                         ". .venv/bin/activate") from None
-    if args.tabulate is None and any(link != LOOPBACK for link in args.link_list):
-        try:
-            check_can_emulate()
-        except RuntimeError as err:
-            raise SystemExit(f"compare.py: {err}") from None
-        cleanup_stale()  # namespaces left by killed runs
+    require_domino()
+    if args.tabulate is None:
+        prepare_links(args.link_list)
     import torch
 
-    command = shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
-                          *(sys.argv[1:] if argv is None else argv)])
+    command = shown_command(sys.argv[0], REPO, argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     _log(f"compare: FSDP2 vs domino (torch {torch.__version__}); links "
          f"{','.join(args.link_list)}, dtypes {','.join(args.dtype_list)}, {args.rounds} rounds")

@@ -48,8 +48,11 @@ from peer_compare import (  # noqa: E402
     ours_from_report,
     package_version,
     peer_env,
+    prepare_links,
+    require_domino,
     run_bench,
     run_peer_ranks,
+    shown_command,
 )
 from peer_compare import format_best_modes as _format_best_modes  # noqa: E402
 from peer_compare import git_commit as _git_commit  # noqa: E402
@@ -381,23 +384,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {row_label(row.link, row.gloo)}")
             print(shlex.join(ours_command(args, row.link, out, row.gloo, python="python")))
         return 0
-    try:
-        import domino  # noqa: F401
-        from domino.netem import check_can_emulate, cleanup_stale
-    except ImportError:
-        raise SystemExit("compare.py: run it with the project's venv (it imports domino), e.g. "
-                         ". .venv/bin/activate") from None
+    require_domino()
     info = megatron_info(args.mcore_python)
-    if any(link != LOOPBACK for link in args.link_list):
-        try:
-            check_can_emulate()
-        except RuntimeError as err:
-            raise SystemExit(f"compare.py: {err}") from None
-        cleanup_stale()  # namespaces left by killed runs
+    prepare_links(args.link_list)
     torch_version = package_version("torch")
 
-    command = shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
-                          *(sys.argv[1:] if argv is None else argv)])
+    command = shown_command(sys.argv[0], REPO, argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     _PROGRESS.clear()
     _log(f"compare: megatron-core {info['megatron_core']} (torch {info['torch']}) vs domino "
