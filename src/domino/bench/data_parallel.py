@@ -28,8 +28,8 @@ from domino.plan import Plan
 from domino.runtime import RuntimeConfig
 from domino.timing import device_sync, time_rotated
 from domino.training.arguments import TrainArgs
-from domino.training.fsdp import ShardingPlan, implied_state, shard
-from domino.training.optim import build_optimizer, model_state_bytes
+from domino.training.fsdp import ShardingPlan, implied_state
+from domino.training.optim import build_sharded, model_state_bytes
 from domino.training.step import StepOutcome, train_step
 from domino.transformer.attention_paths import (
     AttentionShapes,
@@ -58,12 +58,9 @@ class _Strategy:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         plan = ShardingPlan(strategy=name, unit_layers=spec["fsdp_unit_layers"],
                             prefetch=spec["fsdp_prefetch"])
-        built = shard(self.model, self.params, state, plan, lr=args.lr,
-                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                      weight_decay=args.weight_decay, overlap=args.overlap_grad_reduce,
-                      reduce_dtype=args.grad_reduce_dtype(), overlap_param_gather=False)
-        self.reducer, self.gathers = built.reducer, built.gathers
-        self.optimizer = built.optimizer or build_optimizer(self.model, args)
+        built = build_sharded(self.model, self.params, state, plan, args,
+                              overlap_param_gather=False)
+        self.reducer, self.gathers, self.optimizer = built.reducer, built.gathers, built.optimizer
         self.outcomes: list[StepOutcome] = []
 
     def step(self, batches: list[dict[str, torch.Tensor]]) -> None:

@@ -34,12 +34,12 @@ from domino.tensor_parallel import placement_of
 from domino.training import fsdp_flags, lora_flags, report
 from domino.training.data import state_batches
 from domino.training.dist_optim import DistributedAdamW
-from domino.training.fsdp import ShardingPlan, implied_state, shard
+from domino.training.fsdp import ShardingPlan, implied_state
 from domino.training.logging import RunLogger
 from domino.training.optim import (
     DynamicLossScaler,
     agree,
-    build_optimizer,
+    build_sharded,
     learning_rate,
     model_state_bytes,
     optimizer_state_bytes,
@@ -156,13 +156,8 @@ class Trainer:
         self.strategy = fsdp_flags.strategy(args)
         plan = ShardingPlan(self.strategy, args.fsdp_unit_layers, args.fsdp_prefetch,
                             args.fsdp_reshard_after_forward, args.data_parallel_shard_size)
-        built = shard(self.model, self.params, self.state, plan, lr=args.lr,
-                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                      weight_decay=args.weight_decay, overlap=args.overlap_grad_reduce,
-                      runner=self.runner, reduce_dtype=args.grad_reduce_dtype(),
-                      overlap_param_gather=args.overlap_param_gather)
-        self.reducer, self.gathers = built.reducer, built.gathers
-        self.optimizer = built.optimizer or build_optimizer(self.model, args)
+        built = build_sharded(self.model, self.params, self.state, plan, args, self.runner)
+        self.reducer, self.gathers, self.optimizer = built.reducer, built.gathers, built.optimizer
         self.scaler = (DynamicLossScaler(args.initial_loss_scale, args.loss_scale_window)
                        if args.fp16 else None)
 

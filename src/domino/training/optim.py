@@ -15,6 +15,7 @@ from domino.tensor_parallel import CommGroup, placement_of
 from domino.tensor_parallel.placement import NamedGroups, counts_in_norm, sum_over_norm_groups
 from domino.training.adamw import AdamW
 from domino.training.arguments import TrainArgs
+from domino.training.fsdp import Sharded, ShardingPlan, shard
 
 
 def build_optimizer(model: nn.Module, args: TrainArgs) -> AdamW:
@@ -27,6 +28,22 @@ def build_optimizer(model: nn.Module, args: TrainArgs) -> AdamW:
               {"params": no_decay, "weight_decay": 0.0}]
     return AdamW([g for g in groups if g["params"]], lr=args.lr,
                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+
+
+def build_sharded(model: nn.Module, params: list[nn.Parameter], state, plan: ShardingPlan,
+                  args: TrainArgs, runner=None,
+                  overlap_param_gather: bool | None = None) -> Sharded:
+    """A run's gradient reduction and optimizer as ``plan`` shards them over data
+    parallelism, with the run's AdamW settings (``fsdp.shard``); a plain
+    :func:`build_optimizer` where nothing is sharded. ``overlap_param_gather``: default the
+    run's flag. Returns the :class:`~domino.training.fsdp.Sharded`, its optimizer set."""
+    built = shard(model, params, state, plan, lr=args.lr,
+                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                  weight_decay=args.weight_decay, overlap=args.overlap_grad_reduce,
+                  runner=runner, reduce_dtype=args.grad_reduce_dtype(),
+                  overlap_param_gather=(args.overlap_param_gather if overlap_param_gather is None
+                                        else overlap_param_gather))
+    return Sharded(built.reducer, built.optimizer or build_optimizer(model, args), built.gathers)
 
 
 def learning_rate(step: int, args: TrainArgs) -> float:
